@@ -1,0 +1,240 @@
+"""Kernel specializations: every compile-time parameter in one frozen dataclass.
+
+A :class:`KernelSpec` names exactly one generated kernel. Its :attr:`~KernelSpec.name` (for
+example ``fwd_bf16_hd128_causal_m128n64w4s2_sm90a``) is the kernel symbol, the generated file
+name, part of the cache key and the first word of every error about it. Python computes every
+layout constant here (shared-memory strides and offsets, fragment counts, copy iterations); the
+templates only fill them in.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from . import dtypes
+
+#: Head dims the kernels specialize for: every multiple of 8 up to 256.
+HEAD_DIMS = tuple(range(8, 257, 8))
+
+#: Largest dynamic shared memory one block may opt into, per target (bytes).
+SMEM_LIMIT = {
+    "sm80": 166912, "sm86": 101376, "sm87": 166912, "sm89": 101376,
+    "sm90a": 232448, "sm100": 232448, "sm120": 101376,
+}
+
+#: Targets the generated code compiles for (the portable family needs sm_80's mma.sync, ldmatrix
+#: and cp.async; sm90a adds wgmma/setmaxnreg for the Hopper family).
+ARCHS = tuple(SMEM_LIMIT)
+
+#: Families of kernels. "mma": tensor-core FlashAttention-2 (fp16/bf16, sm_80 and later).
+#: "simt": exact float32 on CUDA cores.
+FAMILIES = ("mma", "simt")
+
+_CHUNK = 16  # bytes moved by one cp.async / one ldmatrix row
+
+
+def arch_from_capability(major: int, minor: int) -> str:
+    """Compile target for a device of compute capability ``major.minor``.
+
+    Hopper (9.0) gets the arch-specific ``sm90a`` target so its wgmma/setmaxnreg code compiles.
+    """
+    if (major, minor) == (9, 0):
+        return "sm90a"
+    arch = f"sm{major}{minor}"
+    if major < 8:
+        raise ValueError(f"compute capability {major}.{minor} is not supported; cuflash needs sm_80 or newer")
+    return arch
+
+
+def nvrtc_arch(arch: str) -> str:
+    """The NVRTC ``-arch`` value of a target tag (``"sm90a"`` -> ``"sm_90a"``)."""
+    return "sm_" + arch[2:]
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Every compile-time parameter of one forward kernel."""
+
+    head_dim: int
+    dtype: str                # tag from cuflash.dtypes ("fp16", "bf16", "fp32")
+    causal: bool
+    block_m: int              # query rows per thread block
+    block_n: int              # key rows per pipeline stage
+    num_warps: int
+    num_stages: int           # K/V tiles in flight in the shared-memory ring
+    arch: str                 # compile target tag, e.g. "sm80", "sm90a"
+
+    def __post_init__(self):
+        problems = []
+        if self.head_dim not in HEAD_DIMS:
+            problems.append(f"head_dim={self.head_dim} (supported: multiples of 8 from 8 to 256)")
+        if self.dtype not in dtypes.DTYPES:
+            problems.append(f"dtype={self.dtype!r} (supported: {sorted(dtypes.DTYPES)})")
+        if self.arch not in SMEM_LIMIT:
+            problems.append(f"arch={self.arch!r} (supported: {list(SMEM_LIMIT)})")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            problems.append(f"num_warps={self.num_warps} (1, 2, 4, 8 or 16)")
+        if problems:
+            raise ValueError("invalid kernel spec: " + "; ".join(problems))
+        if self.family == "mma":
+            if self.block_m % (16 * self.num_warps):
+                problems.append(f"block_m={self.block_m} must be a multiple of 16*num_warps={16 * self.num_warps}")
+            if self.block_n % 16 or self.block_n <= 0:
+                problems.append(f"block_n={self.block_n} must be a positive multiple of 16")
+            if self.num_stages < 2:
+                problems.append(f"num_stages={self.num_stages} must be at least 2")
+        else:
+            if self.threads % self.block_m or self.block_n % (self.threads // max(self.block_m, 1)):
+                problems.append(f"block_m={self.block_m}, block_n={self.block_n} do not divide {self.threads} threads evenly")
+            if self.num_stages != 1:
+                problems.append(f"num_stages={self.num_stages} must be 1 for the float32 kernel")
+        if not problems and self.smem_bytes > SMEM_LIMIT[self.arch]:
+            problems.append(f"needs {self.smem_bytes} bytes of shared memory, {self.arch} allows {SMEM_LIMIT[self.arch]}")
+        if problems:
+            raise ValueError(f"invalid kernel spec {self.name}: " + "; ".join(problems))
+
+    # -- identity -----------------------------------------------------------------------------
+    @property
+    def family(self) -> str:
+        return "mma" if dtypes.DTYPES[self.dtype].tensor_core else "simt"
+
+    @property
+    def name(self) -> str:
+        causal = "_causal" if self.causal else ""
+        return (f"fwd_{self.dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
+                f"w{self.num_warps}s{self.num_stages}_{self.arch}")
+
+    def replace(self, **changes) -> "KernelSpec":
+        return dataclasses.replace(self, **changes)
+
+    # -- layout constants (the templates read these) ------------------------------------------
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def elem_bytes(self) -> int:
+        return dtypes.DTYPES[self.dtype].itemsize
+
+    @property
+    def chunks_per_row(self) -> int:
+        """16-byte chunks in one head_dim row of a tile."""
+        return self.head_dim * self.elem_bytes // _CHUNK
+
+    @property
+    def smem_row_chunks(self) -> int:
+        """Shared-memory row pitch in 16-byte chunks. An odd pitch puts the 8 rows that one
+        ldmatrix phase reads into 8 distinct bank groups, so padding one chunk onto even rows
+        makes every tile access conflict-free without a swizzle."""
+        c = self.chunks_per_row
+        return c if c % 2 else c + 1
+
+    @property
+    def smem_row_bytes(self) -> int:
+        return self.smem_row_chunks * _CHUNK
+
+    @property
+    def m_tiles_per_warp(self) -> int:
+        """16-row MMA tiles of queries each warp owns (mma family)."""
+        return self.block_m // (16 * self.num_warps)
+
+    @property
+    def q_in_registers(self) -> bool:
+        """Keep the warp's Q fragments in registers for the whole K/V loop when they cost at most
+        32 registers; otherwise re-read them from shared memory with ldmatrix each tile."""
+        return self.m_tiles_per_warp * (self.head_dim // 16 + (self.head_dim % 16 != 0)) * 4 <= 32
+
+    @property
+    def q_tile_bytes(self) -> int:
+        return self.block_m * self.smem_row_bytes
+
+    @property
+    def kv_tile_bytes(self) -> int:
+        return self.block_n * self.smem_row_bytes
+
+    @property
+    def smem_q_offset(self) -> int:
+        return 0
+
+    @property
+    def smem_k_offset(self) -> int:
+        return self.q_tile_bytes
+
+    @property
+    def smem_v_offset(self) -> int:
+        return self.q_tile_bytes + self.num_stages * self.kv_tile_bytes
+
+    @property
+    def smem_bytes(self) -> int:
+        if self.family == "simt":
+            d = self.head_dim
+            floats = (self.block_m * (d + 1) + self.block_n * (d + 1) + self.block_n * d
+                      + self.block_m * (self.block_n + 1))
+            return floats * 4
+        return self.q_tile_bytes + 2 * self.num_stages * self.kv_tile_bytes
+
+    @property
+    def min_blocks_per_sm(self) -> int:
+        return 1
+
+
+def _fits(spec_kwargs) -> KernelSpec | None:
+    try:
+        return KernelSpec(**spec_kwargs)
+    except ValueError:
+        return None
+
+
+#: Default tile shapes of the mma family: (largest head_dim, block_m, block_n, num_warps, num_stages).
+#: The first row whose head_dim bound holds applies. Measured on the H200 with ``python -m cuflash tune``.
+MMA_DEFAULTS = (
+    (64, 128, 64, 4, 2),
+    (128, 128, 64, 4, 2),
+    (256, 128, 64, 8, 2),
+)
+
+#: Default tiles of the float32 family: (largest head_dim, block_m, block_n, num_warps).
+SIMT_DEFAULTS = (
+    (128, 32, 32, 8),
+    (256, 16, 32, 8),
+)
+
+
+def default_spec(head_dim: int, dtype: str, causal: bool, arch: str) -> KernelSpec:
+    """The default specialization for a problem; shrinks the pipeline or tiles to fit the
+    target's shared memory where the table's entry does not."""
+    entry = dtypes.from_tag(dtype)
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim} is not supported (multiples of 8 from 8 to 256)")
+    if arch not in SMEM_LIMIT:
+        raise ValueError(f"arch={arch!r} is not supported (one of {list(SMEM_LIMIT)})")
+    if entry.tensor_core:
+        _, bm, bn, w, s = next(row for row in MMA_DEFAULTS if head_dim <= row[0])
+        candidates = [(bm, bn, w, s), (bm, bn, w, 2), (64, bn, 4, 2), (64, 32, 4, 2)]
+        for bm, bn, w, s in candidates:
+            spec = _fits(dict(head_dim=head_dim, dtype=entry.tag, causal=causal, block_m=bm,
+                              block_n=bn, num_warps=w, num_stages=s, arch=arch))
+            if spec:
+                return spec
+    else:
+        _, bm, bn, w = next(row for row in SIMT_DEFAULTS if head_dim <= row[0])
+        for bm_try in (bm, 16, 8):
+            spec = _fits(dict(head_dim=head_dim, dtype=entry.tag, causal=causal, block_m=bm_try,
+                              block_n=bn, num_warps=w, num_stages=1, arch=arch))
+            if spec:
+                return spec
+    raise ValueError(f"no kernel for head_dim={head_dim}, dtype={dtype} fits the shared memory of {arch}")
+
+
+def all_default_specs(arch: str, dtype_tags=None, causal=(False, True)) -> list[KernelSpec]:
+    """Every default specialization for a target: the set ``warmup`` and the tests compile."""
+    tags = dtype_tags or list(dtypes.DTYPES)
+    return [default_spec(d, t, c, arch) for t in tags for d in HEAD_DIMS for c in causal]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = ["KernelSpec", "HEAD_DIMS", "ARCHS", "default_spec", "all_default_specs",
+           "arch_from_capability", "nvrtc_arch", "ceil_div"]
