@@ -1,0 +1,7 @@
+"""``python -m cuflash``: see :mod:`cuflash.cli` for the subcommands."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,478 @@
+"""Forward benchmark on the FlashAttention papers' grid, against torch SDPA when it is installed.
+
+Grid: ``total_tokens`` tokens in all (batch = total_tokens // seqlen), hidden size ``hidden``
+(heads = hidden // head_dim), seqlen_q = seqlen_k, layout bhsd, random normal inputs. FLOPs come
+from :func:`cuflash.reference.attention_flops` (causal counts only the allowed pairs).
+
+Timing: warm-up calls first (the first call compiles), then one CUDA event pair per repetition
+with the L2 cache flushed before each (as ``triton.testing.do_bench`` does); the median is
+reported. torch is optional and never imported at module level; it reads the same CuPy buffers
+through DLPack, and both libraries are synchronized around every timed region.
+
+All of cuflash's timing code lives in this module.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+DEFAULT_HEAD_DIMS = (64, 128, 256)
+DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+OVERHEAD_PROBLEM = dict(batch=1, heads=1, seqlen=16, head_dim=64, dtype="bf16")
+
+#: torch SDPA backends compared against: key -> (SDPBackend member, label in tables).
+TORCH_BACKENDS = {
+    "flash": ("FLASH_ATTENTION", "torch SDPA flash (FlashAttention-2)"),
+    "cudnn": ("CUDNN_ATTENTION", "torch SDPA cuDNN"),
+}
+
+_L2_FLUSH_BYTES = 256 * 2**20
+_SPEC_OVERRIDE_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+
+
+# -- configuration ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BenchConfig:
+    head_dim: int
+    seqlen: int
+    causal: bool
+    batch: int
+    heads: int
+    dtype: str
+
+    @property
+    def label(self) -> str:
+        causal = "causal" if self.causal else "non-causal"
+        return f"fwd {self.dtype} hd{self.head_dim} {causal} N={self.seqlen} b={self.batch} h={self.heads}"
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.heads, self.seqlen, self.head_dim)
+
+
+def paper_grid(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(False, True),
+               dtype="bf16", total_tokens=16384, hidden=2048) -> list[BenchConfig]:
+    """The FlashAttention papers' configurations, in print order (head_dim, causal, seqlen)."""
+    configs = []
+    for head_dim in head_dims:
+        heads = hidden // head_dim
+        if heads < 1:
+            raise ValueError(f"hidden={hidden} is smaller than head_dim={head_dim}")
+        for is_causal in causal:
+            for seqlen in seqlens:
+                batch = max(1, total_tokens // seqlen)
+                configs.append(BenchConfig(head_dim, seqlen, is_causal, batch, heads, dtype))
+    return configs
+
+
+def parse_spec_override(text: str | None) -> dict:
+    """``"block_m=64,block_n=64,num_warps=4,num_stages=3"`` -> dict of ints."""
+    if not text:
+        return {}
+    overrides = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("=")
+        key = key.strip()
+        if not sep or key not in _SPEC_OVERRIDE_KEYS:
+            raise ValueError(f"--spec-override item {item.strip()!r} must be KEY=INT with KEY one of "
+                             f"{', '.join(_SPEC_OVERRIDE_KEYS)}")
+        try:
+            overrides[key] = int(value)
+        except ValueError:
+            raise ValueError(f"--spec-override {key}={value.strip()!r} is not an integer") from None
+    return overrides
+
+
+# -- timers -----------------------------------------------------------------------------------
+def _synchronize_all():
+    import cupy
+    cupy.cuda.Device().synchronize()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def first_call_seconds(fn):
+    """Host wall time of one call including its GPU work, and the call's result."""
+    _synchronize_all()
+    start = time.perf_counter()
+    result = fn()
+    _synchronize_all()
+    return time.perf_counter() - start, result
+
+
+def cuda_event_median_ms(fn, reps: int = 30, warmup: int = 3, flush_l2: bool = True) -> float:
+    """Median milliseconds of ``fn()`` on CuPy's current stream, one event pair per repetition."""
+    import cupy
+    for _ in range(warmup):
+        fn()
+    scratch = cupy.empty(_L2_FLUSH_BYTES, dtype=cupy.uint8) if flush_l2 else None
+    _synchronize_all()
+    pairs = []
+    for _ in range(reps):
+        if scratch is not None:
+            scratch.fill(0)
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
+    pairs[-1][1].synchronize()
+    _synchronize_all()
+    return statistics.median(cupy.cuda.get_elapsed_time(s, e) for s, e in pairs)
+
+
+def torch_event_median_ms(fn, reps: int = 30, warmup: int = 3, flush_l2: bool = True) -> float:
+    """Median milliseconds of ``fn()`` on torch's current stream, one event pair per repetition."""
+    import torch
+    _synchronize_all()
+    for _ in range(warmup):
+        fn()
+    scratch = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda") if flush_l2 else None
+    _synchronize_all()
+    pairs = []
+    for _ in range(reps):
+        if scratch is not None:
+            scratch.zero_()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
+    _synchronize_all()
+    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+
+
+def host_overhead_us(fn, calls: int = 2000, warmup: int = 100) -> float:
+    """Host wall time per call of ``calls`` back-to-back calls, synchronized at the end."""
+    for _ in range(warmup):
+        fn()
+    _synchronize_all()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _synchronize_all()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+# -- inputs and peers -------------------------------------------------------------------------
+def random_inputs(shape, dtype_tag: str, seed: int = 0):
+    """q, k, v: standard normal CuPy arrays of ``shape`` in the dtype of ``dtype_tag``."""
+    import cupy
+
+    from . import dtypes
+    element = dtypes.from_tag(dtype_tag).numpy
+    rng = cupy.random.default_rng(seed)
+    return tuple(rng.standard_normal(shape, dtype=cupy.float32).astype(element) for _ in range(3))
+
+
+def import_torch():
+    """torch when it is importable and sees a CUDA device, else None."""
+    try:
+        import torch
+        import torch.nn.attention  # noqa: F401  (sdpa_kernel, SDPBackend)
+    except Exception:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def to_torch(array):
+    """Zero-copy torch view of a CuPy array through DLPack."""
+    import torch
+    try:
+        return torch.from_dlpack(array)
+    except Exception:
+        # Fall back on the 16-bit pattern for DLPack exporters without a bfloat16 code.
+        from . import dtypes
+        if array.dtype != dtypes.from_tag("bf16").numpy:
+            raise
+        import cupy
+        return torch.from_dlpack(array.view(cupy.uint16)).view(torch.bfloat16)
+
+
+def _torch_sdpa(torch, backend_key, q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = getattr(SDPBackend, TORCH_BACKENDS[backend_key][0])
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def call():
+        with sdpa_kernel(backend):
+            return sdpa(q, k, v, is_causal=causal)
+    return call
+
+
+# -- one configuration ------------------------------------------------------------------------
+def _spec_for(config: BenchConfig, arch: str, overrides: dict):
+    from .spec import default_spec
+    spec = default_spec(config.head_dim, config.dtype, config.causal, arch)
+    return spec.replace(**overrides) if overrides else spec
+
+
+def bench_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=None,
+                 overrides: dict | None = None, flush_l2: bool = True) -> dict:
+    """Time cuflash (and torch SDPA's backends when ``torch`` is given) on one configuration."""
+    import cupy
+
+    import cuflash
+    from .reference import attention_flops
+
+    flops = attention_flops(config.batch, config.heads, config.seqlen, config.seqlen,
+                            config.head_dim, config.causal)
+    result = dict(asdict(config), direction="fwd", flops=flops, spec=None, ms=None, tflops=None,
+                  error=None, peers={})
+    try:
+        spec = _spec_for(config, arch, overrides or {})
+    except (ValueError, TypeError) as exc:
+        result["error"] = str(exc)
+        return result
+    result["spec"] = spec.name
+    forced = spec if overrides else None
+
+    q, k, v = random_inputs(config.shape, config.dtype)
+    try:
+        ms = cuda_event_median_ms(lambda: cuflash.attention(q, k, v, causal=config.causal, spec=forced),
+                                  reps=reps, flush_l2=flush_l2)
+        result.update(ms=ms, tflops=flops / ms / 1e9)
+        ours = cuflash.attention(q, k, v, causal=config.causal, spec=forced)
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        ours = None
+
+    if torch is not None:
+        qt, kt, vt = (to_torch(x) for x in (q, k, v))
+        for key in TORCH_BACKENDS:
+            peer = dict(ms=None, tflops=None, ratio=None, max_abs_diff=None, error=None)
+            try:
+                call = _torch_sdpa(torch, key, qt, kt, vt, config.causal)
+                peer["ms"] = torch_event_median_ms(call, reps=reps, flush_l2=flush_l2)
+                peer["tflops"] = flops / peer["ms"] / 1e9
+                if result["tflops"]:
+                    peer["ratio"] = result["tflops"] / peer["tflops"]
+                if ours is not None:
+                    theirs = cupy.from_dlpack(call().contiguous())
+                    _synchronize_all()
+                    diff = cupy.abs(ours.astype(cupy.float32) - theirs.astype(cupy.float32)).max()
+                    peer["max_abs_diff"] = float(diff)
+            except Exception as exc:
+                peer["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                peer["ms"] = peer["tflops"] = peer["ratio"] = None
+            result["peers"][key] = peer
+        del qt, kt, vt
+    del q, k, v, ours
+    cupy.get_default_memory_pool().free_all_blocks()
+    return result
+
+
+def format_line(result: dict) -> str:
+    config = BenchConfig(**{f: result[f] for f in BenchConfig.__dataclass_fields__})
+    if result["ms"] is None:
+        line = f"{config.label}: error: {result['error']}"
+    else:
+        line = f"{config.label}: {result['ms']:.3f} ms, {result['tflops']:.1f} TFLOP/s"
+    for key, peer in result["peers"].items():
+        if peer["tflops"] is None:
+            line += f" | {key} n/a"
+        elif peer["ratio"] is None:
+            line += f" | {key} {peer['tflops']:.1f}"
+        else:
+            line += f" | {key} {peer['tflops']:.1f} ({peer['ratio']:.2f}x)"
+    return line
+
+
+# -- reports ----------------------------------------------------------------------------------
+def _fmt(value, digits=0):
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_tables(report: dict) -> str:
+    """One TFLOP/s table per (head_dim, causal): implementations as rows, seqlens as columns."""
+    results = report["results"]
+    gpu = report["environment"].get("gpu") or "GPU"
+    lines = []
+    groups = []
+    for r in results:
+        key = (r["dtype"], r["head_dim"], r["causal"])
+        if key not in groups:
+            groups.append(key)
+    for dtype, head_dim, causal in groups:
+        rows = [r for r in results if (r["dtype"], r["head_dim"], r["causal"]) == (dtype, head_dim, causal)]
+        seqlens = [r["seqlen"] for r in rows]
+        lines.append(f"**fwd {dtype} head_dim={head_dim} {'causal' if causal else 'non-causal'}** "
+                     f"(TFLOP/s, {gpu})")
+        lines.append("")
+        lines.append("| impl | " + " | ".join(str(s) for s in seqlens) + " |")
+        lines.append("|---|" + "---|" * len(seqlens))
+        lines.append("| cuflash | " + " | ".join(_fmt(r["tflops"]) for r in rows) + " |")
+        for key, (_, label) in TORCH_BACKENDS.items():
+            if any(key in r["peers"] for r in rows):
+                cells = [_fmt(r["peers"].get(key, {}).get("tflops")) for r in rows]
+                lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append("")
+    overhead = report.get("overhead")
+    if overhead:
+        lines.append("**Host overhead per call** (b=1, h=1, s=16, d=64, bf16; µs)")
+        lines.append("")
+        lines.append("| impl | µs per call |")
+        lines.append("|---|---|")
+        for key, value in overhead["us_per_call"].items():
+            lines.append(f"| {key} | {_fmt(value, 1)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_plot(report: dict, path: str) -> bool:
+    """TFLOP/s vs seqlen, one panel per (head_dim, causal). False when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    results = report["results"]
+    head_dims = sorted({r["head_dim"] for r in results})
+    causal_values = sorted({r["causal"] for r in results})
+    fig, axes = plt.subplots(len(causal_values), len(head_dims), squeeze=False,
+                             figsize=(4.5 * len(head_dims), 3.5 * len(causal_values)))
+    for row, causal in enumerate(causal_values):
+        for col, head_dim in enumerate(head_dims):
+            ax = axes[row][col]
+            rows = [r for r in results if r["head_dim"] == head_dim and r["causal"] == causal]
+            seqlens = [r["seqlen"] for r in rows]
+            series = {"cuflash": [r["tflops"] for r in rows]}
+            for key, (_, label) in TORCH_BACKENDS.items():
+                if any(key in r["peers"] for r in rows):
+                    series[label] = [r["peers"].get(key, {}).get("tflops") for r in rows]
+            for label, values in series.items():
+                points = [(s, t) for s, t in zip(seqlens, values) if t is not None]
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"hd{head_dim} {'causal' if causal else 'non-causal'}")
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"fwd {results[0]['dtype'] if results else ''} on {report['environment'].get('gpu')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# -- host overhead ----------------------------------------------------------------------------
+def measure_overhead(torch=None, calls: int = 2000) -> dict:
+    """Warm host time per call on a tiny problem, where launch overhead dominates."""
+    import cuflash
+    p = OVERHEAD_PROBLEM
+    q, k, v = random_inputs((p["batch"], p["heads"], p["seqlen"], p["head_dim"]), p["dtype"])
+    us = {"cuflash": host_overhead_us(lambda: cuflash.attention(q, k, v), calls=calls)}
+    if torch is not None:
+        qt, kt, vt = (to_torch(x) for x in (q, k, v))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        try:
+            us["torch SDPA"] = host_overhead_us(lambda: sdpa(qt, kt, vt), calls=calls)
+        except Exception:
+            us["torch SDPA"] = None
+    return dict(problem=p, calls=calls, us_per_call=us)
+
+
+# -- driver -----------------------------------------------------------------------------------
+def run_benchmark(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(False, True),
+                  dtype="bf16", total_tokens=16384, hidden=2048, reps=30, use_torch=True,
+                  spec_override=None, overhead=False, grid=True, flush_l2=True, echo=print) -> dict:
+    """Run the benchmark and return its report (the ``--json`` content); ``echo`` gets each line."""
+    from .cli import environment
+    from .compile import device_arch
+
+    overrides = parse_spec_override(spec_override) if isinstance(spec_override, str) else dict(spec_override or {})
+    torch = import_torch() if use_torch else None
+    env = environment()
+    if torch is not None:
+        env["torch"] = torch.__version__
+        env["cudnn"] = torch.backends.cudnn.version()
+    arch = device_arch()
+    report = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        environment=env,
+        settings=dict(dtype=dtype, total_tokens=total_tokens, hidden=hidden, reps=reps,
+                      spec_override=overrides or None, arch=arch, flush_l2=flush_l2,
+                      timing="median of CUDA event pairs, L2 flushed before each" if flush_l2
+                      else "median of CUDA event pairs"),
+        results=[],
+        overhead=None,
+    )
+    if use_torch and torch is None:
+        echo("torch with CUDA is not importable: timing cuflash alone")
+    if grid:
+        for config in paper_grid(head_dims, seqlens, causal, dtype, total_tokens, hidden):
+            result = bench_config(config, arch=arch, reps=reps, torch=torch, overrides=overrides,
+                                  flush_l2=flush_l2)
+            report["results"].append(result)
+            echo(format_line(result))
+    if overhead:
+        report["overhead"] = measure_overhead(torch)
+        for key, value in report["overhead"]["us_per_call"].items():
+            echo(f"host overhead {key}: " + ("n/a" if value is None else f"{value:.1f} µs per call"))
+    return report
+
+
+def add_arguments(parser):
+    parser.add_argument("--head-dims", type=int, nargs="+", default=list(DEFAULT_HEAD_DIMS))
+    parser.add_argument("--seqlens", type=int, nargs="+", default=list(DEFAULT_SEQLENS))
+    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    parser.add_argument("--dtype", default="bf16", help="fp16, bf16 or fp32 (default bf16)")
+    parser.add_argument("--total-tokens", type=int, default=16384, help="batch = total_tokens // seqlen")
+    parser.add_argument("--hidden", type=int, default=2048, help="heads = hidden // head_dim")
+    parser.add_argument("--reps", type=int, default=30, help="timed repetitions per config (median)")
+    parser.add_argument("--no-torch", action="store_true", help="do not time torch SDPA even if installed")
+    parser.add_argument("--no-flush-l2", action="store_true", help="keep L2 warm between repetitions")
+    parser.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
+    parser.add_argument("--md", metavar="PATH", help="write the Markdown tables to this file")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
+    parser.add_argument("--spec-override", metavar="K=V,...",
+                        help="force tile parameters: block_m=..,block_n=..,num_warps=..,num_stages=..")
+    parser.add_argument("--overhead", action="store_true",
+                        help="also measure warm host overhead per call on a tiny problem")
+    parser.add_argument("--no-grid", action="store_true", help="skip the grid (with --overhead)")
+
+
+def run(args) -> int:
+    """``python -m cuflash bench``."""
+    from .cli import causal_modes, gpu_status
+    available, reason = gpu_status()
+    if not available:
+        print(f"cuflash bench: error: needs a CUDA GPU: {reason}", file=sys.stderr)
+        return 1
+    try:
+        from . import dtypes
+        dtype = dtypes.from_tag(args.dtype).tag
+        spec_override = parse_spec_override(args.spec_override)
+    except ValueError as exc:
+        print(f"cuflash bench: error: {exc}", file=sys.stderr)
+        return 2
+    report = run_benchmark(head_dims=args.head_dims, seqlens=args.seqlens, causal=causal_modes(args.causal),
+                           dtype=dtype, total_tokens=args.total_tokens, hidden=args.hidden, reps=args.reps,
+                           use_torch=not args.no_torch, spec_override=spec_override,
+                           overhead=args.overhead, grid=not args.no_grid, flush_l2=not args.no_flush_l2)
+    tables = markdown_tables(report)
+    print()
+    print(tables)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+        print(f"wrote {args.json}")
+    if args.md:
+        with open(args.md, "w") as handle:
+            handle.write(tables + "\n")
+        print(f"wrote {args.md}")
+    if args.plot and report["results"]:
+        if write_plot(report, args.plot):
+            print(f"wrote {args.plot}")
+        else:
+            print("warning: matplotlib is not importable; no plot written", file=sys.stderr)
+    return 1 if any(r["error"] for r in report["results"]) else 0

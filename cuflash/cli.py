@@ -1,0 +1,392 @@
+"""Command line: ``python -m cuflash {info,generate,warmup,demo,bench}``.
+
+Every subcommand imports what it needs inside its function, so ``--help``, ``info`` and
+``generate`` work on a machine with no GPU, and ``info`` works even without CuPy.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+#: The problem ``demo`` runs: bf16, batch 4, 16 heads, 2048 tokens, head_dim 128, causal.
+DEMO_PROBLEM = dict(dtype="bf16", batch=4, heads=16, seqlen=2048, head_dim=128, causal=True)
+
+#: Target used to show generated or offline-compiled code when no GPU says which one to use.
+FALLBACK_ARCH = "sm90a"
+
+
+# -- environment ------------------------------------------------------------------------------
+def gpu_status() -> tuple[bool, str]:
+    """(True, "") when CuPy can see at least one CUDA device, else (False, why not)."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return False, f"CuPy is not importable ({exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDARuntimeError without a driver or device
+        return False, f"CUDA reports no usable device ({exc})"
+    if count == 0:
+        return False, "CUDA reports no device"
+    return True, ""
+
+
+def _cuda_version(value: int) -> str:
+    # CUDA encodes versions as 1000 * major + 10 * minor.
+    return f"{value // 1000}.{(value % 1000) // 10}"
+
+
+def _package_version(name: str) -> str | None:
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def cuflash_version() -> str:
+    installed = _package_version("cuflash")
+    if installed:
+        return installed
+    import cuflash
+    return getattr(cuflash, "__version__", "unknown")
+
+
+def environment() -> dict:
+    """What is known about this machine's software and GPU; never raises."""
+    env: dict = {"cuflash": cuflash_version(), "python": sys.version.split()[0]}
+    for name in ("numpy", "jinja2", "ml_dtypes"):
+        try:
+            env[name] = __import__(name).__version__
+        except Exception:
+            env[name] = None
+    try:
+        import cupy
+        env["cupy"] = cupy.__version__
+    except ImportError:
+        env["cupy"] = None
+        cupy = None
+    try:
+        from cupy.cuda import nvrtc
+        env["nvrtc"] = "{}.{}".format(*nvrtc.getVersion())
+    except Exception:
+        env["nvrtc"] = None
+    env["cuda_runtime"] = env["driver"] = env["gpu"] = env["compute_capability"] = None
+    env["arch"] = None
+    if cupy is None:
+        return env
+    try:
+        env["cuda_runtime"] = _cuda_version(cupy.cuda.runtime.runtimeGetVersion())
+    except Exception:
+        pass
+    try:
+        driver = cupy.cuda.runtime.driverGetVersion()
+        env["driver"] = _cuda_version(driver) if driver else None
+    except Exception:
+        pass
+    available, _ = gpu_status()
+    if available:
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+        name = props["name"]
+        env["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
+        env["compute_capability"] = f"{props['major']}.{props['minor']}"
+        env["multiprocessors"] = props["multiProcessorCount"]
+        env["memory_gib"] = round(props["totalGlobalMem"] / 2**30, 1)
+        try:
+            from .compile import device_arch
+            env["arch"] = device_arch()
+        except Exception:
+            from .spec import arch_from_capability
+            try:
+                env["arch"] = arch_from_capability(props["major"], props["minor"])
+            except ValueError:
+                env["arch"] = None
+    return env
+
+
+def causal_modes(choice: str) -> tuple[bool, ...]:
+    return {"both": (False, True), "yes": (True,), "no": (False,)}[choice]
+
+
+def _entry_label(entry) -> str:
+    for attr in ("name", "spec_name"):
+        value = getattr(entry, attr, None)
+        if isinstance(value, str):
+            return value
+    return str(entry)
+
+
+def _fail(command: str, message: str, code: int) -> int:
+    print(f"cuflash {command}: error: {message}", file=sys.stderr)
+    return code
+
+
+# -- info -------------------------------------------------------------------------------------
+def cmd_info(args) -> int:
+    env = environment()
+    rows = [
+        ("cuflash", env["cuflash"]),
+        ("python", env["python"]),
+        ("numpy", env["numpy"]),
+        ("jinja2", env["jinja2"]),
+        ("ml_dtypes", env["ml_dtypes"]),
+        ("cupy", env["cupy"] or "not installed (pip install \".[cuda13]\" or \".[cuda12]\")"),
+        ("NVRTC", env["nvrtc"] or "not found"),
+        ("CUDA runtime", env["cuda_runtime"] or "unknown"),
+        ("CUDA driver", env["driver"] or "none"),
+    ]
+    available, reason = gpu_status()
+    if available:
+        rows += [
+            ("GPU", f"{env['gpu']} ({env['multiprocessors']} SMs, {env['memory_gib']} GiB)"),
+            ("compute capability", env["compute_capability"]),
+            ("compile target", env["arch"] or "unsupported (cuflash needs sm_80 or newer)"),
+        ]
+    else:
+        rows += [("GPU", f"none: {reason}"),
+                 ("compile target", f"none (offline compiles default to {FALLBACK_ARCH})")]
+    width = max(len(key) for key, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+
+    try:
+        from . import compile as compiler
+        directory = compiler.cache_dir()
+        entries = list(compiler.cached_entries())
+    except Exception as exc:
+        print(f"{'cache':<{width}}  unavailable ({type(exc).__name__}: {exc})")
+        return 0
+    print(f"{'cache dir':<{width}}  {directory}")
+    print(f"{'cached kernels':<{width}}  {len(entries)}")
+    for entry in entries:
+        print(f"  {_entry_label(entry)}")
+    return 0
+
+
+# -- generate ---------------------------------------------------------------------------------
+_TILE_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages")
+
+
+def _default_arch() -> str:
+    available, _ = gpu_status()
+    if available:
+        try:
+            from .compile import device_arch
+            return device_arch()
+        except Exception:
+            pass
+    return FALLBACK_ARCH
+
+
+def cmd_generate(args) -> int:
+    from .spec import default_spec
+    arch = args.arch or _default_arch()
+    overrides = {name: getattr(args, name) for name in _TILE_OPTIONS if getattr(args, name) is not None}
+    try:
+        spec = default_spec(args.head_dim, args.dtype, args.causal, arch)
+        if overrides:
+            spec = spec.replace(**overrides)
+        from . import generate
+        source = generate(spec)
+    except (ValueError, TypeError) as exc:
+        return _fail("generate", str(exc), 2)
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(source)
+        print(f"wrote {spec.name} ({len(source.splitlines())} lines) to {args.output}")
+    else:
+        sys.stdout.write(source if source.endswith("\n") else source + "\n")
+    return 0
+
+
+# -- warmup -----------------------------------------------------------------------------------
+def cmd_warmup(args) -> int:
+    available, reason = gpu_status()
+    if not available:
+        return _fail("warmup", f"needs a CUDA GPU to pick the target and fill the cache: {reason}", 1)
+    from . import compile as compiler
+    from .spec import default_spec
+    arch = compiler.device_arch()
+    try:
+        specs = [default_spec(d, t, c, arch)
+                 for t in args.dtypes for d in args.head_dims for c in causal_modes(args.causal)]
+    except (ValueError, TypeError) as exc:
+        return _fail("warmup", str(exc), 2)
+    print(f"compiling {len(specs)} kernels for {arch} into {compiler.cache_dir()}")
+    try:
+        compiler.warmup(specs, processes=args.processes, progress=True)
+    except compiler.CompileError as exc:
+        return _fail("warmup", str(exc), 1)
+    print(f"{len(specs)} kernels are in the cache")
+    return 0
+
+
+# -- demo -------------------------------------------------------------------------------------
+def cmd_demo(args) -> int:
+    available, reason = gpu_status()
+    if available:
+        return _demo_gpu()
+    print(f"No CUDA GPU is usable here: {reason}.")
+    print("Showing what runs without one.\n")
+    return _demo_offline()
+
+
+def _demo_gpu() -> int:
+    import cupy
+    import numpy as np
+
+    import cuflash
+    from . import bench, dtypes
+    from .compile import device_arch
+    from .reference import attention_flops, attention_reference
+    from .spec import default_spec
+
+    p = DEMO_PROBLEM
+    element = dtypes.from_tag(p["dtype"]).numpy
+    arch = device_arch()
+    spec = default_spec(p["head_dim"], p["dtype"], p["causal"], arch)
+    env = environment()
+    print(f"cuflash demo on {env['gpu']} ({arch}): {p['dtype']}, batch {p['batch']}, heads {p['heads']}, "
+          f"seqlen {p['seqlen']}, head_dim {p['head_dim']}, {'causal' if p['causal'] else 'non-causal'}")
+    print(f"kernel: {spec.name}")
+
+    shape = (p["batch"], p["heads"], p["seqlen"], p["head_dim"])
+    rng = cupy.random.default_rng(0)
+    q, k, v = (rng.standard_normal(shape, dtype=cupy.float32).astype(element) for _ in range(3))
+
+    def run():
+        return cuflash.attention(q, k, v, causal=p["causal"], return_lse=True)
+
+    seconds, (out, lse) = bench.first_call_seconds(run)
+    print(f"first call (compile or load from cache, then run): {seconds:.2f} s")
+
+    batch_index, heads = 0, [0, p["heads"] - 1]
+    host = [cupy.asnumpy(x[batch_index:batch_index + 1, heads]) for x in (q, k, v)]
+    ref_out, ref_lse = attention_reference(*host, causal=p["causal"], scale=None, layout="bhsd")
+    got_out = cupy.asnumpy(out[batch_index:batch_index + 1, heads]).astype(np.float64)
+    got_lse = cupy.asnumpy(lse[batch_index:batch_index + 1, heads]).astype(np.float64)
+    out_error = float(np.max(np.abs(got_out - ref_out)))
+    lse_error = float(np.max(np.abs(got_lse - ref_lse)))
+    verdict = _check_close(got_out, ref_out, p["dtype"], host)
+    print(f"vs float64 reference on batch {batch_index}, heads {heads}: "
+          f"max |out - ref| = {out_error:.3e}, max |lse - ref| = {lse_error:.3e}: {verdict}")
+
+    ms = bench.cuda_event_median_ms(lambda: cuflash.attention(q, k, v, causal=p["causal"]), reps=20)
+    flops = attention_flops(p["batch"], p["heads"], p["seqlen"], p["seqlen"], p["head_dim"], p["causal"])
+    print(f"median of 20 runs: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s")
+    return 0 if verdict == "ok" else 1
+
+
+def _check_close(out, ref, dtype_tag, host_inputs) -> str:
+    """"ok", or the first line of the accuracy check's complaint."""
+    try:
+        from .testing import assert_attention_close
+    except ImportError as exc:
+        return f"not checked ({exc})"
+    try:
+        assert_attention_close(out, ref, dtype_tag)
+    except AssertionError as exc:
+        return "MISMATCH: " + (str(exc).splitlines() or ["outside tolerance"])[0]
+    return "ok"
+
+
+def _demo_offline() -> int:
+    import numpy as np
+
+    from .compile import CompileError, compile_offline
+    from .spec import default_spec
+
+    p = DEMO_PROBLEM
+    spec = default_spec(p["head_dim"], p["dtype"], p["causal"], FALLBACK_ARCH)
+    nvrtc = environment()["nvrtc"]
+    print(f"1. The demo's kernel, compiled offline for sm_90a with NVRTC {nvrtc}:")
+    try:
+        report = compile_offline(spec)
+    except CompileError as exc:
+        print(f"   compile failed: {exc}")
+        return 1
+    cubin = getattr(report, "cubin", b"") or b""
+    print(f"   {spec.name}")
+    print(f"   registers per thread: {report.registers}")
+    print(f"   spill stores / loads: {report.spill_stores} / {report.spill_loads} bytes")
+    print(f"   stack frame: {report.stack_frame} bytes")
+    print(f"   shared memory: {report.smem_bytes} bytes")
+    print(f"   cubin: {len(cubin)} bytes")
+
+    from .reference import attention_reference, simulate_tiled
+    batch, heads, seqlen_q, seqlen_k, head_dim = 1, 2, 113, 239, 64
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((batch, heads, seqlen_q, head_dim))
+    k = rng.standard_normal((batch, heads, seqlen_k, head_dim))
+    v = rng.standard_normal((batch, heads, seqlen_k, head_dim))
+    print(f"\n2. The kernel's tiled online softmax, simulated in NumPy (block_m={spec.block_m}, "
+          f"block_n={spec.block_n}) vs the float64 reference,\n   on b={batch} h={heads} "
+          f"seqlen_q={seqlen_q} seqlen_k={seqlen_k} head_dim={head_dim} causal:")
+    tiled_out, tiled_lse = simulate_tiled(q, k, v, causal=True, scale=None, layout="bhsd",
+                                          block_m=spec.block_m, block_n=spec.block_n)
+    ref_out, ref_lse = attention_reference(q, k, v, causal=True, scale=None, layout="bhsd")
+    out_diff = float(np.max(np.abs(np.asarray(tiled_out) - ref_out)))
+    finite = np.isfinite(ref_lse)
+    lse_diff = float(np.max(np.abs(np.asarray(tiled_lse)[finite] - ref_lse[finite])))
+    print(f"   max |out difference| = {out_diff:.3e}, max |lse difference| = {lse_diff:.3e}")
+    print("\nOn a machine with a CUDA GPU (sm_80 or newer) the demo runs the kernel, checks it and times it.")
+    return 0
+
+
+# -- bench ------------------------------------------------------------------------------------
+def cmd_bench(args) -> int:
+    from . import bench
+    return bench.run(args)
+
+
+# -- parser -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    from .bench import add_arguments as add_bench_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="python -m cuflash",
+        description="FlashAttention for CuPy: inspect, generate, compile and benchmark the kernels.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    info = sub.add_parser("info", help="GPU, CUDA, CuPy and NVRTC versions, compile target and cache")
+    info.set_defaults(handler=cmd_info)
+
+    gen = sub.add_parser("generate", help="print or write the CUDA source of one kernel specialization")
+    gen.add_argument("--head-dim", type=int, required=True, help="multiple of 8 from 8 to 256")
+    gen.add_argument("--dtype", default="bf16", help="fp16, bf16 or fp32 (default bf16)")
+    gen.add_argument("--causal", action="store_true")
+    gen.add_argument("--arch", help=f"target tag such as sm80 or sm90a (default: this GPU's, else {FALLBACK_ARCH})")
+    for name in _TILE_OPTIONS:
+        gen.add_argument("--" + name.replace("_", "-"), dest=name, type=int,
+                         help="override the default spec's " + name)
+    gen.add_argument("-o", "--output", help="write the source to this file instead of stdout")
+    gen.set_defaults(handler=cmd_generate)
+
+    from .spec import HEAD_DIMS
+    warm = sub.add_parser("warmup", help="compile the default kernels for this GPU into the disk cache")
+    warm.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS))
+    warm.add_argument("--dtypes", nargs="+", default=["fp16", "bf16", "fp32"])
+    warm.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    warm.add_argument("--processes", type=int, default=None, help="parallel compile processes (default: CPU count)")
+    warm.set_defaults(handler=cmd_warmup)
+
+    demo = sub.add_parser("demo", help="run, check and time one attention call (offline compile without a GPU)")
+    demo.set_defaults(handler=cmd_demo)
+
+    bench_parser = sub.add_parser("bench", help="forward benchmark on the FlashAttention papers' grid")
+    add_bench_arguments(bench_parser)
+    bench_parser.set_defaults(handler=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error argparse already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    return args.handler(args)
+
+
+__all__ = ["main", "build_parser", "gpu_status", "environment", "causal_modes"]
