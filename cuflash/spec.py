@@ -238,3 +238,20 @@ def ceil_div(a: int, b: int) -> int:
 
 __all__ = ["KernelSpec", "HEAD_DIMS", "ARCHS", "default_spec", "all_default_specs",
            "arch_from_capability", "nvrtc_arch", "ceil_div"]
+
+
+# -- the kernel's parameter block ------------------------------------------------------------------
+# Every forward kernel takes one struct by value. This list is its single definition: the template
+# renders the C struct from it and the launcher packs a NumPy record with the same layout. 8-byte
+# fields come first so neither side inserts padding.
+PARAM_FIELDS = (
+    ("q", "const void*", "u8"), ("k", "const void*", "u8"), ("v", "const void*", "u8"),
+    ("o", "void*", "u8"), ("lse", "float*", "u8"),
+    ("q_batch_stride", "long long", "i8"), ("q_head_stride", "long long", "i8"), ("q_row_stride", "long long", "i8"),
+    ("k_batch_stride", "long long", "i8"), ("k_head_stride", "long long", "i8"), ("k_row_stride", "long long", "i8"),
+    ("v_batch_stride", "long long", "i8"), ("v_head_stride", "long long", "i8"), ("v_row_stride", "long long", "i8"),
+    ("o_batch_stride", "long long", "i8"), ("o_head_stride", "long long", "i8"), ("o_row_stride", "long long", "i8"),
+    ("heads", "int", "i4"), ("group", "int", "i4"),          # query heads; query heads per kv head
+    ("seqlen_q", "int", "i4"), ("seqlen_k", "int", "i4"),
+    ("scale_log2", "float", "f4"), ("_pad", "int", "i4"),     # softmax scale * log2(e)
+)

@@ -1,0 +1,40 @@
+"""Launching: a loaded kernel + a validated Problem + device arrays -> one kernel launch.
+
+All run-time values travel in one by-value parameter block whose layout is defined once, by
+:data:`cuflash.spec.PARAM_FIELDS`.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .spec import PARAM_FIELDS, KernelSpec, ceil_div
+from .validate import Problem
+
+_RECORD = np.dtype([(name, fmt) for name, _, fmt in PARAM_FIELDS])
+_PARAMS = np.dtype((np.void, _RECORD.itemsize))
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def grid(spec: KernelSpec, problem: Problem) -> tuple[int, int, int]:
+    """(batch*heads, query tiles, 1): heads vary fastest so the first wave spreads the heaviest
+    (last) query tiles of every head across the machine."""
+    return (problem.batch * problem.heads, ceil_div(problem.seqlen_q, spec.block_m), 1)
+
+
+def pack_params(problem: Problem, q, k, v, out, lse, out_strides) -> np.ndarray:
+    record = np.array([(
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
+        *problem.q_strides, *problem.k_strides, *problem.v_strides, *out_strides,
+        problem.heads, problem.heads // max(problem.heads_k, 1),
+        problem.seqlen_q, problem.seqlen_k,
+        problem.scale * _LOG2E, 0,
+    )], dtype=_RECORD)
+    return record.view(_PARAMS)
+
+
+def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides) -> None:
+    """Launch on the current CuPy stream."""
+    params = pack_params(problem, q, k, v, out, lse, out_strides)
+    kernel(grid(spec, problem), (spec.threads, 1, 1), (params,), shared_mem=spec.smem_bytes)

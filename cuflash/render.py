@@ -1,0 +1,72 @@
+"""Rendering: KernelSpec -> CUDA source, through Jinja2 templates.
+
+The templates are thin: they declare the parameter block and the compile-time constants that
+Python computed in :mod:`cuflash.spec`, and call the algorithm, which lives in real CUDA headers
+under ``templates/include/cuflash``. Undefined template variables are errors (StrictUndefined).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from importlib import resources
+from pathlib import Path
+
+import jinja2
+
+from .spec import PARAM_FIELDS, KernelSpec, nvrtc_arch
+
+
+def template_dir() -> Path:
+    """Folder of the installed templates (``cuflash/templates`` in a wheel, ``templates/`` in a checkout)."""
+    try:
+        path = Path(str(resources.files("cuflash.templates")))
+        if (path / "fwd.cu.j2").is_file():
+            return path
+    except ModuleNotFoundError:
+        pass
+    return Path(__file__).resolve().parent.parent / "templates"
+
+
+def include_dir() -> Path:
+    """Folder passed to the compiler with ``-I`` (holds ``cuflash/*.cuh``)."""
+    return template_dir() / "include"
+
+
+@functools.lru_cache(maxsize=1)
+def headers_digest() -> str:
+    """Hash of every header the kernels include. CuPy's disk cache does not hash ``-I`` headers,
+    so this digest goes into the compile options: editing a header invalidates cached kernels."""
+    digest = hashlib.sha256()
+    for path in sorted((include_dir() / "cuflash").glob("*.cuh")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+_HEADERS = {"mma": "fwd_mma.cuh", "simt": "fwd_simt.cuh"}
+
+
+@functools.lru_cache(maxsize=512)
+def generate(spec: KernelSpec) -> str:
+    """CUDA source of one specialization; its kernel symbol is ``spec.name``."""
+    if not isinstance(spec, KernelSpec):
+        raise TypeError(f"generate() takes a cuflash.KernelSpec, got {type(spec).__name__}")
+    template = _environment().get_template("fwd.cu.j2")
+    return template.render(
+        spec=spec,
+        name=spec.name,
+        header=_HEADERS[spec.family],
+        param_fields=PARAM_FIELDS,
+        nvrtc_arch=nvrtc_arch(spec.arch),
+        include_dir=include_dir(),
+    )

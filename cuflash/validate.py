@@ -1,0 +1,114 @@
+"""Validation: user arrays -> a checked :class:`Problem`, or a ValueError/TypeError naming the values.
+
+Nothing past this module checks user input again; everything after it may trust a Problem.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+from . import dtypes
+from .spec import HEAD_DIMS
+
+LAYOUTS = ("bhsd", "bshd")
+_INT32_MAX = 2**31 - 1
+_GRID_Y_MAX = 65535
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A validated attention call, in the kernel's terms (strides in elements, bhsd order)."""
+
+    dtype: dtypes.DType
+    batch: int
+    heads: int
+    heads_k: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    causal: bool
+    scale: float
+    layout: str
+    device_id: int
+    q_strides: tuple  # (batch, head, row) strides in elements
+    k_strides: tuple
+    v_strides: tuple
+
+    @property
+    def empty(self) -> bool:
+        """True when the output has no elements (no launch needed)."""
+        return self.batch == 0 or self.heads == 0 or self.seqlen_q == 0
+
+    @property
+    def out_shape(self) -> tuple:
+        if self.layout == "bhsd":
+            return (self.batch, self.heads, self.seqlen_q, self.head_dim)
+        return (self.batch, self.seqlen_q, self.heads, self.head_dim)
+
+
+def _dims(x, layout):
+    """(batch, heads, seqlen, head_dim) and (batch, head, row) element strides of a 4-d array."""
+    b, s0, s1, d = x.shape
+    st = [s // x.itemsize for s in x.strides]
+    if layout == "bhsd":
+        return (b, s0, s1, d), (st[0], st[1], st[2])
+    return (b, s1, s0, d), (st[0], st[2], st[1])
+
+
+def validate(q, k, v, *, causal, scale, layout) -> Problem:
+    import cupy
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__module__}.{type(x).__name__}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not supported; use 'bhsd' ([batch, heads, seqlen, head_dim]) "
+                         f"or 'bshd' ([batch, seqlen, heads, head_dim])")
+    if not isinstance(causal, (bool,)) and not (hasattr(causal, "dtype") and causal.dtype == bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be 4-d ({layout}), got {name}.shape={x.shape}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share a dtype; got q.dtype={q.dtype}, k.dtype={k.dtype}, v.dtype={v.dtype}")
+    entry = dtypes.from_numpy(q.dtype)
+    devices = (q.device.id, k.device.id, v.device.id)
+    if len(set(devices)) != 1:
+        raise ValueError(f"q, k and v must be on one device; got q on {devices[0]}, k on {devices[1]}, v on {devices[2]}")
+
+    (b, hq, sq, d), q_strides = _dims(q, layout)
+    (bk, hk, sk, dk), k_strides = _dims(k, layout)
+    (bv, hv, sv, dv), v_strides = _dims(v, layout)
+    if k.shape != v.shape:
+        raise ValueError(f"k.shape={k.shape} and v.shape={v.shape} must be equal")
+    if bk != b:
+        raise ValueError(f"q.shape={q.shape} and k.shape={k.shape} must agree on batch ({layout})")
+    if dk != d:
+        raise ValueError(f"q.shape={q.shape} and k.shape={k.shape} must agree on head_dim ({layout})")
+    if hk == 0 and hq != 0 or hk and hq % hk:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk}); "
+                         f"q.shape={q.shape}, k.shape={k.shape} ({layout})")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim={d} is not supported; cuflash supports multiples of 8 from 8 to 256")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.size and x.strides[-1] != x.itemsize:
+            raise ValueError(f"{name} must be contiguous in its last dim; got {name}.strides={x.strides} "
+                             f"(itemsize {x.itemsize})")
+    if isinstance(scale, bool) or (scale is not None and not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale={scale} must be finite")
+    if sq > _INT32_MAX or sk > _INT32_MAX or b * hq > _INT32_MAX:
+        raise ValueError(f"seqlen_q={sq}, seqlen_k={sk} and batch*heads={b * hq} must each be below 2**31")
+    if sq > _GRID_Y_MAX * 16:
+        raise ValueError(f"seqlen_q={sq} exceeds the largest supported query length {_GRID_Y_MAX * 16}")
+    return Problem(dtype=entry, batch=b, heads=hq, heads_k=hk, seqlen_q=sq, seqlen_k=sk, head_dim=d,
+                   causal=bool(causal), scale=scale, layout=layout, device_id=devices[0],
+                   q_strides=q_strides, k_strides=k_strides, v_strides=v_strides)
+
+
+def aligned_for_async_copy(x) -> bool:
+    """16-byte copies need a 16-byte aligned base and row/head/batch strides in whole 16-byte units."""
+    return x.data.ptr % 16 == 0 and all(s % 16 == 0 for s in x.strides[:-1])

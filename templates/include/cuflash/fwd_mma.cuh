@@ -1,0 +1,327 @@
+// FlashAttention-2 forward on tensor cores (mma.sync m16n8k16), sm_80 and newer.
+//
+// One thread block per (query tile of kBlockM rows, batch*head). The Q tile stays on chip; K/V
+// tiles of kBlockN rows stream through a kStages-deep cp.async ring in shared memory. Each warp
+// owns 16*kMTiles query rows and the full head_dim of their output, so the softmax statistics
+// of a row live in the 4 lanes of one quad and never touch shared memory.
+//
+// Key tiles are visited from the last to the first: the tiles that need masking (the causal
+// diagonal and the sequence tail) come first, and the running max is usually settled by the
+// time the unmasked tiles arrive.
+//
+// The generated kernel provides Cfg with (all compile-time):
+//   kHeadDim, kBlockM, kBlockN, kWarps, kStages, kCausal, kBF16, kQInRegs,
+//   kChunksPerRow, kSmemRowBytes, kSmemQ, kSmemK, kSmemV, kKVTileBytes, and the Params struct.
+#pragma once
+#include "cuflash/ptx.cuh"
+
+namespace cuflash {
+
+// Copy kRows rows of one head (kChunksPerRow 16-byte chunks each) into a padded shared tile.
+// Rows at or past rows_valid are zero-filled.
+template <class Cfg, int kRows>
+__device__ __forceinline__ void load_tile_async(u32 smem_tile, const unsigned short* gmem,
+                                                long long row_stride, int rows_valid, int tid) {
+    constexpr int kThreads = Cfg::kWarps * 32;
+    constexpr int kChunks = kRows * Cfg::kChunksPerRow;
+#pragma unroll
+    for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
+        const int idx = tid + it * kThreads;
+        if (kChunks % kThreads == 0 || idx < kChunks) {
+            const int row = idx / Cfg::kChunksPerRow;
+            const int chunk = idx % Cfg::kChunksPerRow;
+            const bool valid = row < rows_valid;
+            const unsigned short* src = valid ? gmem + row * row_stride + chunk * 8 : gmem;
+            cp_async_16(smem_tile + row * Cfg::kSmemRowBytes + chunk * 16, src, valid);
+        }
+    }
+}
+
+template <class Cfg>
+__device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
+    constexpr int kD = Cfg::kHeadDim;
+    constexpr int kBM = Cfg::kBlockM;
+    constexpr int kBN = Cfg::kBlockN;
+    constexpr int kRowB = Cfg::kSmemRowBytes;
+    constexpr int kMTiles = kBM / (16 * Cfg::kWarps);  // 16-row MMA tiles per warp
+    constexpr int kK16 = kD / 16;                      // k=16 steps of S = Q K^T
+    constexpr bool kTail8 = (kD % 16) != 0;            // plus one k=8 step (head_dim = 8 mod 16)
+    constexpr int kKSteps = kK16 + (kTail8 ? 1 : 0);
+    constexpr int kSTiles = kBN / 8;                   // n=8 tiles of S per warp row block
+    constexpr int kOTiles = kD / 8;                    // n=8 tiles of O
+    constexpr bool kBF16 = Cfg::kBF16;
+    constexpr float kLn2 = 0.6931471805599453f;
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    const u32 smem_base = smem_addr(smem);
+    const u32 sQ = smem_base + Cfg::kSmemQ;
+    const u32 sK = smem_base + Cfg::kSmemK;
+    const u32 sV = smem_base + Cfg::kSmemV;
+
+    const int tid = threadIdx.x;
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+    const int bh = blockIdx.x;
+    const int batch = bh / p.heads;
+    const int head = bh - batch * p.heads;
+    const int head_k = head / p.group;
+    // Heaviest query tiles first so the causal grid's tail is made of short blocks.
+    const int m0 = (gridDim.y - 1 - blockIdx.y) * kBM;
+    const int causal_offset = p.seqlen_k - p.seqlen_q;  // bottom-right alignment
+
+    int n_end = p.seqlen_k;
+    if constexpr (Cfg::kCausal) n_end = min(n_end, m0 + kBM + causal_offset);
+    const int n_tiles = n_end > 0 ? (n_end + kBN - 1) / kBN : 0;
+
+    const unsigned short* q = static_cast<const unsigned short*>(p.q) + batch * p.q_batch_stride
+                              + head * p.q_head_stride + m0 * p.q_row_stride;
+    const unsigned short* k = static_cast<const unsigned short*>(p.k) + batch * p.k_batch_stride
+                              + head_k * p.k_head_stride;
+    const unsigned short* v = static_cast<const unsigned short*>(p.v) + batch * p.v_batch_stride
+                              + head_k * p.v_head_stride;
+
+    auto load_kv = [&](int tile, int slot) {
+        const int n0 = tile * kBN;
+        load_tile_async<Cfg, kBN>(sK + slot * Cfg::kKVTileBytes, k + n0 * p.k_row_stride,
+                                  p.k_row_stride, p.seqlen_k - n0, tid);
+        load_tile_async<Cfg, kBN>(sV + slot * Cfg::kKVTileBytes, v + n0 * p.v_row_stride,
+                                  p.v_row_stride, p.seqlen_k - n0, tid);
+    };
+
+    // -- prologue: Q, then the first kStages-1 K/V tiles, one commit group each --
+    load_tile_async<Cfg, kBM>(sQ, q, p.q_row_stride, p.seqlen_q - m0, tid);
+    cp_async_commit();
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages - 1; ++s) {
+        if (s < n_tiles) load_kv(n_tiles - 1 - s, s);
+        cp_async_commit();
+    }
+
+    // Per-lane byte offsets of the ldmatrix row addresses (fragment layouts of m16n8k16).
+    const int warp_row0 = warp * 16 * kMTiles;
+    // A operand (Q rows): matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15)
+    const u32 q_lane = (warp_row0 + lane % 8 + ((lane / 8) % 2) * 8) * kRowB + (lane / 16) * 16;
+    // B operand of Q K^T (K rows = n): matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, ...)
+    const u32 k_lane = (lane % 8 + (lane / 16) * 8) * kRowB + ((lane / 8) % 2) * 16;
+    // x2 loads (the k=8 / n=8 tails): lanes 0-15 address rows 0-15 of one 8-column chunk.
+    const u32 x2_lane = (lane % 8 + ((lane / 8) % 2) * 8) * kRowB;
+    // B operand of P V (V rows = k, transposed load): (k 0-7 | 8-15) x (n 0-7 | 8-15)
+    const u32 v_lane = (lane % 8 + ((lane / 8) % 2) * 8) * kRowB + (lane / 16) * 16;
+
+    float acc_o[kMTiles][kOTiles][4];
+    float row_max[kMTiles][2];  // running max of the scaled scores, log2 units
+    float row_sum[kMTiles][2];  // this lane's share of the running denominator
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < kOTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][nt][e] = 0.f;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) { row_max[mt][r] = neg_inf(); row_sum[mt][r] = 0.f; }
+    }
+
+    u32 q_frag[Cfg::kQInRegs ? kMTiles : 1][Cfg::kQInRegs ? kKSteps : 1][4];
+    auto load_q_frag = [&](u32 (&a)[4], int mt, int ks) {
+        const u32 addr = sQ + q_lane + mt * 16 * kRowB + ks * 32;
+        if (ks < kK16) {
+            ldmatrix_x4(a, addr);
+        } else {  // k=8 tail: a0 (rows 0-7), a1 (rows 8-15)
+            u32 a2[2];
+            ldmatrix_x2(a2, addr);
+            a[0] = a2[0]; a[1] = a2[1];
+        }
+    };
+
+    for (int i = 0; i < n_tiles; ++i) {
+        cp_async_wait<Cfg::kStages - 2>();
+        // Tile i has landed for every thread, and every warp is done with tile i-1's slot,
+        // which the next copy overwrites.
+        __syncthreads();
+        if constexpr (Cfg::kQInRegs) {
+            if (i == 0) {
+#pragma unroll
+                for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+                    for (int ks = 0; ks < kKSteps; ++ks) load_q_frag(q_frag[mt][ks], mt, ks);
+            }
+        }
+        {
+            const int ahead = i + Cfg::kStages - 1;
+            if (ahead < n_tiles) load_kv(n_tiles - 1 - ahead, ahead % Cfg::kStages);
+            cp_async_commit();
+        }
+        const int slot = i % Cfg::kStages;
+        const int n0 = (n_tiles - 1 - i) * kBN;
+        const u32 sKs = sK + slot * Cfg::kKVTileBytes;
+        const u32 sVs = sV + slot * Cfg::kKVTileBytes;
+
+        // -- S = Q K^T (fp32 accumulators) --
+        float acc_s[kMTiles][kSTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < kK16; ++ks) {
+            u32 a[kMTiles][4];
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                if constexpr (Cfg::kQInRegs) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][ks][e];
+                } else {
+                    load_q_frag(a[mt], mt, ks);
+                }
+            }
+#pragma unroll
+            for (int np = 0; np < kSTiles / 2; ++np) {
+                u32 b[4];
+                ldmatrix_x4(b, sKs + k_lane + np * 16 * kRowB + ks * 32);
+#pragma unroll
+                for (int mt = 0; mt < kMTiles; ++mt) {
+                    mma_16816<kBF16>(acc_s[mt][2 * np], a[mt], b[0], b[1]);
+                    mma_16816<kBF16>(acc_s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+        if constexpr (kTail8) {
+            u32 a[kMTiles][4];
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                if constexpr (Cfg::kQInRegs) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][kK16][e];
+                } else {
+                    load_q_frag(a[mt], mt, kK16);
+                }
+            }
+#pragma unroll
+            for (int np = 0; np < kSTiles / 2; ++np) {
+                u32 b[2];
+                ldmatrix_x2(b, sKs + x2_lane + np * 16 * kRowB + kK16 * 32);
+#pragma unroll
+                for (int mt = 0; mt < kMTiles; ++mt) {
+                    mma_1688<kBF16>(acc_s[mt][2 * np], a[mt][0], a[mt][1], b[0]);
+                    mma_1688<kBF16>(acc_s[mt][2 * np + 1], a[mt][0], a[mt][1], b[1]);
+                }
+            }
+        }
+
+        // -- scale to log2 units, then mask (after scaling, so a negative scale cannot turn a
+        //    masked -inf into +inf). Only the causal diagonal and the sequence tail need it. --
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] *= p.scale_log2;
+        bool needs_mask = n0 + kBN > p.seqlen_k;
+        if constexpr (Cfg::kCausal) needs_mask = needs_mask || n0 + kBN - 1 > m0 + causal_offset;
+        if (needs_mask) {
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int col = n0 + nt * 8 + 2 * (lane % 4) + (e & 1);
+                        const int row = m0 + warp_row0 + mt * 16 + lane / 4 + (e >> 1) * 8;
+                        bool allowed = col < p.seqlen_k;
+                        if constexpr (Cfg::kCausal) allowed = allowed && col <= row + causal_offset;
+                        if (!allowed) acc_s[mt][nt][e] = neg_inf();
+                    }
+        }
+
+        // -- online softmax: P = exp2(S - running max); rescale O and the sum when the max moves --
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float tile_max = neg_inf();
+#pragma unroll
+                for (int nt = 0; nt < kSTiles; ++nt)
+                    tile_max = fmaxf(tile_max, fmaxf(acc_s[mt][nt][2 * r], acc_s[mt][nt][2 * r + 1]));
+                tile_max = quad_max(tile_max);
+                const float new_max = fmaxf(row_max[mt][r], tile_max);
+                // A row with nothing unmasked yet keeps max -inf; subtracting 0 instead keeps
+                // exp2(-inf - max) at 0 rather than NaN.
+                const float base = new_max == neg_inf() ? 0.f : new_max;
+                const float alpha = exp2_approx(row_max[mt][r] - base);
+                row_max[mt][r] = new_max;
+                float tile_sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < kSTiles; ++nt) {
+#pragma unroll
+                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                        acc_s[mt][nt][e] = exp2_approx(acc_s[mt][nt][e] - base);
+                        tile_sum += acc_s[mt][nt][e];
+                    }
+                }
+                row_sum[mt][r] = row_sum[mt][r] * alpha + tile_sum;
+#pragma unroll
+                for (int nt = 0; nt < kOTiles; ++nt) {
+                    acc_o[mt][nt][2 * r] *= alpha;
+                    acc_o[mt][nt][2 * r + 1] *= alpha;
+                }
+            }
+        }
+
+        // -- O += P V: the S accumulators of two n=8 tiles form one A fragment of k=16 --
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; ++kk) {
+            u32 a[kMTiles][4];
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                a[mt][0] = pack2<kBF16>(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
+                a[mt][1] = pack2<kBF16>(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
+                a[mt][2] = pack2<kBF16>(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
+                a[mt][3] = pack2<kBF16>(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int dp = 0; dp < kOTiles / 2; ++dp) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, sVs + v_lane + kk * 16 * kRowB + dp * 32);
+#pragma unroll
+                for (int mt = 0; mt < kMTiles; ++mt) {
+                    mma_16816<kBF16>(acc_o[mt][2 * dp], a[mt], b[0], b[1]);
+                    mma_16816<kBF16>(acc_o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+                }
+            }
+            if constexpr (kOTiles % 2) {
+                u32 b[2];
+                ldmatrix_x2_trans(b, sVs + x2_lane + kk * 16 * kRowB + (kOTiles - 1) * 16);
+#pragma unroll
+                for (int mt = 0; mt < kMTiles; ++mt)
+                    mma_16816<kBF16>(acc_o[mt][kOTiles - 1], a[mt], b[0], b[1]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // -- epilogue: normalize, write O in the input dtype and the natural-log LSE --
+    unsigned short* o = static_cast<unsigned short*>(p.o) + batch * p.o_batch_stride
+                        + head * p.o_head_stride;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float sum = quad_sum(row_sum[mt][r]);
+            const int row = m0 + warp_row0 + mt * 16 + lane / 4 + r * 8;
+            if (row >= p.seqlen_q) continue;
+            // sum == 0 only for a fully masked row: O = 0, LSE = -inf. A NaN sum stays NaN.
+            const float inv = sum == 0.f ? 0.f : 1.f / sum;
+            u32* o_row = reinterpret_cast<u32*>(o + row * p.o_row_stride) + lane % 4;
+#pragma unroll
+            for (int nt = 0; nt < kOTiles; ++nt)
+                o_row[nt * 4] = pack2<kBF16>(acc_o[mt][nt][2 * r] * inv, acc_o[mt][nt][2 * r + 1] * inv);
+            if (lane % 4 == 0)
+                p.lse[static_cast<long long>(bh) * p.seqlen_q + row] =
+                    sum == 0.f ? neg_inf() : row_max[mt][r] * kLn2 + logf(sum);
+        }
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,145 @@
+// Exact float32 forward on CUDA cores: the same tiled online-softmax algorithm as the tensor-core
+// kernel, with every product and sum in float32 (no TF32), for inputs that must keep full
+// float32 accuracy.
+//
+// One thread block per (query tile of kBlockM rows, batch*head); kThreadsPerRow consecutive lanes
+// share a query row, so the row statistics reduce with warp shuffles.
+//
+// The generated kernel provides Cfg with kHeadDim, kBlockM, kBlockN, kWarps, kCausal and Params.
+#pragma once
+#include "cuflash/ptx.cuh"
+
+namespace cuflash {
+
+template <int kWidth>
+__device__ __forceinline__ float group_max(float x) {
+#pragma unroll
+    for (int w = 1; w < kWidth; w *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, w));
+    return x;
+}
+template <int kWidth>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+    for (int w = 1; w < kWidth; w *= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
+    return x;
+}
+
+template <class Cfg>
+__device__ __forceinline__ void fwd_simt(const typename Cfg::Params& p) {
+    constexpr int kD = Cfg::kHeadDim;
+    constexpr int kBM = Cfg::kBlockM;
+    constexpr int kBN = Cfg::kBlockN;
+    constexpr int kThreads = Cfg::kWarps * 32;
+    constexpr int kThreadsPerRow = kThreads / kBM;
+    constexpr int kScoreCols = kBN / kThreadsPerRow;
+    constexpr int kOutCols = (kD + kThreadsPerRow - 1) / kThreadsPerRow;
+    constexpr int kQPitch = kD + 1;   // odd pitches: column walks hit distinct banks
+    constexpr int kPPitch = kBN + 1;
+    constexpr float kLn2 = 0.6931471805599453f;
+    static_assert(kThreadsPerRow <= 32 && (kThreadsPerRow & (kThreadsPerRow - 1)) == 0,
+                  "a query row's lanes must be a power-of-two group inside one warp");
+
+    extern __shared__ __align__(16) float smem_f32[];
+    float* sQ = smem_f32;
+    float* sK = sQ + kBM * kQPitch;
+    float* sV = sK + kBN * kQPitch;
+    float* sP = sV + kBN * kD;
+
+    const int tid = threadIdx.x;
+    const int row_local = tid / kThreadsPerRow;
+    const int sub = tid % kThreadsPerRow;
+    const int bh = blockIdx.x;
+    const int batch = bh / p.heads;
+    const int head = bh - batch * p.heads;
+    const int head_k = head / p.group;
+    const int m0 = (gridDim.y - 1 - blockIdx.y) * kBM;
+    const int causal_offset = p.seqlen_k - p.seqlen_q;
+    const int row = m0 + row_local;
+
+    int n_end = p.seqlen_k;
+    if constexpr (Cfg::kCausal) n_end = min(n_end, m0 + kBM + causal_offset);
+    const int n_tiles = n_end > 0 ? (n_end + kBN - 1) / kBN : 0;
+
+    const float* q = static_cast<const float*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
+    const float* k = static_cast<const float*>(p.k) + batch * p.k_batch_stride + head_k * p.k_head_stride;
+    const float* v = static_cast<const float*>(p.v) + batch * p.v_batch_stride + head_k * p.v_head_stride;
+
+    for (int idx = tid; idx < kBM * kD; idx += kThreads) {
+        const int r = idx / kD, c = idx % kD;
+        sQ[r * kQPitch + c] = m0 + r < p.seqlen_q ? q[(m0 + r) * p.q_row_stride + c] : 0.f;
+    }
+
+    float acc_o[kOutCols];
+#pragma unroll
+    for (int c = 0; c < kOutCols; ++c) acc_o[c] = 0.f;
+    float row_max = neg_inf();
+    float row_sum = 0.f;
+
+    for (int i = 0; i < n_tiles; ++i) {
+        const int n0 = (n_tiles - 1 - i) * kBN;
+        __syncthreads();  // the previous tile's K, V and P are no longer read
+        for (int idx = tid; idx < kBN * kD; idx += kThreads) {
+            const int r = idx / kD, c = idx % kD;
+            const bool valid = n0 + r < p.seqlen_k;
+            sK[r * kQPitch + c] = valid ? k[(n0 + r) * p.k_row_stride + c] : 0.f;
+            sV[r * kD + c] = valid ? v[(n0 + r) * p.v_row_stride + c] : 0.f;
+        }
+        __syncthreads();
+
+        float score[kScoreCols];
+        float tile_max = neg_inf();
+#pragma unroll
+        for (int j = 0; j < kScoreCols; ++j) {
+            const int col_local = sub + j * kThreadsPerRow;
+            float dot = 0.f;
+#pragma unroll 8
+            for (int d = 0; d < kD; ++d) dot = fmaf(sQ[row_local * kQPitch + d], sK[col_local * kQPitch + d], dot);
+            const int col = n0 + col_local;
+            bool allowed = col < p.seqlen_k;
+            if constexpr (Cfg::kCausal) allowed = allowed && col <= row + causal_offset;
+            score[j] = allowed ? dot * p.scale_log2 : neg_inf();
+            tile_max = fmaxf(tile_max, score[j]);
+        }
+        tile_max = group_max<kThreadsPerRow>(tile_max);
+        const float new_max = fmaxf(row_max, tile_max);
+        const float base = new_max == neg_inf() ? 0.f : new_max;
+        const float alpha = exp2f(row_max - base);
+        row_max = new_max;
+        float tile_sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kScoreCols; ++j) {
+            const float prob = exp2f(score[j] - base);
+            sP[row_local * kPPitch + sub + j * kThreadsPerRow] = prob;
+            tile_sum += prob;
+        }
+        row_sum = row_sum * alpha + group_sum<kThreadsPerRow>(tile_sum);
+        __syncthreads();
+
+#pragma unroll
+        for (int c = 0; c < kOutCols; ++c) {
+            const int d = sub + c * kThreadsPerRow;
+            if (kD % kThreadsPerRow == 0 || d < kD) {
+                float acc = acc_o[c] * alpha;
+#pragma unroll 8
+                for (int n = 0; n < kBN; ++n) acc = fmaf(sP[row_local * kPPitch + n], sV[n * kD + d], acc);
+                acc_o[c] = acc;
+            }
+        }
+    }
+
+    if (row < p.seqlen_q) {
+        float* o = static_cast<float*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride
+                   + row * p.o_row_stride;
+        const float inv = row_sum == 0.f ? 0.f : 1.f / row_sum;
+#pragma unroll
+        for (int c = 0; c < kOutCols; ++c) {
+            const int d = sub + c * kThreadsPerRow;
+            if (kD % kThreadsPerRow == 0 || d < kD) o[d] = acc_o[c] * inv;
+        }
+        if (sub == 0)
+            p.lse[static_cast<long long>(bh) * p.seqlen_q + row] =
+                row_sum == 0.f ? neg_inf() : row_max * kLn2 + logf(row_sum);
+    }
+}
+
+}  // namespace cuflash
