@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 #: The problem ``demo`` runs: bf16, batch 4, 16 heads, 2048 tokens, head_dim 128, causal.
 DEMO_PROBLEM = dict(dtype="bf16", batch=4, heads=16, seqlen=2048, head_dim=128, causal=True)
@@ -45,11 +46,8 @@ def _package_version(name: str) -> str | None:
 
 
 def cuflash_version() -> str:
-    installed = _package_version("cuflash")
-    if installed:
-        return installed
     import cuflash
-    return getattr(cuflash, "__version__", "unknown")
+    return getattr(cuflash, "__version__", None) or _package_version("cuflash") or "unknown"
 
 
 def environment() -> dict:
@@ -125,7 +123,7 @@ def _fail(command: str, message: str, code: int) -> int:
 def cmd_info(args) -> int:
     env = environment()
     rows = [
-        ("cuflash", env["cuflash"]),
+        ("cuflash", f"{env['cuflash']} ({Path(__file__).resolve().parent})"),
         ("python", env["python"]),
         ("numpy", env["numpy"]),
         ("jinja2", env["jinja2"]),

@@ -1,0 +1,205 @@
+"""The command line, called in-process through ``cuflash.cli.main``.
+
+Most tests run on any machine. The "no GPU" tests check what a machine without a usable CUDA
+device gets and skip where one is present; the ``gpu`` tests do the reverse.
+"""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cuflash import bench, cli
+from cuflash.spec import default_spec
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _gpu_present() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+GPU = _gpu_present()
+needs_no_gpu = pytest.mark.skipif(GPU, reason="a CUDA GPU is present; this checks the no-GPU path")
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+
+
+def test_help_lists_subcommands(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("info", "generate", "warmup", "demo", "bench"):
+        assert command in out
+
+
+def test_python_dash_m_entry_point():
+    result = subprocess.run([sys.executable, "-m", "cuflash", "--help"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "generate" in result.stdout
+
+
+def test_unknown_subcommand_is_a_usage_error(capsys):
+    assert cli.main(["frobnicate"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+# -- generate ---------------------------------------------------------------------------------
+def test_generate_prints_source_named_after_the_spec(capsys):
+    code = cli.main(["generate", "--head-dim", "128", "--dtype", "bf16", "--causal", "--arch", "sm90a"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert default_spec(128, "bf16", True, "sm90a").name in out
+    assert "__global__" in out
+
+
+def test_generate_applies_tile_overrides(capsys):
+    code = cli.main(["generate", "--head-dim", "64", "--dtype", "fp16", "--arch", "sm80",
+                     "--block-m", "64", "--block-n", "32", "--num-warps", "4", "--num-stages", "3"])
+    assert code == 0
+    expected = default_spec(64, "fp16", False, "sm80").replace(block_m=64, block_n=32, num_warps=4, num_stages=3)
+    assert expected.name in capsys.readouterr().out
+
+
+def test_generate_writes_a_file(tmp_path, capsys):
+    target = tmp_path / "kernel.cu"
+    code = cli.main(["generate", "--head-dim", "96", "--dtype", "fp32", "--arch", "sm80", "-o", str(target)])
+    assert code == 0
+    name = default_spec(96, "fp32", False, "sm80").name
+    assert name in target.read_text()
+    out = capsys.readouterr().out
+    assert str(target) in out and name in out
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--head-dim", "100"], "head_dim=100"),
+    (["--head-dim", "512"], "head_dim=512"),
+    (["--head-dim", "128", "--dtype", "fp64"], "fp64"),
+    (["--head-dim", "128", "--arch", "sm70"], "sm70"),
+    (["--head-dim", "128", "--block-n", "20"], "block_n=20"),
+])
+def test_generate_rejects_bad_values_with_exit_2(argv, named, capsys):
+    if "--arch" not in argv:
+        argv = [*argv, "--arch", "sm90a"]
+    code = cli.main(["generate", *argv])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert named in err
+    assert "Traceback" not in err
+
+
+# -- info / warmup / demo / bench without a GPU ------------------------------------------------
+@needs_no_gpu
+def test_info_without_gpu_says_so(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU" in out and "none" in out
+    assert "cache dir" in out and "cached kernels" in out
+    import cuflash
+    assert re.search(rf"^cuflash\s+{re.escape(cuflash.__version__)} ", out, re.MULTILINE)
+
+
+@needs_no_gpu
+def test_warmup_without_gpu_exits_1(capsys):
+    assert cli.main(["warmup", "--head-dims", "64", "--dtypes", "bf16"]) == 1
+    assert "GPU" in capsys.readouterr().err
+
+
+@needs_no_gpu
+def test_demo_without_gpu_compiles_offline(capsys):
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "No CUDA GPU" in out
+    assert default_spec(128, "bf16", True, "sm90a").name in out
+    assert "registers per thread" in out
+    assert "max |out difference|" in out
+
+
+@needs_no_gpu
+def test_bench_without_gpu_exits_1(capsys):
+    assert cli.main(["bench", "--head-dims", "64", "--seqlens", "512"]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+# -- benchmark helpers that need no GPU --------------------------------------------------------
+def test_paper_grid_follows_the_flashattention_papers():
+    grid = bench.paper_grid(head_dims=(64, 128), seqlens=(512, 4096, 16384), causal=(False, True))
+    assert len(grid) == 2 * 3 * 2
+    by_key = {(c.head_dim, c.seqlen, c.causal): c for c in grid}
+    config = by_key[(128, 4096, True)]
+    assert (config.batch, config.heads) == (4, 16)
+    assert by_key[(64, 16384, False)].batch == 1 and by_key[(64, 16384, False)].heads == 32
+    assert all(c.batch * c.seqlen == 16384 for c in grid)
+
+
+def test_parse_spec_override():
+    assert bench.parse_spec_override("block_m=64, block_n=32,num_warps=4,num_stages=3") == dict(
+        block_m=64, block_n=32, num_warps=4, num_stages=3)
+    assert bench.parse_spec_override(None) == {}
+    with pytest.raises(ValueError, match="head_dim"):
+        bench.parse_spec_override("head_dim=64")
+    with pytest.raises(ValueError, match="block_m"):
+        bench.parse_spec_override("block_m=big")
+
+
+def _fake_result(seqlen, tflops, flash, cudnn):
+    config = bench.BenchConfig(head_dim=128, seqlen=seqlen, causal=True, batch=16384 // seqlen, heads=16, dtype="bf16")
+    result = dict(config.__dict__, direction="fwd", flops=1, spec="fwd_bf16_hd128_causal_m128n64w4s2_sm90a",
+                  ms=1.234, tflops=tflops, error=None, peers={})
+    for key, value in (("flash", flash), ("cudnn", cudnn)):
+        result["peers"][key] = dict(ms=None if value is None else 2.0, tflops=value,
+                                    ratio=None if value is None else tflops / value,
+                                    max_abs_diff=None, error=None if value else "RuntimeError: no kernel")
+    return result
+
+
+def test_report_formatting():
+    results = [_fake_result(4096, 612.5, 345.1, 600.2), _fake_result(8192, 620.0, 350.0, None)]
+    line = bench.format_line(results[0])
+    assert line == ("fwd bf16 hd128 causal N=4096 b=4 h=16: 1.234 ms, 612.5 TFLOP/s "
+                    "| flash 345.1 (1.77x) | cudnn 600.2 (1.02x)")
+    assert bench.format_line(results[1]).endswith("| cudnn n/a")
+    report = dict(environment=dict(gpu="Test GPU"), results=results, overhead=None)
+    tables = bench.markdown_tables(report)
+    assert "**fwd bf16 head_dim=128 causal** (TFLOP/s, Test GPU)" in tables
+    assert "| impl | 4096 | 8192 |" in tables
+    assert "| cuflash | 612 | 620 |" in tables or "| cuflash | 613 | 620 |" in tables
+    assert "| torch SDPA cuDNN | 600 | – |" in tables
+    json.dumps(report)
+
+
+# -- with a GPU --------------------------------------------------------------------------------
+@pytest.mark.gpu
+@needs_gpu
+def test_info_with_gpu(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "compute capability" in out and "compile target" in out
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_demo_with_gpu_checks_against_reference(capsys):
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert ": ok" in out and "TFLOP/s" in out
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_bench_with_gpu_writes_json_and_markdown(tmp_path, capsys):
+    json_path, md_path = tmp_path / "bench.json", tmp_path / "bench.md"
+    code = cli.main(["bench", "--head-dims", "64", "--seqlens", "256", "--causal", "yes", "--reps", "2",
+                     "--total-tokens", "1024", "--no-torch", "--json", str(json_path), "--md", str(md_path)])
+    assert code == 0
+    report = json.loads(json_path.read_text())
+    (result,) = report["results"]
+    assert result["spec"].startswith("fwd_bf16_hd64_causal")
+    assert result["tflops"] > 0
+    assert "| cuflash |" in md_path.read_text()
+    assert "fwd bf16 hd64 causal N=256 b=4 h=32" in capsys.readouterr().out
