@@ -1,0 +1,372 @@
+"""NumPy references for the forward attention kernels (no CuPy, no GPU).
+
+Numerical contract, shared by every function here and by the CUDA kernels:
+
+* Layout ``"bhsd"``: q is ``[batch, heads_q, seqlen_q, head_dim]``, k and v are
+  ``[batch, heads_k, seqlen_k, head_dim]``. Layout ``"bshd"``: ``[batch, seqlen, heads, head_dim]``.
+* ``heads_q`` is a multiple of ``heads_k`` (grouped-query attention): query head ``h`` reads kv
+  head ``h // (heads_q // heads_k)``.
+* ``scale`` defaults to ``1 / sqrt(head_dim)``; the scores are ``S = scale * Q K^T``.
+* Causal masking is aligned bottom-right: query ``i`` may attend key ``j`` iff
+  ``j <= i + seqlen_k - seqlen_q``. With ``seqlen_q > seqlen_k`` the first
+  ``seqlen_q - seqlen_k`` rows attend nothing.
+* ``lse`` is the natural-log log-sum-exp of the scaled, masked scores of each query row,
+  ``[batch, heads_q, seqlen_q]`` in both layouts.
+* A row that attends nothing (fully masked, or ``seqlen_k == 0``) has ``out = 0`` and
+  ``lse = -inf``, never NaN.
+
+Functions:
+
+* :func:`attention_reference` -- the float64 ground truth.
+* :func:`attention_naive` -- softmax(QK^T)V written plainly in the input precision; its error
+  against the reference is the yardstick of the accuracy rule in :mod:`cuflash.testing`.
+* :func:`simulate_tiled` and :func:`tile_schedule` -- the kernel's own tiled online-softmax
+  algorithm and tile walk, run on the CPU.
+* :func:`attention_flops` -- causal-aware FLOP count for benchmarks.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import dtypes
+
+LAYOUTS = ("bhsd", "bshd")
+
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / _LN2
+
+
+# -- validation and layout ------------------------------------------------------------------------
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not supported; choose one of {LAYOUTS}")
+
+
+def _to_bhsd(x: np.ndarray, layout: str) -> np.ndarray:
+    return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
+
+
+def _from_bhsd(x: np.ndarray, layout: str) -> np.ndarray:
+    return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
+
+
+def _prepare(q, k, v, scale, layout, compute_dtype):
+    """Validate the inputs, convert them to ``compute_dtype`` and to the bhsd layout.
+
+    Returns ``(q, k, v, scale)`` with k and v still holding ``heads_k`` heads.
+    """
+    _check_layout(layout)
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name}.shape={x.shape} must have 4 dims ({layout})")
+    qb, kb, vb = (_to_bhsd(x, layout) for x in (q, k, v))
+    if kb.shape != vb.shape:
+        raise ValueError(f"k.shape={k.shape} and v.shape={v.shape} must be equal")
+    if qb.shape[0] != kb.shape[0] or qb.shape[3] != kb.shape[3]:
+        raise ValueError(f"q.shape={q.shape} and k.shape={k.shape} must agree on batch and head_dim "
+                         f"(layout {layout!r})")
+    heads_q, heads_k = qb.shape[1], kb.shape[1]
+    if heads_k == 0 or heads_q % heads_k:
+        raise ValueError(f"heads_q={heads_q} must be a multiple of heads_k={heads_k} "
+                         f"(q.shape={q.shape}, k.shape={k.shape}, layout {layout!r})")
+    if scale is None:
+        scale = 1.0 / math.sqrt(qb.shape[3])
+    return (qb.astype(compute_dtype), kb.astype(compute_dtype), vb.astype(compute_dtype),
+            float(scale))
+
+
+def _expand_kv_heads(x: np.ndarray, heads_q: int) -> np.ndarray:
+    """Repeat each kv head ``heads_q // heads_k`` times so query head h meets kv head h // group."""
+    group = heads_q // x.shape[1]
+    return x if group == 1 else np.repeat(x, group, axis=1)
+
+
+def causal_mask(seqlen_q: int, seqlen_k: int) -> np.ndarray:
+    """``bool[seqlen_q, seqlen_k]``, True where query i may attend key j (bottom-right aligned)."""
+    rows = np.arange(seqlen_q)[:, None]
+    cols = np.arange(seqlen_k)[None, :]
+    return cols <= rows + (seqlen_k - seqlen_q)
+
+
+def _allowed(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
+    if causal:
+        return causal_mask(seqlen_q, seqlen_k)
+    return np.ones((seqlen_q, seqlen_k), dtype=bool)
+
+
+# -- shared softmax pieces ------------------------------------------------------------------------
+
+def _masked_softmax_parts(scores: np.ndarray, allowed: np.ndarray):
+    """Unnormalized softmax of ``scores`` over the last axis, masked by selection.
+
+    Returns ``(p, row_max, row_sum, empty)`` where ``empty`` marks rows that attend nothing.
+    Selection (not ``scores + (-inf)``) keeps a NaN score at a masked position out of the row.
+    The row maximum of an empty row is -inf; it is replaced by 0 before subtracting so that
+    ``exp(-inf - (-inf))`` never makes a NaN. A NaN anywhere in an allowed position makes the
+    maximum NaN and so the whole row NaN.
+    """
+    masked = np.where(allowed, scores, -np.inf)
+    row_max = masked.max(axis=-1, initial=-np.inf)
+    row_max = np.where(row_max == -np.inf, 0.0, row_max).astype(scores.dtype)
+    p = np.exp(masked - row_max[..., None])
+    row_sum = p.sum(axis=-1)
+    empty = row_sum == 0   # False for NaN rows, so NaN survives the epilogue selections
+    return p, row_max, row_sum, empty
+
+
+def _weighted_values(p: np.ndarray, v: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """``p @ v`` where a NaN value row j reaches only the query rows allowed to attend key j.
+
+    A masked weight is exactly 0 and ``0 * NaN`` would otherwise spread the NaN to every row.
+    """
+    nan_values = np.isnan(v)
+    if not nan_values.any():
+        return p @ v
+    out = p @ np.where(nan_values, 0, v).astype(v.dtype)
+    reached = (allowed.astype(np.float32) @ nan_values.astype(np.float32)) > 0
+    return np.where(reached, np.nan, out).astype(p.dtype)
+
+
+def _finish(weighted, row_max, row_sum, empty):
+    """Epilogue: normalize by the row sum and form the natural-log LSE; empty rows give 0 / -inf."""
+    safe_sum = np.where(empty, 1, row_sum).astype(row_sum.dtype)
+    out = np.where(empty[..., None], 0, weighted / safe_sum[..., None]).astype(weighted.dtype)
+    lse = np.where(empty, -np.inf, row_max + np.log(safe_sum)).astype(row_sum.dtype)
+    return out, lse
+
+
+# -- float64 reference ----------------------------------------------------------------------------
+
+def attention_reference(q, k, v, *, causal: bool = False, scale: float | None = None,
+                        layout: str = "bhsd"):
+    """Scaled dot-product attention computed in float64.
+
+    Args:
+        q: ``[batch, heads_q, seqlen_q, head_dim]`` (``"bhsd"``) or
+            ``[batch, seqlen_q, heads_q, head_dim]`` (``"bshd"``), any float dtype including
+            ml_dtypes bfloat16; upcast to float64.
+        k, v: ``[batch, heads_k, seqlen_k, head_dim]`` or ``[batch, seqlen_k, heads_k, head_dim]``;
+            ``heads_q`` must be a multiple of ``heads_k``.
+        causal: bottom-right aligned causal mask (see the module docstring).
+        scale: score scale; ``1 / sqrt(head_dim)`` when None.
+        layout: ``"bhsd"`` or ``"bshd"``.
+
+    Returns:
+        ``(out, lse)``: ``out`` float64 with q's shape and layout; ``lse`` float64
+        ``[batch, heads_q, seqlen_q]`` (natural log). Rows that attend nothing give 0 and -inf.
+
+    NaN stays where it belongs: a NaN in q row i makes only output row i NaN (unless row i attends
+    nothing); a NaN in k or v row j makes NaN only the rows allowed to attend key j.
+    """
+    qb, kb, vb, scale = _prepare(q, k, v, scale, layout, np.float64)
+    heads_q, seqlen_q, seqlen_k = qb.shape[1], qb.shape[2], kb.shape[2]
+    kb, vb = _expand_kv_heads(kb, heads_q), _expand_kv_heads(vb, heads_q)
+    allowed = _allowed(seqlen_q, seqlen_k, causal)
+    with np.errstate(invalid="ignore", over="ignore"):
+        scores = (qb @ kb.swapaxes(-1, -2)) * scale
+        p, row_max, row_sum, empty = _masked_softmax_parts(scores, allowed)
+        out, lse = _finish(_weighted_values(p, vb, allowed), row_max, row_sum, empty)
+    return _from_bhsd(out, layout), lse
+
+
+# -- same-precision baseline ----------------------------------------------------------------------
+
+def attention_naive(q, k, v, *, causal: bool = False, scale: float | None = None,
+                    layout: str = "bhsd"):
+    """softmax(scale * Q K^T) V written plainly in the input precision.
+
+    This is what a user gets without a fused kernel, and its error against
+    :func:`attention_reference` is the baseline of the accuracy rule. Steps, for a 16-bit input
+    dtype ``T``:
+
+    1. ``S = Q K^T`` as a float32 matmul of the inputs, rounded to ``T``;
+    2. ``S = S * scale`` with ``scale`` rounded to ``T``, the product rounded to ``T``;
+    3. the masked softmax of ``S`` in float32, its probabilities rounded to ``T``;
+    4. ``O = P V`` accumulated in float32, rounded to ``T``.
+
+    For float32 inputs every rounding is a no-op, so the whole computation is float32.
+
+    Shapes and layouts as in :func:`attention_reference`. Returns ``(out, lse)``: ``out`` in the
+    input dtype and layout, ``lse`` float32 ``[batch, heads_q, seqlen_q]``.
+    """
+    entry = dtypes.from_numpy(np.asarray(q).dtype)
+    for name, x in (("k", k), ("v", v)):
+        if np.asarray(x).dtype != entry.numpy:
+            raise TypeError(f"q.dtype={entry.numpy} and {name}.dtype={np.asarray(x).dtype} must be equal")
+    io = entry.numpy
+    f32 = np.float32
+    qb, kb, vb, scale = _prepare(q, k, v, scale, layout, f32)
+    heads_q, seqlen_q, seqlen_k = qb.shape[1], qb.shape[2], kb.shape[2]
+    kb, vb = _expand_kv_heads(kb, heads_q), _expand_kv_heads(vb, heads_q)
+    allowed = _allowed(seqlen_q, seqlen_k, causal)
+    scale_io = np.asarray(scale, dtype=f32).astype(io).astype(f32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        # A product of two 16-bit floats is exact in float32, so rounding it once to T is the
+        # correctly rounded multiply in T.
+        scores = (qb @ kb.swapaxes(-1, -2)).astype(io).astype(f32)
+        scores = (scores * scale_io).astype(io).astype(f32)
+        p, row_max, row_sum, empty = _masked_softmax_parts(scores, allowed)
+        safe_sum = np.where(empty, 1, row_sum).astype(f32)
+        probs = (p / safe_sum[..., None]).astype(io).astype(f32)
+        out = _weighted_values(probs, vb, allowed)
+        out = np.where(empty[..., None], 0, out).astype(f32).astype(io)
+        lse = np.where(empty, -np.inf, row_max + np.log(safe_sum)).astype(f32)
+    return _from_bhsd(out, layout), lse
+
+
+# -- the kernel's algorithm on the CPU ------------------------------------------------------------
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_blocks(block_m: int, block_n: int) -> None:
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if not isinstance(value, (int, np.integer)) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def tile_schedule(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, causal: bool):
+    """The key tiles each query tile visits, in the kernel's order, and which need masking.
+
+    Query tile ``m`` covers rows ``[m * block_m, (m + 1) * block_m)``. It stops at key
+    ``n_end = seqlen_k``, or under the causal mask at
+    ``n_end = min(seqlen_k, m0 + block_m + seqlen_k - seqlen_q)`` (one past the last key its last
+    row may attend), and visits ``ceil(n_end / block_n)`` key tiles from the last down to the first,
+    so the only tiles that need masking come first and the loop's tail runs mask-free.
+
+    A key tile is masked iff it holds a key past ``seqlen_k`` or, under the causal mask, a key past
+    what the tile's first row may attend: ``n0 + block_n > seqlen_k`` or
+    ``causal and n0 + block_n - 1 > m0 + seqlen_k - seqlen_q``.
+
+    Returns ``[(m_block, [(n_block, masked), ...]), ...]`` with one entry per query tile
+    (``ceil(seqlen_q / block_m)`` of them); a query tile whose rows attend nothing has no key tiles.
+    """
+    _check_blocks(block_m, block_n)
+    offset = seqlen_k - seqlen_q
+    schedule = []
+    for m_block in range(_ceil_div(seqlen_q, block_m)):
+        m0 = m_block * block_m
+        n_end = min(seqlen_k, m0 + block_m + offset) if causal else seqlen_k
+        n_tiles = _ceil_div(n_end, block_n) if n_end > 0 else 0
+        tiles = []
+        for n_block in reversed(range(n_tiles)):
+            n0 = n_block * block_n
+            masked = n0 + block_n > seqlen_k or (causal and n0 + block_n - 1 > m0 + offset)
+            tiles.append((n_block, masked))
+        schedule.append((m_block, tiles))
+    return schedule
+
+
+def simulate_tiled(q, k, v, *, causal: bool = False, scale: float | None = None,
+                   layout: str = "bhsd", block_m: int = 128, block_n: int = 64):
+    """The forward kernel's algorithm in float64 NumPy: tiles, online softmax in base 2, epilogue.
+
+    Every (batch, head) pair runs the same walk from :func:`tile_schedule`. Q is zero-padded to a
+    whole number of query tiles and K/V to whole key tiles, as the kernel's zero-filling loads do.
+    Per key tile, with ``x = s * scale * log2(e)``::
+
+        m_new = max(m_old, rowmax(x))
+        m_use = 0 where m_new == -inf else m_new     # a row with nothing seen yet
+        p     = exp2(x - m_use)
+        alpha = exp2(m_old - m_use)
+        l     = l * alpha + rowsum(p)
+        acc   = acc * alpha + p @ v_tile
+
+    Only tiles the schedule marks get the mask applied; every other tile is checked to hold no
+    masked pair (RuntimeError otherwise). Epilogue: ``out = acc / l`` and
+    ``lse = (m_use + log2(l)) * ln(2)``, with ``out = 0`` and ``lse = -inf`` where ``l == 0``
+    (selecting on ``l == 0`` rather than ``l > 0`` lets a NaN row stay NaN).
+
+    Shapes and layouts as in :func:`attention_reference`; returns float64 ``(out, lse)``. Meant for
+    finite inputs: a NaN value row inside a visited masked tile spreads through ``0 * NaN`` here
+    as it does in the kernel.
+    """
+    _check_blocks(block_m, block_n)
+    qb, kb, vb, scale = _prepare(q, k, v, scale, layout, np.float64)
+    batch, heads_q, seqlen_q, head_dim = qb.shape
+    seqlen_k = kb.shape[2]
+    kb, vb = _expand_kv_heads(kb, heads_q), _expand_kv_heads(vb, heads_q)
+    q_rows = _ceil_div(seqlen_q, block_m) * block_m
+    k_rows = max(_ceil_div(seqlen_k, block_n), 1) * block_n
+    qp = np.zeros((batch, heads_q, q_rows, head_dim))
+    qp[:, :, :seqlen_q] = qb
+    kp = np.zeros((batch, heads_q, k_rows, head_dim))
+    kp[:, :, :seqlen_k] = kb
+    vp = np.zeros_like(kp)
+    vp[:, :, :seqlen_k] = vb
+
+    out = np.zeros((batch, heads_q, q_rows, head_dim))
+    lse = np.full((batch, heads_q, q_rows), -np.inf)
+    qk_scale = scale * _LOG2E
+    offset = seqlen_k - seqlen_q
+    with np.errstate(invalid="ignore", over="ignore"):
+        for m_block, tiles in tile_schedule(seqlen_q, seqlen_k, block_m, block_n, causal):
+            m0 = m_block * block_m
+            rows = np.arange(m0, m0 + block_m)[:, None]
+            q_tile = qp[:, :, m0:m0 + block_m]
+            m_old = np.full((batch, heads_q, block_m), -np.inf)
+            l_sum = np.zeros((batch, heads_q, block_m))
+            acc = np.zeros((batch, heads_q, block_m, head_dim))
+            for n_block, masked in tiles:
+                n0 = n_block * block_n
+                cols = np.arange(n0, n0 + block_n)[None, :]
+                allowed = cols < seqlen_k
+                if causal:
+                    allowed = allowed & (cols <= rows + offset)
+                # -- compute qk --
+                x = (q_tile @ kp[:, :, n0:n0 + block_n].swapaxes(-1, -2)) * qk_scale
+                if masked:
+                    x = np.where(allowed, x, -np.inf)
+                elif not allowed.all():
+                    raise RuntimeError(f"tile (m={m_block}, n={n_block}) holds masked pairs but the "
+                                       f"schedule runs it unmasked (seqlen_q={seqlen_q}, "
+                                       f"seqlen_k={seqlen_k}, block_m={block_m}, block_n={block_n})")
+                # -- online softmax --
+                m_new = np.maximum(m_old, x.max(axis=-1))
+                m_use = np.where(m_new == -np.inf, 0.0, m_new)
+                p = np.exp2(x - m_use[..., None])
+                alpha = np.exp2(m_old - m_use)
+                l_sum = l_sum * alpha + p.sum(axis=-1)
+                acc = acc * alpha[..., None] + p @ vp[:, :, n0:n0 + block_n]
+                m_old = m_new
+            # -- epilogue --
+            m_use = np.where(m_old == -np.inf, 0.0, m_old)
+            empty = l_sum == 0
+            inv_l = np.where(empty, 0.0, 1.0 / np.where(empty, 1.0, l_sum))
+            out[:, :, m0:m0 + block_m] = acc * inv_l[..., None]
+            lse[:, :, m0:m0 + block_m] = np.where(
+                empty, -np.inf, (m_use + np.log2(np.where(empty, 1.0, l_sum))) * _LN2)
+    return _from_bhsd(out[:, :, :seqlen_q], layout), lse[:, :, :seqlen_q]
+
+
+# -- cost model -----------------------------------------------------------------------------------
+
+def attention_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
+    """Number of (query, key) pairs that attend each other.
+
+    Under the bottom-right causal rule row i attends ``max(0, i + seqlen_k - seqlen_q + 1)`` keys
+    (never more than seqlen_k), so the counts of the last ``n = min(seqlen_q, seqlen_k)`` rows run
+    ``seqlen_k - n + 1, ..., seqlen_k`` and every earlier row attends nothing.
+    """
+    if seqlen_q < 0 or seqlen_k < 0:
+        raise ValueError(f"seqlen_q={seqlen_q} and seqlen_k={seqlen_k} must be non-negative")
+    if not causal:
+        return seqlen_q * seqlen_k
+    n = min(seqlen_q, seqlen_k)
+    return n * (2 * seqlen_k - n + 1) // 2
+
+
+def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+                    causal: bool) -> int:
+    """Forward FLOPs: two matmuls (QK^T and PV) of 2 FLOPs per multiply-add over allowed pairs,
+    ``4 * batch * heads * head_dim * pairs``; ``heads`` counts query heads."""
+    return 4 * batch * heads * head_dim * attention_pairs(seqlen_q, seqlen_k, causal)
+
+
+__all__ = ["LAYOUTS", "attention_reference", "attention_naive", "causal_mask", "simulate_tiled",
+           "tile_schedule", "attention_pairs", "attention_flops"]

@@ -1,0 +1,367 @@
+"""Test helpers for cuflash users: problems, Hypothesis strategies, and the accuracy rule.
+
+Importing this module needs neither CuPy, nor a GPU, nor Hypothesis: CuPy is imported only by
+functions that are handed CuPy arrays or asked for them, and Hypothesis only by the strategy
+functions and :func:`register_hypothesis_profiles`.
+
+The accuracy rule (FlashAttention's): an output passes when
+
+    max |out - ref| <= 2 * max |baseline - ref| + atol
+
+where ``ref`` is the float64 :func:`~cuflash.reference.attention_reference` and ``baseline`` is
+:func:`~cuflash.reference.attention_naive`, the same computation written plainly in the input
+precision. Non-finite values (NaN, +-inf) must sit at exactly the same positions in both.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import dtypes, reference, spec
+
+#: Sequence lengths that do not fall on tile boundaries; the strategies favour them.
+AWKWARD_SEQLENS = (1, 17, 113, 239, 1023)
+
+#: Upper bound on ``batch * heads * seqlen_q * seqlen_k * head_dim`` of drawn problems, so the
+#: float64 reference of one example stays well under a second on a laptop core.
+MAX_PROBLEM_WORK = 1 << 26
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float       # added to 2x the baseline error; also the fallback's absolute part
+    rtol: float       # fallback relative part, used when no baseline is given
+    lse_atol: float   # |lse - ref_lse| <= lse_atol + lse_rtol * |ref_lse|
+    lse_rtol: float
+
+
+#: Per-dtype tolerances. ``out`` is a convex combination of value rows drawn from N(0, 1), so
+#: |out| is at most a few units. ``atol`` is about two output ulps at |out| ~ 1 (fp16: ulp
+#: 2^-10 ~ 9.8e-4; bf16: ulp 2^-7 ~ 7.8e-3; fp32: a few hundred ulps of 2^-23, since float32
+#: accumulation over thousands of keys and ex2.approx add more than the final rounding): it covers
+#: the last rounding of ``out`` when the baseline happens to be exact (seqlen_k = 1, say). The
+#: fallback ``rtol`` is about four unit roundoffs of the dtype (fp16 u = 2^-11, bf16 u = 2^-8).
+#: ``lse`` comes from float32 scores of the (already rounded) inputs in every kernel, so its
+#: tolerance reflects float32 accumulation over head_dim plus the approximate exp2/log2 of the
+#: hardware, not the input dtype.
+TOLERANCES: dict[str, Tolerance] = {
+    "fp16": Tolerance(atol=2e-3, rtol=2e-3, lse_atol=1e-4, lse_rtol=1e-5),
+    "bf16": Tolerance(atol=1.6e-2, rtol=1.6e-2, lse_atol=1e-4, lse_rtol=1e-5),
+    "fp32": Tolerance(atol=1e-5, rtol=1e-5, lse_atol=1e-5, lse_rtol=1e-5),
+}
+
+
+def to_numpy(x) -> np.ndarray:
+    """A NumPy array of ``x``, copying CuPy arrays to the host."""
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+        return cupy.asnumpy(x)
+    return np.asarray(x)
+
+
+def _dtype_entry(dtype) -> dtypes.DType:
+    if isinstance(dtype, dtypes.DType):
+        return dtype
+    if isinstance(dtype, str):
+        return dtypes.from_tag(dtype)
+    return dtypes.from_numpy(dtype)
+
+
+# -- problems -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """One attention problem: shapes, dtype, mask, layout and memory layout of the inputs."""
+
+    batch: int
+    heads: int                  # query heads
+    heads_k: int                # key/value heads; divides ``heads``
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    dtype: str                  # tag from cuflash.dtypes ("fp16", "bf16", "fp32")
+    causal: bool = False
+    layout: str = "bhsd"
+    strided: bool = False       # inputs are non-contiguous views whose last dim has stride 1
+    scale: float | None = None  # None: 1 / sqrt(head_dim)
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", dtypes.from_tag(self.dtype).tag)
+        problems = []
+        for name in ("batch", "heads", "heads_k", "head_dim"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be at least 1")
+        for name in ("seqlen_q", "seqlen_k"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} must be non-negative")
+        if self.heads_k >= 1 and self.heads % self.heads_k:
+            problems.append(f"heads={self.heads} must be a multiple of heads_k={self.heads_k}")
+        if self.layout not in reference.LAYOUTS:
+            problems.append(f"layout={self.layout!r} (choose one of {reference.LAYOUTS})")
+        if problems:
+            raise ValueError("invalid attention problem: " + "; ".join(problems))
+
+    @property
+    def name(self) -> str:
+        """A short readable label, e.g. ``bf16 hd128 causal b2 h4/2 sq17 sk113 bshd strided``."""
+        parts = [self.dtype, f"hd{self.head_dim}"]
+        if self.causal:
+            parts.append("causal")
+        heads = f"h{self.heads}" if self.heads == self.heads_k else f"h{self.heads}/{self.heads_k}"
+        parts += [f"b{self.batch}", heads, f"sq{self.seqlen_q}", f"sk{self.seqlen_k}", self.layout]
+        if self.strided:
+            parts.append("strided")
+        if self.scale is not None:
+            parts.append(f"scale{self.scale:g}")
+        return " ".join(parts)
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return dtypes.DTYPES[self.dtype].numpy
+
+    @property
+    def softmax_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+
+    @property
+    def work(self) -> int:
+        """``batch * heads * seqlen_q * seqlen_k * head_dim``: the size of the reference's job."""
+        return self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
+
+    def flops(self) -> int:
+        return reference.attention_flops(self.batch, self.heads, self.seqlen_q, self.seqlen_k,
+                                         self.head_dim, self.causal)
+
+    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(q_shape, kv_shape)`` in this problem's layout."""
+        if self.layout == "bhsd":
+            return ((self.batch, self.heads, self.seqlen_q, self.head_dim),
+                    (self.batch, self.heads_k, self.seqlen_k, self.head_dim))
+        return ((self.batch, self.seqlen_q, self.heads, self.head_dim),
+                (self.batch, self.seqlen_k, self.heads_k, self.head_dim))
+
+    def make_inputs(self, xp=np, seed: int | None = None):
+        """Random N(0, 1) ``(q, k, v)`` in this problem's dtype and layout, on ``xp`` (numpy or cupy).
+
+        With ``strided`` each tensor is a view of a larger buffer allocated in the other layout's
+        axis order with ``head_dim`` padded by 8 elements (keeping every row 16-byte aligned), so
+        all strides but the last differ from a contiguous array while the last stays 1 element.
+        The padding holds NaN: a kernel that reads past a row shows it in its output. Buffers are
+        built in NumPy (ml_dtypes for bfloat16) and moved with ``xp.asarray`` before the view is
+        taken, so the view's strides survive the move.
+        """
+        rng = np.random.default_rng(seed)
+        q_shape, kv_shape = self.shapes()
+        return tuple(self._make_one(xp, rng, shape) for shape in (q_shape, kv_shape, kv_shape))
+
+    def _make_one(self, xp, rng, shape):
+        dtype = self.numpy_dtype
+        if not self.strided:
+            values = rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+            return xp.asarray(values)
+        b, s1, s2, d = shape
+        buffer = np.full((b, s2, s1, d + 8), np.nan, dtype=np.float32)
+        buffer[..., :d] = rng.standard_normal((b, s2, s1, d), dtype=np.float32)
+        buffer = xp.asarray(buffer.astype(dtype))
+        return buffer[..., :d].transpose(0, 2, 1, 3)
+
+    def reference(self, q, k, v):
+        """float64 ``(out, lse)`` of :func:`~cuflash.reference.attention_reference` for these inputs."""
+        return reference.attention_reference(to_numpy(q), to_numpy(k), to_numpy(v),
+                                             causal=self.causal, scale=self.scale, layout=self.layout)
+
+    def naive(self, q, k, v):
+        """``(out, lse)`` of :func:`~cuflash.reference.attention_naive`: the accuracy baseline."""
+        return reference.attention_naive(to_numpy(q), to_numpy(k), to_numpy(v),
+                                         causal=self.causal, scale=self.scale, layout=self.layout)
+
+
+# -- accuracy rule --------------------------------------------------------------------------------
+
+def _as_float64(x) -> np.ndarray:
+    return to_numpy(x).astype(np.float64)
+
+
+def _nonfinite_mismatch(what: str, got: np.ndarray, want: np.ndarray) -> str | None:
+    """A message if NaN / +inf / -inf do not sit at the same positions in ``got`` and ``want``."""
+    checks = (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf))
+    for label, test in checks:
+        bad = test(got) != test(want)
+        if bad.any():
+            index = tuple(int(i) for i in np.argwhere(bad)[0])
+            return (f"{what}: {label} positions differ at {int(bad.sum())} of {bad.size} elements; "
+                    f"first at index {index}: got {got[index]!r}, reference {want[index]!r}")
+    return None
+
+
+def _max_error(got: np.ndarray, want: np.ndarray):
+    """``(max |got - want|, index)`` over positions where both are finite; ``(0.0, None)`` if none."""
+    finite = np.isfinite(got) & np.isfinite(want)
+    if not finite.any():
+        return 0.0, None
+    with np.errstate(invalid="ignore"):
+        error = np.where(finite, np.abs(got - want), 0.0)
+    index = np.unravel_index(int(np.argmax(error)), error.shape)
+    return float(error[index]), tuple(int(i) for i in index)
+
+
+def assert_attention_close(out, ref, dtype, *, baseline=None, lse=None, ref_lse=None,
+                           baseline_lse=None, atol: float | None = None) -> None:
+    """Check a kernel's output against the float64 reference; raise AssertionError if it fails.
+
+    Args:
+        out: the kernel's output (NumPy or CuPy array, any float dtype).
+        ref: float64 reference output of the same shape.
+        dtype: the input dtype: tag (``"bf16"``), NumPy dtype, or :class:`cuflash.dtypes.DType`.
+        baseline: :func:`~cuflash.reference.attention_naive` output for the same inputs. The rule is
+            ``max|out - ref| <= 2 * max|baseline - ref| + atol``. Without a baseline each element
+            must satisfy ``|out - ref| <= atol + rtol * |ref|`` with the table's ``rtol``.
+        lse, ref_lse: the kernel's LSE and the reference LSE, checked when both are given:
+            ``2 * max|baseline_lse - ref_lse| + lse_atol`` with ``baseline_lse``, else element-wise
+            ``lse_atol + lse_rtol * |ref_lse|``.
+        atol: overrides the table's ``atol`` for ``out``.
+
+    NaN, +inf and -inf must sit at exactly the same positions as in the reference (so a fully
+    masked row's ``lse = -inf`` must match exactly, and a NaN never passes by accident); only the
+    finite positions are compared numerically.
+    """
+    entry = _dtype_entry(dtype)
+    tol = TOLERANCES[entry.tag]
+    _check_one("out", _as_float64(out), _as_float64(ref), entry.tag,
+               None if baseline is None else _as_float64(baseline),
+               tol.atol if atol is None else atol, tol.rtol)
+    if lse is not None and ref_lse is not None:
+        _check_one("lse", _as_float64(lse), _as_float64(ref_lse), entry.tag,
+                   None if baseline_lse is None else _as_float64(baseline_lse),
+                   tol.lse_atol, tol.lse_rtol)
+    elif (lse is None) != (ref_lse is None):
+        raise ValueError("pass both lse and ref_lse, or neither")
+
+
+def _check_one(what, got, want, tag, baseline, atol, rtol) -> None:
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {got.shape} differs from the reference's {want.shape}")
+    message = _nonfinite_mismatch(what, got, want)
+    if message:
+        raise AssertionError(f"{message} ({tag})")
+    error, index = _max_error(got, want)
+    if index is None:
+        return
+    if baseline is not None:
+        if baseline.shape != want.shape:
+            raise ValueError(f"baseline shape {baseline.shape} differs from the reference's {want.shape}")
+        baseline_error, _ = _max_error(baseline, want)
+        bound = 2 * baseline_error + atol
+        if error > bound:
+            raise AssertionError(
+                f"{what} ({tag}): max |out - ref| = {error:.3e} at index {index} "
+                f"(out={got[index]!r}, ref={want[index]!r}) exceeds the allowed {bound:.3e} "
+                f"= 2 x baseline error {baseline_error:.3e} + atol {atol:.1e}")
+        return
+    finite = np.isfinite(got) & np.isfinite(want)
+    with np.errstate(invalid="ignore"):
+        excess = np.where(finite, np.abs(got - want) - (atol + rtol * np.abs(want)), -np.inf)
+    worst = np.unravel_index(int(np.argmax(excess)), excess.shape)
+    if excess[worst] > 0:
+        worst = tuple(int(i) for i in worst)
+        raise AssertionError(
+            f"{what} ({tag}): |out - ref| = {abs(got[worst] - want[worst]):.3e} at index {worst} "
+            f"(out={got[worst]!r}, ref={want[worst]!r}) exceeds the allowed "
+            f"{atol + rtol * abs(want[worst]):.3e} = atol {atol:.1e} + rtol {rtol:.1e} x |ref| "
+            f"(no baseline given; max |out - ref| = {error:.3e} at index {index})")
+
+
+# -- Hypothesis -----------------------------------------------------------------------------------
+
+def seqlens(*, min_value: int = 1, max_value: int = 1023):
+    """Sequence lengths in ``[min_value, max_value]``, biased towards :data:`AWKWARD_SEQLENS`."""
+    from hypothesis import strategies as st
+    awkward = [s for s in AWKWARD_SEQLENS if min_value <= s <= max_value]
+    anything = st.integers(min_value, max_value)
+    return st.one_of(st.sampled_from(awkward), anything) if awkward else anything
+
+
+def seqlen_pairs(*, min_value: int = 1, max_value: int = 1023):
+    """``(seqlen_q, seqlen_k)``: equal half the time, else drawn independently (so unequal both ways)."""
+    from hypothesis import strategies as st
+
+    lengths = seqlens(min_value=min_value, max_value=max_value)
+
+    @st.composite
+    def pairs(draw):
+        seqlen_q = draw(lengths)
+        seqlen_k = seqlen_q if draw(st.booleans()) else draw(lengths)
+        return seqlen_q, seqlen_k
+
+    return pairs()
+
+
+def attention_problems(*, head_dims=None, dtypes=None, causal=None, layouts=("bhsd", "bshd"),
+                       max_seqlen: int = 1023, max_batch: int = 2, max_heads: int = 4,
+                       allow_gqa: bool = True, allow_strided: bool = True,
+                       max_work: int = MAX_PROBLEM_WORK):
+    """A Hypothesis strategy of :class:`AttentionProblem`.
+
+    Head dims come from ``head_dims`` (default :data:`cuflash.spec.HEAD_DIMS`) and dtypes from
+    ``dtypes`` (default every tag) through ``sampled_from``, so the set of kernels a test compiles
+    stays bounded. ``causal`` is a bool to fix it or None to draw it. Sequence lengths favour
+    :data:`AWKWARD_SEQLENS`. Problems whose ``work`` would exceed ``max_work`` are shrunk,
+    batch and heads first, then the longer sequence, so the float64 reference stays fast.
+    """
+    from hypothesis import strategies as st
+
+    head_dim_choices = tuple(spec.HEAD_DIMS if head_dims is None else head_dims)
+    dtype_choices = tuple(_dtype_entry(t).tag for t in (dtypes or ("fp16", "bf16", "fp32")))
+    causal_strategy = st.booleans() if causal is None else st.just(bool(causal))
+    pairs = seqlen_pairs(max_value=max_seqlen)
+
+    @st.composite
+    def problems(draw):
+        head_dim = draw(st.sampled_from(head_dim_choices))
+        dtype = draw(st.sampled_from(dtype_choices))
+        seqlen_q, seqlen_k = draw(pairs)
+        while seqlen_q * seqlen_k * head_dim > max_work and max(seqlen_q, seqlen_k) > 1:
+            if seqlen_q >= seqlen_k:
+                seqlen_q = max(1, max_work // (seqlen_k * head_dim))
+            else:
+                seqlen_k = max(1, max_work // (seqlen_q * head_dim))
+        room = max(1, max_work // (seqlen_q * seqlen_k * head_dim))
+        batch = draw(st.integers(1, max(1, min(max_batch, room))))
+        heads = draw(st.integers(1, max(1, min(max_heads, room // batch))))
+        if allow_gqa:
+            heads_k = draw(st.sampled_from([h for h in range(1, heads + 1) if heads % h == 0]))
+        else:
+            heads_k = heads
+        return AttentionProblem(
+            batch=batch, heads=heads, heads_k=heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            head_dim=head_dim, dtype=dtype, causal=draw(causal_strategy),
+            layout=draw(st.sampled_from(tuple(layouts))),
+            strided=draw(st.booleans()) if allow_strided else False,
+            scale=draw(st.one_of(st.none(), st.sampled_from((0.5, 0.0625, 1.0)))))
+
+    return problems()
+
+
+def register_hypothesis_profiles(load: str | None = None) -> tuple[str, ...]:
+    """Register the ``"ci"`` and ``"dev"`` Hypothesis profiles; load ``load`` if given.
+
+    ``ci`` is derandomized (the same examples every run, so a red build reproduces) with a bounded
+    example count. Both profiles have no deadline: the first call of each specialization compiles
+    a kernel, which takes far longer than any later call.
+    """
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("ci", derandomize=True, deadline=None, max_examples=30,
+                              print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("dev", deadline=None, max_examples=10,
+                              suppress_health_check=[HealthCheck.too_slow])
+    if load is not None:
+        settings.load_profile(load)
+    return ("ci", "dev")
+
+
+__all__ = ["AWKWARD_SEQLENS", "MAX_PROBLEM_WORK", "Tolerance", "TOLERANCES", "AttentionProblem",
+           "assert_attention_close", "to_numpy", "seqlens", "seqlen_pairs", "attention_problems",
+           "register_hypothesis_profiles"]
