@@ -39,7 +39,7 @@ class Tolerance:
 
 #: Per-dtype tolerances. ``out`` is a convex combination of value rows drawn from N(0, 1), so
 #: |out| is at most a few units. ``atol`` is about two output ulps at |out| ~ 1 (fp16: ulp
-#: 2^-10 ~ 9.8e-4; bf16: ulp 2^-7 ~ 7.8e-3; fp32: a few hundred ulps of 2^-23, since float32
+#: 2^-10 ~ 9.8e-4; bf16: ulp 2^-7 ~ 7.8e-3; fp32: about eighty ulps of 2^-23, since float32
 #: accumulation over thousands of keys and ex2.approx add more than the final rounding): it covers
 #: the last rounding of ``out`` when the baseline happens to be exact (seqlen_k = 1, say). The
 #: fallback ``rtol`` is about four unit roundoffs of the dtype (fp16 u = 2^-11, bf16 u = 2^-8).
