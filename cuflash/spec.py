@@ -189,7 +189,7 @@ def _fits(spec_kwargs) -> KernelSpec | None:
 #: The first row whose head_dim bound holds applies. Measured on the H200 with ``python -m cuflash tune``.
 MMA_DEFAULTS = (
     (64, 128, 64, 4, 2),
-    (128, 128, 64, 4, 2),
+    (128, 128, 64, 8, 2),
     (256, 128, 64, 8, 2),
 )
 
@@ -210,7 +210,7 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str) -> KernelSp
         raise ValueError(f"arch={arch!r} is not supported (one of {list(SMEM_LIMIT)})")
     if entry.tensor_core:
         _, bm, bn, w, s = next(row for row in MMA_DEFAULTS if head_dim <= row[0])
-        candidates = [(bm, bn, w, s), (bm, bn, w, 2), (64, bn, 4, 2), (64, 32, 4, 2)]
+        candidates = [(bm, bn, w, s), (bm, bn, w, 2), (bm, 32, w, 2), (64, 32, 4, 2)]
         for bm, bn, w, s in candidates:
             spec = _fits(dict(head_dim=head_dim, dtype=entry.tag, causal=causal, block_m=bm,
                               block_n=bn, num_warps=w, num_stages=s, arch=arch))
