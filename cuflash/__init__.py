@@ -4,6 +4,7 @@
 
 The call travels validate -> spec -> render -> compile (cached) -> launch; each step is one module.
 """
+from . import validate
 from .api import attention, select_spec
 from .compile import CompileError, compile_offline, warmup
 from .render import generate

@@ -18,9 +18,10 @@ _LOG2E = 1.0 / math.log(2.0)
 
 
 def grid(spec: KernelSpec, problem: Problem) -> tuple[int, int, int]:
-    """(batch*heads, query tiles, 1): heads vary fastest so the first wave spreads the heaviest
-    (last) query tiles of every head across the machine."""
-    return (problem.batch * problem.heads, ceil_div(problem.seqlen_q, spec.block_m), 1)
+    """(query tiles, heads, batch). Query tiles vary fastest so that the blocks resident at one
+    time work on few heads and find their K/V tiles in L2; the kernel walks each head's tiles
+    heaviest first."""
+    return (ceil_div(problem.seqlen_q, spec.block_m), problem.heads, problem.batch)
 
 
 def pack_params(problem: Problem, q, k, v, out, lse, out_strides) -> np.ndarray:

@@ -13,7 +13,7 @@ from .spec import HEAD_DIMS
 
 LAYOUTS = ("bhsd", "bshd")
 _INT32_MAX = 2**31 - 1
-_GRID_Y_MAX = 65535
+_GRID_YZ_MAX = 65535
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,8 @@ def validate(q, k, v, *, causal, scale, layout) -> Problem:
         raise ValueError(f"scale={scale} must be finite")
     if sq > _INT32_MAX or sk > _INT32_MAX or b * hq > _INT32_MAX:
         raise ValueError(f"seqlen_q={sq}, seqlen_k={sk} and batch*heads={b * hq} must each be below 2**31")
-    if sq > _GRID_Y_MAX * 16:
-        raise ValueError(f"seqlen_q={sq} exceeds the largest supported query length {_GRID_Y_MAX * 16}")
+    if hq > _GRID_YZ_MAX or b > _GRID_YZ_MAX:
+        raise ValueError(f"batch={b} and heads={hq} must each be at most {_GRID_YZ_MAX} (CUDA grid limits)")
     return Problem(dtype=entry, batch=b, heads=hq, heads_k=hk, seqlen_q=sq, seqlen_k=sk, head_dim=d,
                    causal=bool(causal), scale=scale, layout=layout, device_id=devices[0],
                    q_strides=q_strides, k_strides=k_strides, v_strides=v_strides)

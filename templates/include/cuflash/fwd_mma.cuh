@@ -61,12 +61,13 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
     const int tid = threadIdx.x;
     const int lane = tid % 32;
     const int warp = tid / 32;
-    const int bh = blockIdx.x;
-    const int batch = bh / p.heads;
-    const int head = bh - batch * p.heads;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int bh = batch * p.heads + head;
     const int head_k = head / p.group;
-    // Heaviest query tiles first so the causal grid's tail is made of short blocks.
-    const int m0 = (gridDim.y - 1 - blockIdx.y) * kBM;
+    // Query tiles vary fastest, so the blocks resident together share one head's K/V in L2;
+    // within a head the heaviest (last) tiles go first, so a causal grid ends on short blocks.
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * kBM;
     const int causal_offset = p.seqlen_k - p.seqlen_q;  // bottom-right alignment
 
     int n_end = p.seqlen_k;

@@ -48,11 +48,11 @@ __device__ __forceinline__ void fwd_simt(const typename Cfg::Params& p) {
     const int tid = threadIdx.x;
     const int row_local = tid / kThreadsPerRow;
     const int sub = tid % kThreadsPerRow;
-    const int bh = blockIdx.x;
-    const int batch = bh / p.heads;
-    const int head = bh - batch * p.heads;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int bh = batch * p.heads + head;
     const int head_k = head / p.group;
-    const int m0 = (gridDim.y - 1 - blockIdx.y) * kBM;
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * kBM;
     const int causal_offset = p.seqlen_k - p.seqlen_q;
     const int row = m0 + row_local;
 

@@ -1,0 +1,60 @@
+"""Shared test setup: Hypothesis profiles, GPU detection, kernel warm-up and output poisoning.
+
+Tests marked ``gpu`` skip cleanly on machines without a usable CUDA device.
+"""
+import os
+
+import pytest
+
+from cuflash.testing import register_hypothesis_profiles
+
+register_hypothesis_profiles(load=os.environ.get("CUFLASH_HYPOTHESIS_PROFILE", "ci"))
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no cupy, no driver, no device
+        return False
+
+
+GPU = _gpu_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def warm_kernels():
+    """Compile every default specialization of this GPU once, in parallel processes, so the
+    tests themselves only load cubins from the disk cache."""
+    import cuflash
+    from cuflash.compile import device_arch
+    from cuflash.spec import all_default_specs
+
+    cuflash.warmup(all_default_specs(device_arch()), progress=False)
+
+
+@pytest.fixture
+def poison():
+    """``poison(nbytes)``: leave a freed, all-ones block of that size in CuPy's memory pool, so
+    the next allocation of that size (the kernel's output) starts as NaN, not as zeros."""
+    import cupy
+
+    def _poison(*arrays_nbytes):
+        for nbytes in arrays_nbytes:
+            if nbytes:
+                block = cupy.empty(nbytes, dtype=cupy.uint8)
+                block.fill(0xFF)
+                del block
+        cupy.cuda.Device().synchronize()
+
+    return _poison

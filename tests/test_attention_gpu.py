@@ -1,0 +1,235 @@
+"""cuflash.attention on the GPU against the float64 NumPy reference.
+
+Every test draws fresh random inputs, poisons the output memory first and checks every element
+with the accuracy rule of :func:`cuflash.testing.assert_attention_close`.
+"""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import cuflash
+from cuflash import compile as compile_mod
+from cuflash.spec import HEAD_DIMS
+from cuflash.testing import AttentionProblem, assert_attention_close, attention_problems
+
+pytestmark = pytest.mark.gpu
+
+cupy = pytest.importorskip("cupy")
+
+
+def run_and_check(problem: AttentionProblem, poison, seed=None):
+    q, k, v = problem.make_inputs(cupy, seed=seed)
+    q_shape, _ = problem.shapes()
+    out_bytes = math.prod(q_shape) * problem.numpy_dtype.itemsize
+    lse_bytes = problem.batch * problem.heads * problem.seqlen_q * 4
+    poison(out_bytes, lse_bytes)
+    out, lse = cuflash.attention(q, k, v, causal=problem.causal, scale=problem.scale,
+                                 return_lse=True, layout=problem.layout)
+    assert out.dtype == q.dtype and out.shape == q_shape
+    assert lse.dtype == cupy.float32 and lse.shape == (problem.batch, problem.heads, problem.seqlen_q)
+    ref, ref_lse = problem.reference(q, k, v)
+    base, base_lse = problem.naive(q, k, v)
+    assert_attention_close(out, ref, problem.dtype, baseline=base, lse=lse, ref_lse=ref_lse)
+    return q, k, v, out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_every_head_dim(head_dim, dtype, causal, warm_kernels, poison):
+    # seqlen_q != seqlen_k, GQA, a sequence tail in both, and alternating layouts.
+    layout = "bshd" if head_dim % 16 else "bhsd"
+    problem = AttentionProblem(batch=2, heads=4, heads_k=2, seqlen_q=113, seqlen_k=239,
+                               head_dim=head_dim, dtype=dtype, causal=causal, layout=layout)
+    run_and_check(problem, poison)
+    longer_q = AttentionProblem(batch=1, heads=2, heads_k=2, seqlen_q=239, seqlen_k=113,
+                                head_dim=head_dim, dtype=dtype, causal=causal, layout="bhsd",
+                                strided=True)
+    run_and_check(longer_q, poison)
+
+
+@settings(max_examples=60)
+@given(problem=attention_problems())
+def test_property_against_reference(problem, warm_kernels, poison):
+    run_and_check(problem, poison)
+
+
+@pytest.mark.parametrize("seqlens", [(1, 1), (1, 1023), (1023, 1), (17, 17), (1023, 1023), (128, 64), (64, 128)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_awkward_lengths(seqlens, causal, warm_kernels, poison):
+    sq, sk = seqlens
+    problem = AttentionProblem(batch=1, heads=2, heads_k=1, seqlen_q=sq, seqlen_k=sk,
+                               head_dim=128, dtype="bf16", causal=causal)
+    run_and_check(problem, poison)
+
+
+def test_fully_masked_rows_give_zero_and_minus_inf(warm_kernels, poison):
+    # Causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key.
+    problem = AttentionProblem(batch=1, heads=2, heads_k=2, seqlen_q=300, seqlen_k=100,
+                               head_dim=64, dtype="fp16", causal=True)
+    _, _, _, out, lse = run_and_check(problem, poison)
+    out, lse = cupy.asnumpy(out).astype(np.float32), cupy.asnumpy(lse)
+    assert np.all(out[:, :, :200] == 0) and not np.isnan(out).any()
+    assert np.all(lse[:, :, :200] == -np.inf) and np.all(np.isfinite(lse[:, :, 200:]))
+
+
+def test_empty_key_sequence_gives_zero_and_minus_inf():
+    q = cupy.random.standard_normal((1, 2, 5, 64), dtype=cupy.float32).astype(cupy.float16)
+    k = cupy.empty((1, 2, 0, 64), dtype=cupy.float16)
+    out, lse = cuflash.attention(q, k, k, return_lse=True)
+    assert out.shape == q.shape and bool((out == 0).all()) and bool((lse == -cupy.inf).all())
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 16, 64), (2, 0, 16, 64), (2, 2, 0, 64)])
+def test_empty_outputs_without_launch(shape):
+    q = cupy.empty(shape, dtype=cupy.float16)
+    k = cupy.random.standard_normal((shape[0], shape[1] or 1, 16, 64), dtype=cupy.float32).astype(cupy.float16)
+    if shape[1] == 0:
+        k = cupy.empty((shape[0], 0, 16, 64), dtype=cupy.float16)
+    loads = compile_mod.stats["loads"]
+    out, lse = cuflash.attention(q, k, k, return_lse=True)
+    assert out.shape == shape and lse.shape == shape[:3]
+    assert compile_mod.stats["loads"] == loads
+
+
+def test_nan_stays_in_the_rows_that_depend_on_it(warm_kernels, poison):
+    problem = AttentionProblem(batch=1, heads=1, heads_k=1, seqlen_q=200, seqlen_k=200,
+                               head_dim=64, dtype="bf16", causal=True)
+    q, k, v = problem.make_inputs(cupy)
+    q[0, 0, 7, 3] = cupy.nan      # only query row 7 depends on it
+    k[0, 0, 150, 0] = cupy.nan    # only rows >= 150 may attend key 150
+    out = cupy.asnumpy(cuflash.attention(q, k, v, causal=True)).astype(np.float32)
+    bad_rows = np.isnan(out[0, 0]).any(axis=-1)
+    expected = np.zeros(200, dtype=bool)
+    expected[7] = True
+    expected[150:] = True
+    np.testing.assert_array_equal(bad_rows, expected)
+
+
+def test_second_call_compiles_nothing(warm_kernels):
+    q = cupy.random.standard_normal((1, 2, 64, 96), dtype=cupy.float32).astype(cupy.float16)
+    cuflash.attention(q, q, q)
+    loads = compile_mod.stats["loads"]
+    for _ in range(3):
+        cuflash.attention(q, q, q)
+    assert compile_mod.stats["loads"] == loads
+
+
+def test_disk_cache_serves_a_new_process(tmp_path):
+    """A second process with the same CUPY_CACHE_DIR loads the kernel without running NVRTC."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import cupy, cupy.cuda.compiler as cc, cuflash\n"
+        "calls = []\n"
+        "real = cc.compile_using_nvrtc\n"
+        "cc.compile_using_nvrtc = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]\n"
+        "q = cupy.random.standard_normal((1, 1, 32, 40), dtype=cupy.float32).astype(cupy.float16)\n"
+        "cuflash.attention(q, q, q, causal=True)\n"
+        "print('nvrtc', len(calls))\n"
+    )
+    env = dict(os.environ, CUPY_CACHE_DIR=str(tmp_path))
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    assert "nvrtc 1" in runs[0].stdout, runs[0].stdout + runs[0].stderr
+    assert "nvrtc 0" in runs[1].stdout, runs[1].stdout + runs[1].stderr
+    assert any(name.startswith("fwd_fp16_hd40_causal") for name in os.listdir(tmp_path / "cuflash"))
+
+
+def test_runs_on_the_current_stream(warm_kernels):
+    q = cupy.random.standard_normal((2, 4, 300, 64), dtype=cupy.float32).astype(cupy.float16)
+    expected = cuflash.attention(q, q, q, causal=True)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        got = cuflash.attention(q, q, q, causal=True)
+    stream.synchronize()
+    assert bool((got == expected).all())
+
+
+def test_offsets_beyond_32_bits(warm_kernels):
+    """The second batch starts more than 2**31 elements after the first."""
+    rows = 2**31 // 128 + 64
+    views = []
+    for _ in range(3):
+        big = cupy.empty((2, rows, 128), dtype=cupy.float16)
+        part = big[:, -64:, :]
+        part[...] = cupy.random.standard_normal(part.shape, dtype=cupy.float32).astype(cupy.float16)
+        views.append(part.reshape(2, 1, 64, 128))
+    q, k, v = views
+    assert q.strides[0] // q.itemsize > 2**31
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    problem = AttentionProblem(batch=2, heads=1, heads_k=1, seqlen_q=64, seqlen_k=64, head_dim=128, dtype="fp16")
+    ref, ref_lse = problem.reference(q, k, v)
+    assert_attention_close(out, ref, "fp16", baseline=problem.naive(q, k, v)[0], lse=lse, ref_lse=ref_lse)
+    del views, q, k, v, big, part
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+def test_forced_spec_and_mismatch(warm_kernels):
+    q = cupy.random.standard_normal((1, 2, 100, 64), dtype=cupy.float32).astype(cupy.float16)
+    spec = cuflash.select_spec(cuflash.validate.validate(q, q, q, causal=False, scale=None, layout="bhsd"))
+    forced = spec.replace(block_n=32)
+    assert bool(cupy.allclose(cuflash.attention(q, q, q, spec=forced), cuflash.attention(q, q, q), atol=2e-3))
+    with pytest.raises(ValueError, match="does not match"):
+        cuflash.attention(q, q, q, causal=True, spec=forced)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+def _half(shape):
+    return cupy.random.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16)
+
+
+def test_rejects_numpy_arrays():
+    x = np.zeros((1, 1, 8, 64), np.float16)
+    with pytest.raises(TypeError, match="q must be a cupy.ndarray"):
+        cuflash.attention(x, _half((1, 1, 8, 64)), _half((1, 1, 8, 64)))
+
+
+@pytest.mark.parametrize("q_shape,k_shape,v_shape,match", [
+    ((1, 2, 8, 64), (1, 2, 8, 32), (1, 2, 8, 32), "head_dim"),
+    ((1, 2, 8, 64), (2, 2, 8, 64), (2, 2, 8, 64), "batch"),
+    ((1, 3, 8, 64), (1, 2, 8, 64), (1, 2, 8, 64), "multiple"),
+    ((1, 2, 8, 64), (1, 2, 8, 64), (1, 2, 9, 64), "must be equal"),
+    ((1, 2, 8, 12), (1, 2, 8, 12), (1, 2, 8, 12), "head_dim=12"),
+    ((1, 2, 8, 264), (1, 2, 8, 264), (1, 2, 8, 264), "head_dim=264"),
+    ((2, 8, 64), (2, 8, 64), (2, 8, 64), "4-d"),
+])
+def test_rejects_bad_shapes(q_shape, k_shape, v_shape, match):
+    with pytest.raises(ValueError, match=match):
+        cuflash.attention(_half(q_shape), _half(k_shape), _half(v_shape))
+
+
+def test_rejects_dtype_mismatch_and_unsupported_dtype():
+    with pytest.raises(TypeError, match="share a dtype"):
+        cuflash.attention(_half((1, 1, 8, 64)), _half((1, 1, 8, 64)).astype(cupy.float32), _half((1, 1, 8, 64)))
+    x = cupy.zeros((1, 1, 8, 64), cupy.float64)
+    with pytest.raises(TypeError, match="float64"):
+        cuflash.attention(x, x, x)
+
+
+def test_rejects_strided_last_dim_layout_and_scale():
+    x = _half((1, 1, 8, 128))
+    with pytest.raises(ValueError, match="contiguous in its last dim"):
+        cuflash.attention(x[..., ::2], x[..., ::2], x[..., ::2])
+    y = _half((1, 1, 8, 64))
+    with pytest.raises(ValueError, match="layout='sbhd'"):
+        cuflash.attention(y, y, y, layout="sbhd")
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale"):
+            cuflash.attention(y, y, y, scale=bad)
+    with pytest.raises(TypeError, match="scale"):
+        cuflash.attention(y, y, y, scale="0.1")
+
+
+def test_rejects_arrays_on_different_devices():
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    with cupy.cuda.Device(1):
+        k = _half((1, 1, 8, 64))
+    with pytest.raises(ValueError, match="one device"):
+        cuflash.attention(_half((1, 1, 8, 64)), k, k)

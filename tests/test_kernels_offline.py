@@ -1,0 +1,79 @@
+"""Specs, rendering and NVRTC compile checks: no GPU needed (these run in CI)."""
+import re
+
+import pytest
+
+import cuflash
+from cuflash.compile import compile_offline
+from cuflash.spec import ARCHS, HEAD_DIMS, KernelSpec, all_default_specs, default_spec
+
+
+def test_spec_name_is_readable_and_filename_safe():
+    spec = KernelSpec(128, "bf16", True, 128, 64, 4, 2, "sm80")
+    assert spec.name == "fwd_bf16_hd128_causal_m128n64w4s2_sm80"
+    assert KernelSpec(64, "fp16", False, 128, 64, 4, 2, "sm90a").name == "fwd_fp16_hd64_m128n64w4s2_sm90a"
+    for s in all_default_specs("sm90a"):
+        assert re.fullmatch(r"[A-Za-z0-9_]+", s.name)
+
+
+def test_specs_are_hashable_and_frozen():
+    a = default_spec(96, "bf16", False, "sm80")
+    assert a == default_spec(96, "bf16", False, "sm80") and len({a, a.replace(num_stages=3)}) == 2
+    with pytest.raises(Exception):
+        a.head_dim = 64
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(head_dim=12), "head_dim=12"),
+    (dict(dtype="fp64"), "dtype='fp64'"),
+    (dict(arch="sm70"), "arch='sm70'"),
+    (dict(block_m=96), "block_m=96"),
+    (dict(block_n=24), "block_n=24"),
+    (dict(num_stages=1), "num_stages=1"),
+    (dict(head_dim=256, block_n=256, num_stages=4), "shared memory"),
+])
+def test_invalid_specs_are_named(kwargs, match):
+    base = dict(head_dim=128, dtype="bf16", causal=False, block_m=128, block_n=64, num_warps=4,
+                num_stages=2, arch="sm80")
+    with pytest.raises(ValueError, match=re.escape(match)):
+        KernelSpec(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_default_spec_renders_and_fits(arch):
+    specs = all_default_specs(arch)
+    assert len(specs) == len(HEAD_DIMS) * 3 * 2
+    for spec in specs:
+        source = cuflash.generate(spec)
+        assert f"{spec.name}(const FwdParams params)" in source
+        assert f"kHeadDim = {spec.head_dim};" in source
+
+
+#: A representative set: powers of two, head dims that are 8 mod 16, odd multiples of 8, and the
+#: largest; both dtypes of each family, causal and not.
+OFFLINE = [(d, t, c) for d in (8, 64, 72, 128, 200, 256) for t in ("bf16", "fp16") for c in (False, True)
+           if not (t == "fp16" and d in (8, 200))] + [(d, "fp32", c) for d in (64, 136, 256) for c in (False, True)]
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90a"])
+@pytest.mark.parametrize("head_dim,dtype,causal", OFFLINE)
+def test_nvrtc_compiles_without_spills(head_dim, dtype, causal, arch):
+    pytest.importorskip("cupy")
+    report = compile_offline(default_spec(head_dim, dtype, causal, arch))
+    assert f"for '{arch.replace('sm', 'sm_')}'" in report.log
+    assert report.registers <= 255
+    assert not report.spills, f"{report.spec.name}: {report.log}"
+    assert len(report.cubin) > 0
+
+
+def test_compile_error_carries_spec_options_log_and_source(monkeypatch, tmp_path):
+    pytest.importorskip("cupy")
+    from cuflash import compile as compile_mod
+
+    spec = default_spec(64, "bf16", False, "sm80")
+    monkeypatch.setattr(compile_mod, "generate", lambda s: "this is not CUDA;")
+    with pytest.raises(cuflash.CompileError) as info:
+        compile_offline(spec)
+    err = info.value
+    assert err.spec_name == spec.name and "-std=c++17" in err.options and err.log
+    assert open(err.source_path).read() == "this is not CUDA;"
