@@ -74,6 +74,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             lse.fill(-cupy.inf)
         else:
             spec = select_spec(problem) if spec is None else _check_forced_spec(spec, problem)
+            if problem.scale <= 0:
+                q, k, scale = _positive_scale(q, k, problem.scale)
+                problem = validate(q, k, v, causal=causal, scale=scale, layout=layout)
             if spec.family == "mma" and not all(aligned_for_async_copy(x) for x in (q, k, v)):
                 # 16-byte copies need aligned rows; a misaligned view is copied once.
                 q, k, v = (x if aligned_for_async_copy(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
@@ -82,6 +85,18 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             out_strides = _out_strides(out, layout)
             launch(kernel, spec, problem, q, k, v, out, lse, out_strides)
     return (out, lse) if return_lse else out
+
+
+def _positive_scale(q, k, scale):
+    """The kernels take the row max on raw scores, which needs scale > 0. A negative scale is
+    folded into k (q . -k = -(q . k)); a zero scale makes every score 0, as q = 0 with scale 1 does."""
+    import cupy
+
+    if scale == 0:
+        return cupy.zeros_like(q), k, 1.0
+    bits = cupy.dtype(f"uint{8 * k.itemsize}")
+    sign = bits.type(1 << (8 * k.itemsize - 1))
+    return q, (k.view(bits) ^ sign).view(k.dtype), -scale
 
 
 def _out_strides(out, layout):

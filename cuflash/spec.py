@@ -189,7 +189,7 @@ def _fits(spec_kwargs) -> KernelSpec | None:
 #: The first row whose head_dim bound holds applies. Measured on the H200 with ``python -m cuflash tune``.
 MMA_DEFAULTS = (
     (64, 128, 64, 4, 2),
-    (128, 128, 64, 8, 2),
+    (128, 128, 32, 4, 2),
     (256, 128, 64, 8, 2),
 )
 

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 
 import cuflash
 from cuflash import compile as compile_mod
@@ -50,7 +50,8 @@ def test_every_head_dim(head_dim, dtype, causal, warm_kernels, poison):
     run_and_check(longer_q, poison)
 
 
-@settings(max_examples=60)
+# The fixtures are session-wide or stateless helpers, safe to share between examples.
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(problem=attention_problems())
 def test_property_against_reference(problem, warm_kernels, poison):
     run_and_check(problem, poison)

@@ -24,15 +24,32 @@ __device__ __forceinline__ void load_tile_async(u32 smem_tile, const unsigned sh
                                                 long long row_stride, int rows_valid, int tid) {
     constexpr int kThreads = Cfg::kWarps * 32;
     constexpr int kChunks = kRows * Cfg::kChunksPerRow;
+    if constexpr (kThreads % Cfg::kChunksPerRow == 0 && kChunks % kThreads == 0) {
+        // Each thread keeps one chunk column and steps down the tile kRowsPerStep rows at a time:
+        // one pointer add per copy.
+        constexpr int kRowsPerStep = kThreads / Cfg::kChunksPerRow;
+        const int row0 = tid / Cfg::kChunksPerRow;
+        const int chunk = tid % Cfg::kChunksPerRow;
+        const unsigned short* src = gmem + row0 * row_stride + chunk * 8;
+        const u32 dst = smem_tile + row0 * Cfg::kSmemRowBytes + chunk * 16;
 #pragma unroll
-    for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
-        const int idx = tid + it * kThreads;
-        if (kChunks % kThreads == 0 || idx < kChunks) {
-            const int row = idx / Cfg::kChunksPerRow;
-            const int chunk = idx % Cfg::kChunksPerRow;
+        for (int it = 0; it < kChunks / kThreads; ++it) {
+            const int row = row0 + it * kRowsPerStep;
             const bool valid = row < rows_valid;
-            const unsigned short* src = valid ? gmem + row * row_stride + chunk * 8 : gmem;
-            cp_async_16(smem_tile + row * Cfg::kSmemRowBytes + chunk * 16, src, valid);
+            cp_async_16(dst + it * kRowsPerStep * Cfg::kSmemRowBytes,
+                        valid ? src + it * kRowsPerStep * row_stride : gmem, valid);
+        }
+    } else {
+#pragma unroll
+        for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
+            const int idx = tid + it * kThreads;
+            if (kChunks % kThreads == 0 || idx < kChunks) {
+                const int row = idx / Cfg::kChunksPerRow;
+                const int chunk = idx % Cfg::kChunksPerRow;
+                const bool valid = row < rows_valid;
+                const unsigned short* src = valid ? gmem + row * row_stride + chunk * 8 : gmem;
+                cp_async_16(smem_tile + row * Cfg::kSmemRowBytes + chunk * 16, src, valid);
+            }
         }
     }
 }
@@ -110,7 +127,7 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
     const u32 v_lane = (lane % 8 + ((lane / 8) % 2) * 8) * kRowB + (lane / 16) * 16;
 
     float acc_o[kMTiles][kOTiles][4];
-    float row_max[kMTiles][2];  // running max of the scaled scores, log2 units
+    float row_max[kMTiles][2];  // running max of the raw scores
     float row_sum[kMTiles][2];  // this lane's share of the running denominator
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
@@ -211,14 +228,7 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
             }
         }
 
-        // -- scale to log2 units, then mask (after scaling, so a negative scale cannot turn a
-        //    masked -inf into +inf). Only the causal diagonal and the sequence tail need it. --
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < kSTiles; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] *= p.scale_log2;
+        // -- mask: only the causal diagonal and the sequence tail need it --
         bool needs_mask = n0 + kBN > p.seqlen_k;
         if constexpr (Cfg::kCausal) needs_mask = needs_mask || n0 + kBN - 1 > m0 + causal_offset;
         if (needs_mask) {
@@ -236,9 +246,11 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
                     }
         }
 
-        // -- online softmax: P = exp2(S - running max); rescale O and the sum when the max moves --
+        // -- online softmax on raw scores (scale > 0, so max commutes with scaling):
+        //    P = exp2(S * scale_log2 - max * scale_log2), one FFMA and one MUFU per score --
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
+            float alpha[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 float tile_max = neg_inf();
@@ -247,25 +259,31 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
                     tile_max = fmaxf(tile_max, fmaxf(acc_s[mt][nt][2 * r], acc_s[mt][nt][2 * r + 1]));
                 tile_max = quad_max(tile_max);
                 const float new_max = fmaxf(row_max[mt][r], tile_max);
-                // A row with nothing unmasked yet keeps max -inf; subtracting 0 instead keeps
-                // exp2(-inf - max) at 0 rather than NaN.
-                const float base = new_max == neg_inf() ? 0.f : new_max;
-                const float alpha = exp2_approx(row_max[mt][r] - base);
+                // A row with nothing unmasked yet keeps max -inf; using 0 as its base keeps
+                // exp2(-inf - base) at 0 rather than NaN.
+                const float base = new_max == neg_inf() ? 0.f : new_max * p.scale_log2;
+                alpha[r] = exp2_approx(row_max[mt][r] * p.scale_log2 - base);
                 row_max[mt][r] = new_max;
                 float tile_sum = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < kSTiles; ++nt) {
 #pragma unroll
                     for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                        acc_s[mt][nt][e] = exp2_approx(acc_s[mt][nt][e] - base);
+                        acc_s[mt][nt][e] = exp2_approx(fmaf(acc_s[mt][nt][e], p.scale_log2, -base));
                         tile_sum += acc_s[mt][nt][e];
                     }
                 }
-                row_sum[mt][r] = row_sum[mt][r] * alpha + tile_sum;
+                row_sum[mt][r] = row_sum[mt][r] * alpha[r] + tile_sum;
+            }
+            // Once the running max settles, alpha is exactly 1 for every row of the warp:
+            // skip rescaling the output accumulators then (a warp-uniform branch).
+            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
                 for (int nt = 0; nt < kOTiles; ++nt) {
-                    acc_o[mt][nt][2 * r] *= alpha;
-                    acc_o[mt][nt][2 * r + 1] *= alpha;
+                    acc_o[mt][nt][0] *= alpha[0];
+                    acc_o[mt][nt][1] *= alpha[0];
+                    acc_o[mt][nt][2] *= alpha[1];
+                    acc_o[mt][nt][3] *= alpha[1];
                 }
             }
         }
@@ -320,7 +338,7 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
                 o_row[nt * 4] = pack2<kBF16>(acc_o[mt][nt][2 * r] * inv, acc_o[mt][nt][2 * r + 1] * inv);
             if (lane % 4 == 0)
                 p.lse[static_cast<long long>(bh) * p.seqlen_q + row] =
-                    sum == 0.f ? neg_inf() : row_max[mt][r] * kLn2 + logf(sum);
+                    sum == 0.f ? neg_inf() : row_max[mt][r] * p.scale_log2 * kLn2 + logf(sum);
         }
     }
 }
