@@ -19,13 +19,13 @@ def _arch(device_id: int) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _default(head_dim: int, dtype: str, causal: bool, arch: str) -> KernelSpec:
-    return default_spec(head_dim, dtype, causal, arch)
+def _default(head_dim: int, dtype: str, causal: bool, device_id: int) -> KernelSpec:
+    return default_spec(head_dim, dtype, causal, _arch(device_id))
 
 
 def select_spec(problem: Problem) -> KernelSpec:
     """The specialization cuflash runs for a validated problem on its device."""
-    return _default(problem.head_dim, problem.dtype.tag, problem.causal, _arch(problem.device_id))
+    return _default(problem.head_dim, problem.dtype.tag, problem.causal, problem.device_id)
 
 
 def _check_forced_spec(spec, problem: Problem) -> KernelSpec:
@@ -64,7 +64,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     import cupy
 
     problem = validate(q, k, v, causal=causal, scale=scale, layout=layout)
-    with cupy.cuda.Device(problem.device_id):
+    with _on_device(problem.device_id):
         out = cupy.empty(problem.out_shape, dtype=q.dtype)
         lse = cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
         if problem.empty:
@@ -77,7 +77,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             if problem.scale <= 0:
                 q, k, scale = _positive_scale(q, k, problem.scale)
                 problem = validate(q, k, v, causal=causal, scale=scale, layout=layout)
-            if spec.family == "mma" and not all(aligned_for_async_copy(x) for x in (q, k, v)):
+            if spec.family == "mma" and not (aligned_for_async_copy(q) and aligned_for_async_copy(k)
+                                             and aligned_for_async_copy(v)):
                 # 16-byte copies need aligned rows; a misaligned view is copied once.
                 q, k, v = (x if aligned_for_async_copy(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
                 problem = validate(q, k, v, causal=causal, scale=scale, layout=layout)
@@ -85,6 +86,26 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             out_strides = _out_strides(out, layout)
             launch(kernel, spec, problem, q, k, v, out, lse, out_strides)
     return (out, lse) if return_lse else out
+
+
+class _Nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NOTHING = _Nothing()
+
+
+def _on_device(device_id: int):
+    """The device's context, or nothing when it is already current (the common, cheap case)."""
+    import cupy
+
+    if cupy.cuda.runtime.getDevice() == device_id:
+        return _NOTHING
+    return cupy.cuda.Device(device_id)
 
 
 def _positive_scale(q, k, scale):

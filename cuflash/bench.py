@@ -31,7 +31,7 @@ TORCH_BACKENDS = {
 }
 
 _L2_FLUSH_BYTES = 256 * 2**20
-_SPEC_OVERRIDE_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+_SPEC_OVERRIDE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "overlap")
 
 
 # -- configuration ----------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def parse_spec_override(text: str | None) -> dict:
             raise ValueError(f"--spec-override item {item.strip()!r} must be KEY=INT with KEY one of "
                              f"{', '.join(_SPEC_OVERRIDE_KEYS)}")
         try:
-            overrides[key] = int(value)
+            overrides[key] = bool(int(value)) if key == "overlap" else int(value)
         except ValueError:
             raise ValueError(f"--spec-override {key}={value.strip()!r} is not an integer") from None
     return overrides

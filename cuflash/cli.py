@@ -162,7 +162,7 @@ def cmd_info(args) -> int:
 
 
 # -- generate ---------------------------------------------------------------------------------
-_TILE_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages")
+_TILE_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "overlap")
 
 
 def _default_arch() -> str:
@@ -180,6 +180,8 @@ def cmd_generate(args) -> int:
     from .spec import default_spec
     arch = args.arch or _default_arch()
     overrides = {name: getattr(args, name) for name in _TILE_OPTIONS if getattr(args, name) is not None}
+    if "overlap" in overrides:
+        overrides["overlap"] = bool(overrides["overlap"])
     try:
         spec = default_spec(args.head_dim, args.dtype, args.causal, arch)
         if overrides:
@@ -342,6 +344,11 @@ def cmd_bench(args) -> int:
     return bench.run(args)
 
 
+def cmd_tune(args) -> int:
+    from . import tune
+    return tune.main(args.tune_args)
+
+
 # -- parser -----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from .bench import add_arguments as add_bench_arguments
@@ -380,6 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = sub.add_parser("bench", help="forward benchmark on the FlashAttention papers' grid")
     add_bench_arguments(bench_parser)
     bench_parser.set_defaults(handler=cmd_bench)
+
+    tune = sub.add_parser("tune", add_help=False,
+                          help="choose default tile shapes (fastest spill-free candidate per target)")
+    tune.add_argument("tune_args", nargs=argparse.REMAINDER)
+    tune.set_defaults(handler=cmd_tune)
     return parser
 
 

@@ -6,14 +6,15 @@ All run-time values travel in one by-value parameter block whose layout is defin
 from __future__ import annotations
 
 import math
+import struct
 
 import numpy as np
 
 from .spec import PARAM_FIELDS, KernelSpec, ceil_div
 from .validate import Problem
 
-_RECORD = np.dtype([(name, fmt) for name, _, fmt in PARAM_FIELDS])
-_PARAMS = np.dtype((np.void, _RECORD.itemsize))
+_STRUCT = struct.Struct("<" + "".join({"u8": "Q", "i8": "q", "i4": "i", "f4": "f"}[fmt] for _, _, fmt in PARAM_FIELDS))
+_PARAMS = np.dtype((np.void, _STRUCT.size))
 _LOG2E = 1.0 / math.log(2.0)
 
 
@@ -25,14 +26,15 @@ def grid(spec: KernelSpec, problem: Problem) -> tuple[int, int, int]:
 
 
 def pack_params(problem: Problem, q, k, v, out, lse, out_strides) -> np.ndarray:
-    record = np.array([(
+    """The parameter block as a one-element void array, which CuPy passes by value."""
+    raw = _STRUCT.pack(
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
         *problem.q_strides, *problem.k_strides, *problem.v_strides, *out_strides,
         problem.heads, problem.heads // max(problem.heads_k, 1),
         problem.seqlen_q, problem.seqlen_k,
         problem.scale * _LOG2E, 0,
-    )], dtype=_RECORD)
-    return record.view(_PARAMS)
+    )
+    return np.frombuffer(raw, dtype=_PARAMS)
 
 
 def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides) -> None:

@@ -63,6 +63,7 @@ class KernelSpec:
     num_warps: int
     num_stages: int           # K/V tiles in flight in the shared-memory ring
     arch: str                 # compile target tag, e.g. "sm80", "sm90a"
+    overlap: bool = False     # issue S = Q K^T of the next tile before the softmax of this one
 
     def __post_init__(self):
         problems = []
@@ -81,13 +82,14 @@ class KernelSpec:
                 problems.append(f"block_m={self.block_m} must be a multiple of 16*num_warps={16 * self.num_warps}")
             if self.block_n % 16 or self.block_n <= 0:
                 problems.append(f"block_n={self.block_n} must be a positive multiple of 16")
-            if self.num_stages < 2:
-                problems.append(f"num_stages={self.num_stages} must be at least 2")
+            if self.num_stages < 2 + self.overlap:
+                problems.append(f"num_stages={self.num_stages} must be at least {2 + self.overlap}"
+                                + (" with overlap (tiles i and i+1 resident while i+2 lands)" if self.overlap else ""))
         else:
             if self.threads % self.block_m or self.block_n % (self.threads // max(self.block_m, 1)):
                 problems.append(f"block_m={self.block_m}, block_n={self.block_n} do not divide {self.threads} threads evenly")
-            if self.num_stages != 1:
-                problems.append(f"num_stages={self.num_stages} must be 1 for the float32 kernel")
+            if self.num_stages != 1 or self.overlap:
+                problems.append(f"num_stages={self.num_stages}, overlap={self.overlap}: the float32 kernel takes 1 stage, no overlap")
         if not problems and self.smem_bytes > SMEM_LIMIT[self.arch]:
             problems.append(f"needs {self.smem_bytes} bytes of shared memory, {self.arch} allows {SMEM_LIMIT[self.arch]}")
         if problems:
@@ -101,8 +103,9 @@ class KernelSpec:
     @property
     def name(self) -> str:
         causal = "_causal" if self.causal else ""
+        overlap = "o" if self.overlap else ""
         return (f"fwd_{self.dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
-                f"w{self.num_warps}s{self.num_stages}_{self.arch}")
+                f"w{self.num_warps}s{self.num_stages}{overlap}_{self.arch}")
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)
@@ -185,14 +188,6 @@ def _fits(spec_kwargs) -> KernelSpec | None:
         return None
 
 
-#: Default tile shapes of the mma family: (largest head_dim, block_m, block_n, num_warps, num_stages).
-#: The first row whose head_dim bound holds applies. Measured on the H200 with ``python -m cuflash tune``.
-MMA_DEFAULTS = (
-    (64, 128, 64, 4, 2),
-    (128, 128, 32, 4, 2),
-    (256, 128, 64, 8, 2),
-)
-
 #: Default tiles of the float32 family: (largest head_dim, block_m, block_n, num_warps).
 SIMT_DEFAULTS = (
     (128, 32, 32, 8),
@@ -201,19 +196,25 @@ SIMT_DEFAULTS = (
 
 
 def default_spec(head_dim: int, dtype: str, causal: bool, arch: str) -> KernelSpec:
-    """The default specialization for a problem; shrinks the pipeline or tiles to fit the
-    target's shared memory where the table's entry does not."""
+    """The default specialization for a problem: the tuned table's entry (fastest spill-free
+    candidate, see :mod:`cuflash.tune`), else the first candidate that fits the target."""
     entry = dtypes.from_tag(dtype)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} is not supported (multiples of 8 from 8 to 256)")
     if arch not in SMEM_LIMIT:
         raise ValueError(f"arch={arch!r} is not supported (one of {list(SMEM_LIMIT)})")
     if entry.tensor_core:
-        _, bm, bn, w, s = next(row for row in MMA_DEFAULTS if head_dim <= row[0])
-        candidates = [(bm, bn, w, s), (bm, bn, w, 2), (bm, 32, w, 2), (64, 32, 4, 2)]
-        for bm, bn, w, s in candidates:
+        from .tuned_defaults import TABLE  # written by ``python -m cuflash tune``
+
+        chosen = TABLE.get((arch, head_dim, causal))
+        if chosen is not None:
+            bm, bn, w, s, ov = chosen
+            return KernelSpec(head_dim, entry.tag, causal, bm, bn, w, s, arch, ov)
+        from .tune import candidates  # a target the table does not cover: first candidate that fits
+
+        for bm, bn, w, s, ov in candidates(head_dim):
             spec = _fits(dict(head_dim=head_dim, dtype=entry.tag, causal=causal, block_m=bm,
-                              block_n=bn, num_warps=w, num_stages=s, arch=arch))
+                              block_n=bn, num_warps=w, num_stages=s, arch=arch, overlap=ov))
             if spec:
                 return spec
     else:

@@ -16,9 +16,11 @@ _INT32_MAX = 2**31 - 1
 _GRID_YZ_MAX = 65535
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Problem:
-    """A validated attention call, in the kernel's terms (strides in elements, bhsd order)."""
+    """A validated attention call, in the kernel's terms (strides in elements, bhsd order).
+
+    Read-only by convention (not frozen: a frozen dataclass costs microseconds per call)."""
 
     dtype: dtypes.DType
     batch: int
@@ -73,7 +75,8 @@ def validate(q, k, v, *, causal, scale, layout) -> Problem:
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype; got q.dtype={q.dtype}, k.dtype={k.dtype}, v.dtype={v.dtype}")
     entry = dtypes.from_numpy(q.dtype)
-    devices = (q.device.id, k.device.id, v.device.id)
+    devices = (q.device.id, k.device.id, v.device.id) if q.data.device_id != k.data.device_id or \
+        q.data.device_id != v.data.device_id else (q.data.device_id,) * 3
     if len(set(devices)) != 1:
         raise ValueError(f"q, k and v must be on one device; got q on {devices[0]}, k on {devices[1]}, v on {devices[2]}")
 

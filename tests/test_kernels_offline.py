@@ -12,6 +12,7 @@ def test_spec_name_is_readable_and_filename_safe():
     spec = KernelSpec(128, "bf16", True, 128, 64, 4, 2, "sm80")
     assert spec.name == "fwd_bf16_hd128_causal_m128n64w4s2_sm80"
     assert KernelSpec(64, "fp16", False, 128, 64, 4, 2, "sm90a").name == "fwd_fp16_hd64_m128n64w4s2_sm90a"
+    assert KernelSpec(64, "fp16", False, 128, 64, 4, 3, "sm90a", True).name == "fwd_fp16_hd64_m128n64w4s3o_sm90a"
     for s in all_default_specs("sm90a"):
         assert re.fullmatch(r"[A-Za-z0-9_]+", s.name)
 
@@ -30,6 +31,7 @@ def test_specs_are_hashable_and_frozen():
     (dict(block_m=96), "block_m=96"),
     (dict(block_n=24), "block_n=24"),
     (dict(num_stages=1), "num_stages=1"),
+    (dict(num_stages=2, overlap=True), "num_stages=2 must be at least 3 with overlap"),
     (dict(head_dim=256, block_n=256, num_stages=4), "shared memory"),
 ])
 def test_invalid_specs_are_named(kwargs, match):

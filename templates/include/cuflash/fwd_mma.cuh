@@ -10,7 +10,7 @@
 // time the unmasked tiles arrive.
 //
 // The generated kernel provides Cfg with (all compile-time):
-//   kHeadDim, kBlockM, kBlockN, kWarps, kStages, kCausal, kBF16, kQInRegs,
+//   kHeadDim, kBlockM, kBlockN, kWarps, kStages, kCausal, kBF16, kQInRegs, kOverlap,
 //   kChunksPerRow, kSmemRowBytes, kSmemQ, kSmemK, kSmemV, kKVTileBytes, and the Params struct.
 #pragma once
 #include "cuflash/ptx.cuh"
@@ -140,42 +140,25 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
     }
 
     u32 q_frag[Cfg::kQInRegs ? kMTiles : 1][Cfg::kQInRegs ? kKSteps : 1][4];
-    auto load_q_frag = [&](u32 (&a)[4], int mt, int ks) {
-        const u32 addr = sQ + q_lane + mt * 16 * kRowB + ks * 32;
-        if (ks < kK16) {
-            ldmatrix_x4(a, addr);
-        } else {  // k=8 tail: a0 (rows 0-7), a1 (rows 8-15)
-            u32 a2[2];
-            ldmatrix_x2(a2, addr);
-            a[0] = a2[0]; a[1] = a2[1];
+    auto q_operand = [&](u32 (&a)[4], int mt, int ks) {
+        if constexpr (Cfg::kQInRegs) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[e] = q_frag[mt][ks][e];
+        } else {
+            const u32 addr = sQ + q_lane + mt * 16 * kRowB + ks * 32;
+            if (ks < kK16) {
+                ldmatrix_x4(a, addr);
+            } else {  // k=8 tail: a0 (rows 0-7), a1 (rows 8-15)
+                u32 half[2];
+                ldmatrix_x2(half, addr);
+                a[0] = half[0]; a[1] = half[1];
+            }
         }
     };
 
-    for (int i = 0; i < n_tiles; ++i) {
-        cp_async_wait<Cfg::kStages - 2>();
-        // Tile i has landed for every thread, and every warp is done with tile i-1's slot,
-        // which the next copy overwrites.
-        __syncthreads();
-        if constexpr (Cfg::kQInRegs) {
-            if (i == 0) {
-#pragma unroll
-                for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-                    for (int ks = 0; ks < kKSteps; ++ks) load_q_frag(q_frag[mt][ks], mt, ks);
-            }
-        }
-        {
-            const int ahead = i + Cfg::kStages - 1;
-            if (ahead < n_tiles) load_kv(n_tiles - 1 - ahead, ahead % Cfg::kStages);
-            cp_async_commit();
-        }
-        const int slot = i % Cfg::kStages;
-        const int n0 = (n_tiles - 1 - i) * kBN;
+    // -- S = Q K^T for the tile in `slot` (fp32 accumulators) --
+    auto gemm_qk = [&](float (&acc_s)[kMTiles][kSTiles][4], int slot) {
         const u32 sKs = sK + slot * Cfg::kKVTileBytes;
-        const u32 sVs = sV + slot * Cfg::kKVTileBytes;
-
-        // -- S = Q K^T (fp32 accumulators) --
-        float acc_s[kMTiles][kSTiles][4];
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -186,14 +169,7 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
         for (int ks = 0; ks < kK16; ++ks) {
             u32 a[kMTiles][4];
 #pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) {
-                if constexpr (Cfg::kQInRegs) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][ks][e];
-                } else {
-                    load_q_frag(a[mt], mt, ks);
-                }
-            }
+            for (int mt = 0; mt < kMTiles; ++mt) q_operand(a[mt], mt, ks);
 #pragma unroll
             for (int np = 0; np < kSTiles / 2; ++np) {
                 u32 b[4];
@@ -208,14 +184,7 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
         if constexpr (kTail8) {
             u32 a[kMTiles][4];
 #pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) {
-                if constexpr (Cfg::kQInRegs) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][kK16][e];
-                } else {
-                    load_q_frag(a[mt], mt, kK16);
-                }
-            }
+            for (int mt = 0; mt < kMTiles; ++mt) q_operand(a[mt], mt, kK16);
 #pragma unroll
             for (int np = 0; np < kSTiles / 2; ++np) {
                 u32 b[2];
@@ -227,30 +196,34 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
                 }
             }
         }
+    };
 
-        // -- mask: only the causal diagonal and the sequence tail need it --
+    // -- mask: only the causal diagonal and the sequence tail need it --
+    auto apply_mask = [&](float (&acc_s)[kMTiles][kSTiles][4], int n0) {
         bool needs_mask = n0 + kBN > p.seqlen_k;
         if constexpr (Cfg::kCausal) needs_mask = needs_mask || n0 + kBN - 1 > m0 + causal_offset;
-        if (needs_mask) {
+        if (!needs_mask) return;
 #pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt)
+        for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-                for (int nt = 0; nt < kSTiles; ++nt)
+            for (int nt = 0; nt < kSTiles; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int col = n0 + nt * 8 + 2 * (lane % 4) + (e & 1);
-                        const int row = m0 + warp_row0 + mt * 16 + lane / 4 + (e >> 1) * 8;
-                        bool allowed = col < p.seqlen_k;
-                        if constexpr (Cfg::kCausal) allowed = allowed && col <= row + causal_offset;
-                        if (!allowed) acc_s[mt][nt][e] = neg_inf();
-                    }
-        }
+                for (int e = 0; e < 4; ++e) {
+                    const int col = n0 + nt * 8 + 2 * (lane % 4) + (e & 1);
+                    const int row = m0 + warp_row0 + mt * 16 + lane / 4 + (e >> 1) * 8;
+                    bool allowed = col < p.seqlen_k;
+                    if constexpr (Cfg::kCausal) allowed = allowed && col <= row + causal_offset;
+                    if (!allowed) acc_s[mt][nt][e] = neg_inf();
+                }
+    };
 
-        // -- online softmax on raw scores (scale > 0, so max commutes with scaling):
-        //    P = exp2(S * scale_log2 - max * scale_log2), one FFMA and one MUFU per score --
+    // -- online softmax on raw scores (scale > 0, so the max commutes with scaling):
+    //    P = exp2(S * scale_log2 - max * scale_log2), one FFMA and one MUFU per score;
+    //    O and the running sum are rescaled by exp2(old max - new max) --
+    auto softmax_rescale = [&](float (&acc_s)[kMTiles][kSTiles][4]) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
-            float alpha[2];
+            float alphas[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 float tile_max = neg_inf();
@@ -262,7 +235,7 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
                 // A row with nothing unmasked yet keeps max -inf; using 0 as its base keeps
                 // exp2(-inf - base) at 0 rather than NaN.
                 const float base = new_max == neg_inf() ? 0.f : new_max * p.scale_log2;
-                alpha[r] = exp2_approx(row_max[mt][r] * p.scale_log2 - base);
+                const float alpha = exp2_approx(row_max[mt][r] * p.scale_log2 - base);
                 row_max[mt][r] = new_max;
                 float tile_sum = 0.f;
 #pragma unroll
@@ -273,22 +246,28 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
                         tile_sum += acc_s[mt][nt][e];
                     }
                 }
-                row_sum[mt][r] = row_sum[mt][r] * alpha[r] + tile_sum;
+                row_sum[mt][r] = row_sum[mt][r] * alpha + tile_sum;
+                alphas[r] = alpha;
             }
-            // Once the running max settles, alpha is exactly 1 for every row of the warp:
-            // skip rescaling the output accumulators then (a warp-uniform branch).
-            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+            // Once the running max settles, alpha is exactly 1 in every row of the warp and the
+            // rescale can be skipped. The warp-uniform branch splits the basic block, which would
+            // keep the compiler from interleaving the next tile's MMAs with this softmax, so the
+            // overlapped schedule always rescales.
+            if (Cfg::kOverlap || __any_sync(0xffffffffu, alphas[0] != 1.f || alphas[1] != 1.f)) {
 #pragma unroll
                 for (int nt = 0; nt < kOTiles; ++nt) {
-                    acc_o[mt][nt][0] *= alpha[0];
-                    acc_o[mt][nt][1] *= alpha[0];
-                    acc_o[mt][nt][2] *= alpha[1];
-                    acc_o[mt][nt][3] *= alpha[1];
+                    acc_o[mt][nt][0] *= alphas[0];
+                    acc_o[mt][nt][1] *= alphas[0];
+                    acc_o[mt][nt][2] *= alphas[1];
+                    acc_o[mt][nt][3] *= alphas[1];
                 }
             }
         }
+    };
 
-        // -- O += P V: the S accumulators of two n=8 tiles form one A fragment of k=16 --
+    // -- O += P V for the tile in `slot`: two n=8 tiles of S form one A fragment of k=16 --
+    auto gemm_pv = [&](const float (&acc_s)[kMTiles][kSTiles][4], int slot) {
+        const u32 sVs = sV + slot * Cfg::kKVTileBytes;
 #pragma unroll
         for (int kk = 0; kk < kBN / 16; ++kk) {
             u32 a[kMTiles][4];
@@ -317,6 +296,74 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
                     mma_16816<kBF16>(acc_o[mt][kOTiles - 1], a[mt], b[0], b[1]);
             }
         }
+    };
+
+    // Ring bookkeeping: tile t lives in slot t % kStages, one commit group per tile. Before step
+    // i the groups committed are Q, tiles 0..kStages-2 and one per earlier step; the step needs
+    // tile i (plus tile i+1 when overlapping) complete.
+    constexpr int kAhead = Cfg::kOverlap ? 1 : 0;
+    auto wait_and_prefetch = [&](int i) {
+        cp_async_wait<Cfg::kStages - 2 - kAhead>();
+        // The tiles have landed for every thread, and every warp is done with tile i-1's slot,
+        // which the next copy overwrites.
+        __syncthreads();
+        const int ahead = i + Cfg::kStages - 1;
+        if (ahead < n_tiles) load_kv(n_tiles - 1 - ahead, ahead % Cfg::kStages);
+        cp_async_commit();
+    };
+    auto load_q_registers = [&]() {
+        if constexpr (Cfg::kQInRegs) {
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+                for (int ks = 0; ks < kKSteps; ++ks) {
+                    const u32 addr = sQ + q_lane + mt * 16 * kRowB + ks * 32;
+                    if (ks < kK16) {
+                        ldmatrix_x4(q_frag[mt][ks], addr);
+                    } else {
+                        u32 half[2];
+                        ldmatrix_x2(half, addr);
+                        q_frag[mt][ks][0] = half[0]; q_frag[mt][ks][1] = half[1];
+                    }
+                }
+        }
+    };
+
+    if constexpr (!Cfg::kOverlap) {
+        for (int i = 0; i < n_tiles; ++i) {
+            wait_and_prefetch(i);
+            if (i == 0) load_q_registers();
+            float acc_s[kMTiles][kSTiles][4];
+            gemm_qk(acc_s, i % Cfg::kStages);
+            apply_mask(acc_s, (n_tiles - 1 - i) * kBN);
+            softmax_rescale(acc_s);
+            gemm_pv(acc_s, i % Cfg::kStages);
+        }
+    } else if (n_tiles > 0) {
+        // Software pipeline: S of tile i+1 is computed while the softmax of tile i runs, so each
+        // warp has independent tensor-core work to hide its softmax behind.
+        float acc_s[kMTiles][kSTiles][4];
+        cp_async_wait<Cfg::kStages - 2>();
+        __syncthreads();
+        load_q_registers();
+        gemm_qk(acc_s, 0);
+        apply_mask(acc_s, (n_tiles - 1) * kBN);
+        for (int i = 0; i < n_tiles - 1; ++i) {
+            wait_and_prefetch(i);
+            float acc_next[kMTiles][kSTiles][4];
+            gemm_qk(acc_next, (i + 1) % Cfg::kStages);
+            softmax_rescale(acc_s);
+            gemm_pv(acc_s, i % Cfg::kStages);
+            apply_mask(acc_next, (n_tiles - 2 - i) * kBN);
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = acc_next[mt][nt][e];
+        }
+        softmax_rescale(acc_s);
+        gemm_pv(acc_s, (n_tiles - 1) % Cfg::kStages);
     }
     cp_async_wait<0>();
 
