@@ -9,6 +9,7 @@ templates only fill them in.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from . import dtypes
@@ -100,7 +101,7 @@ class KernelSpec:
     def family(self) -> str:
         return "mma" if dtypes.DTYPES[self.dtype].tensor_core else "simt"
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         causal = "_causal" if self.causal else ""
         overlap = "o" if self.overlap else ""
@@ -111,7 +112,7 @@ class KernelSpec:
         return dataclasses.replace(self, **changes)
 
     # -- layout constants (the templates read these) ------------------------------------------
-    @property
+    @functools.cached_property
     def threads(self) -> int:
         return 32 * self.num_warps
 
@@ -167,7 +168,7 @@ class KernelSpec:
     def smem_v_offset(self) -> int:
         return self.q_tile_bytes + self.num_stages * self.kv_tile_bytes
 
-    @property
+    @functools.cached_property
     def smem_bytes(self) -> int:
         if self.family == "simt":
             d = self.head_dim
