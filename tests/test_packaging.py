@@ -76,7 +76,9 @@ def test_installed_wheel_generates_kernels_outside_the_source_tree(wheel, tmp_pa
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
     python = env_dir / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
     child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], env=child_env)
+    # --ignore-installed: a cuflash already in the system site-packages must not satisfy the install.
+    _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
+         env=child_env)
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
