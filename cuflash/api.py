@@ -19,13 +19,14 @@ def _arch(device_id: int) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _default(head_dim: int, dtype: str, causal: bool, device_id: int) -> KernelSpec:
-    return default_spec(head_dim, dtype, causal, _arch(device_id))
+def _default(head_dim: int, dtype: str, causal: bool, device_id: int, family) -> KernelSpec:
+    return default_spec(head_dim, dtype, causal, _arch(device_id), family)
 
 
-def select_spec(problem: Problem) -> KernelSpec:
-    """The specialization cuflash runs for a validated problem on its device."""
-    return _default(problem.head_dim, problem.dtype.tag, problem.causal, problem.device_id)
+def select_spec(problem: Problem, family: str | None = None) -> KernelSpec:
+    """The specialization cuflash runs for a validated problem on its device (of ``family``, or
+    of the default family there)."""
+    return _default(problem.head_dim, problem.dtype.tag, problem.causal, problem.device_id, family)
 
 
 def _check_forced_spec(spec, problem: Problem) -> KernelSpec:
@@ -41,7 +42,7 @@ def _check_forced_spec(spec, problem: Problem) -> KernelSpec:
     return spec
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd", spec=None):
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd", family=None, spec=None):
     """Scaled dot-product attention, ``softmax(scale * q @ k^T) @ v``, without materializing the scores.
 
     Args:
@@ -54,6 +55,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
         return_lse: also return the natural-log log-sum-exp of each query row, float32
             [batch, heads, seqlen_q] (``-inf`` for a row with no key to attend).
         layout: ``"bhsd"`` or ``"bshd"``; the output uses the same layout.
+        family: kernel family, for tests and comparisons: ``"wgmma"`` (Hopper warpgroup MMAs,
+            sm_90a, head dims 64/128/192/256), ``"mma"`` (portable tensor-core kernel, fp16/bf16)
+            or ``"simt"`` (float32). Default: wgmma where it applies, else the dtype's portable one.
         spec: force a :class:`cuflash.KernelSpec` (for tuning and comparisons); it must match the
             problem's head_dim, dtype and causality and the device's target.
 
@@ -73,7 +77,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             out.fill(0)
             lse.fill(-cupy.inf)
         else:
-            spec = select_spec(problem) if spec is None else _check_forced_spec(spec, problem)
+            spec = select_spec(problem, family) if spec is None else _check_forced_spec(spec, problem)
             if problem.scale <= 0:
                 q, k, scale = _positive_scale(q, k, problem.scale)
                 problem = validate(q, k, v, causal=causal, scale=scale, layout=layout)

@@ -209,7 +209,9 @@ def _torch_sdpa(torch, backend_key, q, k, v, causal):
 # -- one configuration ------------------------------------------------------------------------
 def _spec_for(config: BenchConfig, arch: str, overrides: dict):
     from .spec import default_spec
-    spec = default_spec(config.head_dim, config.dtype, config.causal, arch)
+    overrides = dict(overrides)
+    family = overrides.pop("family", None)
+    spec = default_spec(config.head_dim, config.dtype, config.causal, arch, family)
     return spec.replace(**overrides) if overrides else spec
 
 
@@ -436,6 +438,8 @@ def add_arguments(parser):
     parser.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
     parser.add_argument("--spec-override", metavar="K=V,...",
                         help="force tile parameters: block_m=..,block_n=..,num_warps=..,num_stages=..")
+    parser.add_argument("--family", choices=("mma", "wgmma", "simt"),
+                        help="time this kernel family instead of the default one")
     parser.add_argument("--overhead", action="store_true",
                         help="also measure warm host overhead per call on a tiny problem")
     parser.add_argument("--no-grid", action="store_true", help="skip the grid (with --overhead)")
@@ -452,6 +456,8 @@ def run(args) -> int:
         from . import dtypes
         dtype = dtypes.from_tag(args.dtype).tag
         spec_override = parse_spec_override(args.spec_override)
+        if args.family:
+            spec_override["family"] = args.family
     except ValueError as exc:
         print(f"cuflash bench: error: {exc}", file=sys.stderr)
         return 2

@@ -53,7 +53,7 @@ def _environment() -> jinja2.Environment:
     )
 
 
-_HEADERS = {"mma": "fwd_mma.cuh", "simt": "fwd_simt.cuh"}
+_HEADERS = {"mma": "fwd_mma.cuh", "wgmma": "fwd_wgmma.cuh", "simt": "fwd_simt.cuh"}
 
 
 @functools.lru_cache(maxsize=512)
@@ -69,4 +69,5 @@ def generate(spec: KernelSpec) -> str:
         param_fields=PARAM_FIELDS,
         nvrtc_arch=nvrtc_arch(spec.arch),
         include_dir=include_dir(),
+        wgmma_ns=sorted({spec.block_n, spec.head_dim}),
     )

@@ -28,8 +28,8 @@ SMEM_LIMIT = {
 ARCHS = tuple(SMEM_LIMIT)
 
 #: Families of kernels. "mma": tensor-core FlashAttention-2 (fp16/bf16, sm_80 and later).
-#: "simt": exact float32 on CUDA cores.
-FAMILIES = ("mma", "simt")
+#: "wgmma": Hopper warpgroup MMAs (fp16/bf16, sm_90a). "simt": exact float32 on CUDA cores.
+FAMILIES = ("mma", "wgmma", "simt")
 
 _CHUNK = 16  # bytes moved by one cp.async / one ldmatrix row
 
@@ -65,8 +65,12 @@ class KernelSpec:
     num_stages: int           # K/V tiles in flight in the shared-memory ring
     arch: str                 # compile target tag, e.g. "sm80", "sm90a"
     overlap: bool = False     # issue S = Q K^T of the next tile before the softmax of this one
+    family: str = ""          # kernel family; "" picks the portable one for the dtype (see FAMILIES)
 
     def __post_init__(self):
+        if not self.family:
+            portable = "mma" if self.dtype in dtypes.DTYPES and dtypes.DTYPES[self.dtype].tensor_core else "simt"
+            object.__setattr__(self, "family", portable)
         problems = []
         if self.head_dim not in HEAD_DIMS:
             problems.append(f"head_dim={self.head_dim} (supported: multiples of 8 from 8 to 256)")
@@ -74,11 +78,25 @@ class KernelSpec:
             problems.append(f"dtype={self.dtype!r} (supported: {sorted(dtypes.DTYPES)})")
         if self.arch not in SMEM_LIMIT:
             problems.append(f"arch={self.arch!r} (supported: {list(SMEM_LIMIT)})")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            problems.append(f"num_warps={self.num_warps} (1, 2, 4, 8 or 16)")
+        if self.num_warps not in (1, 2, 4, 8, 12, 16):
+            problems.append(f"num_warps={self.num_warps} (1, 2, 4, 8, 12 or 16)")
+        if self.family not in FAMILIES:
+            problems.append(f"family={self.family!r} (one of {FAMILIES})")
         if problems:
             raise ValueError("invalid kernel spec: " + "; ".join(problems))
-        if self.family == "mma":
+        if self.family == "wgmma":
+            if self.arch != "sm90a" or not dtypes.DTYPES[self.dtype].tensor_core:
+                problems.append(f"the wgmma family needs arch sm90a and fp16/bf16 (got {self.arch}, {self.dtype})")
+            if self.head_dim % 64:
+                problems.append(f"head_dim={self.head_dim} must be a multiple of 64 for wgmma")
+            if self.num_warps not in (4, 8, 12) or self.block_m != 16 * self.num_warps:
+                problems.append(f"block_m={self.block_m} must be 64 rows per warpgroup of 4 warps "
+                                f"(num_warps={self.num_warps})")
+            if self.block_n % 16 or not 16 <= self.block_n <= 256:
+                problems.append(f"block_n={self.block_n} must be a multiple of 16 up to 256")
+            if self.num_stages < 2 or self.overlap:
+                problems.append(f"num_stages={self.num_stages} must be at least 2, overlap off")
+        elif self.family == "mma":
             if self.block_m % (16 * self.num_warps):
                 problems.append(f"block_m={self.block_m} must be a multiple of 16*num_warps={16 * self.num_warps}")
             if self.block_n % 16 or self.block_n <= 0:
@@ -97,16 +115,13 @@ class KernelSpec:
             raise ValueError(f"invalid kernel spec {self.name}: " + "; ".join(problems))
 
     # -- identity -----------------------------------------------------------------------------
-    @property
-    def family(self) -> str:
-        return "mma" if dtypes.DTYPES[self.dtype].tensor_core else "simt"
-
     @functools.cached_property
     def name(self) -> str:
         causal = "_causal" if self.causal else ""
         overlap = "o" if self.overlap else ""
+        family = "_wgmma" if self.family == "wgmma" else ""
         return (f"fwd_{self.dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
-                f"w{self.num_warps}s{self.num_stages}{overlap}_{self.arch}")
+                f"w{self.num_warps}s{self.num_stages}{overlap}{family}_{self.arch}")
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)
@@ -129,13 +144,22 @@ class KernelSpec:
     def smem_row_chunks(self) -> int:
         """Shared-memory row pitch in 16-byte chunks. An odd pitch puts the 8 rows that one
         ldmatrix phase reads into 8 distinct bank groups, so padding one chunk onto even rows
-        makes every tile access conflict-free without a swizzle."""
+        makes every tile access conflict-free without a swizzle. (wgmma tiles are swizzled
+        instead, unpadded.)"""
         c = self.chunks_per_row
+        if self.family == "wgmma":
+            return c
         return c if c % 2 else c + 1
 
     @property
     def smem_row_bytes(self) -> int:
         return self.smem_row_chunks * _CHUNK
+
+    @property
+    def v_descriptor_offsets(self) -> tuple[int, int]:
+        """(leading, stride) byte offsets of the V descriptor (wgmma, read transposed): 64-column
+        blocks lie block_n*128 bytes apart, 8-key groups 1024 bytes apart."""
+        return (self.block_n * 128, 1024)
 
     @property
     def m_tiles_per_warp(self) -> int:
@@ -175,6 +199,8 @@ class KernelSpec:
             floats = (self.block_m * (d + 1) + self.block_n * (d + 1) + self.block_n * d
                       + self.block_m * (self.block_n + 1))
             return floats * 4
+        if self.family == "wgmma":  # unpadded swizzled tiles, plus slack to align the base to 1024
+            return (self.block_m + 2 * self.num_stages * self.block_n) * self.head_dim * 2 + 1024
         return self.q_tile_bytes + 2 * self.num_stages * self.kv_tile_bytes
 
     @property
@@ -196,14 +222,42 @@ SIMT_DEFAULTS = (
 )
 
 
-def default_spec(head_dim: int, dtype: str, causal: bool, arch: str) -> KernelSpec:
-    """The default specialization for a problem: the tuned table's entry (fastest spill-free
+#: Default tiles of the Hopper family: head_dim -> (block_m, block_n, num_warps, num_stages).
+#: Two warpgroups of 64 query rows; timed on the H200 (README).
+WGMMA_DEFAULTS = {64: (128, 64, 8, 2), 128: (128, 128, 8, 2), 192: (128, 64, 8, 2), 256: (128, 64, 8, 2)}
+
+
+def default_family(head_dim: int, dtype: str, arch: str) -> str:
+    """The family cuflash runs by default: wgmma on Hopper where it has a specialization, else
+    the portable tensor-core kernel (fp16/bf16) or the exact float32 one."""
+    entry = dtypes.from_tag(dtype)
+    if not entry.tensor_core:
+        return "simt"
+    if arch == "sm90a" and head_dim in WGMMA_DEFAULTS:
+        return "wgmma"
+    return "mma"
+
+
+def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str | None = None) -> KernelSpec:
+    """The default specialization for a problem. ``family`` (default: :func:`default_family`)
+    picks the kernel family; the mma family's tiles come from the tuned table (fastest spill-free
     candidate, see :mod:`cuflash.tune`), else the first candidate that fits the target."""
     entry = dtypes.from_tag(dtype)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} is not supported (multiples of 8 from 8 to 256)")
     if arch not in SMEM_LIMIT:
         raise ValueError(f"arch={arch!r} is not supported (one of {list(SMEM_LIMIT)})")
+    family = family or default_family(head_dim, entry.tag, arch)
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r} is not one of {FAMILIES}")
+    if family == "wgmma":
+        if arch != "sm90a" or head_dim not in WGMMA_DEFAULTS or not entry.tensor_core:
+            raise ValueError(f"the wgmma family covers fp16/bf16 head dims {sorted(WGMMA_DEFAULTS)} on sm90a; "
+                             f"got head_dim={head_dim}, dtype={entry.tag}, arch={arch}")
+        bm, bn, w, s = WGMMA_DEFAULTS[head_dim]
+        return KernelSpec(head_dim, entry.tag, causal, bm, bn, w, s, arch, family="wgmma")
+    if (family == "mma") != entry.tensor_core:
+        raise ValueError(f"family={family!r} does not take dtype={entry.tag}")
     if entry.tensor_core:
         from .tuned_defaults import TABLE  # written by ``python -m cuflash tune``
 
@@ -228,9 +282,16 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str) -> KernelSp
     raise ValueError(f"no kernel for head_dim={head_dim}, dtype={dtype} fits the shared memory of {arch}")
 
 
-def all_default_specs(arch: str, dtype_tags=None, causal=(False, True)) -> list[KernelSpec]:
-    """Every default specialization for a target: the set ``warmup`` and the tests compile."""
+def all_default_specs(arch: str, dtype_tags=None, causal=(False, True), family=None) -> list[KernelSpec]:
+    """Every default specialization for a target (of one family, or of the default ones): the set
+    ``warmup`` and the tests compile."""
     tags = dtype_tags or list(dtypes.DTYPES)
+    if family == "wgmma":
+        return [default_spec(d, t, c, arch, "wgmma") for t in tags if dtypes.DTYPES[t].tensor_core
+                for d in WGMMA_DEFAULTS for c in causal]
+    if family is not None:
+        return [default_spec(d, t, c, arch, family) for t in tags
+                if (family == "mma") == dtypes.DTYPES[t].tensor_core for d in HEAD_DIMS for c in causal]
     return [default_spec(d, t, c, arch) for t in tags for d in HEAD_DIMS for c in causal]
 
 

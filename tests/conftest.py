@@ -40,7 +40,8 @@ def warm_kernels():
     from cuflash.compile import device_arch
     from cuflash.spec import all_default_specs
 
-    cuflash.warmup(all_default_specs(device_arch()), progress=False)
+    arch = device_arch()
+    cuflash.warmup(all_default_specs(arch) + all_default_specs(arch, family="mma"), progress=False)
 
 
 @pytest.fixture

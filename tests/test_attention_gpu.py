@@ -229,6 +229,16 @@ def test_rejects_strided_last_dim_layout_and_scale():
         cuflash.attention(y, y, y, scale="0.1")
 
 
+def test_rejects_a_family_that_does_not_apply():
+    x = _half((1, 1, 8, 96))
+    with pytest.raises(ValueError, match="family"):
+        cuflash.attention(x, x, x, family="wgmma")
+    with pytest.raises(ValueError, match="family"):
+        cuflash.attention(x, x, x, family="simt")
+    with pytest.raises(ValueError, match="family"):
+        cuflash.attention(x, x, x, family="fast")
+
+
 def test_rejects_arrays_on_different_devices():
     if cupy.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs two GPUs")
@@ -236,3 +246,29 @@ def test_rejects_arrays_on_different_devices():
         k = _half((1, 1, 8, 64))
     with pytest.raises(ValueError, match="one device"):
         cuflash.attention(_half((1, 1, 8, 64)), k, k)
+
+
+# -- the Hopper family -------------------------------------------------------------------------
+
+def _hopper() -> bool:
+    return compile_mod.device_arch() == "sm90a"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
+@pytest.mark.parametrize("family", ["wgmma", "mma"])
+def test_both_tensor_core_families(family, head_dim, dtype, causal, warm_kernels, poison):
+    """Where the Hopper family is the default, the portable one must stay right too."""
+    if family == "wgmma" and not _hopper():
+        pytest.skip("the wgmma family needs sm_90a")
+    for sq, sk, layout, strided in ((113, 239, "bhsd", False), (239, 113, "bshd", True), (1, 1, "bhsd", False),
+                                    (300, 300, "bshd", False)):
+        problem = AttentionProblem(batch=2, heads=4, heads_k=2, seqlen_q=sq, seqlen_k=sk, head_dim=head_dim,
+                                   dtype=dtype, causal=causal, layout=layout, strided=strided)
+        q, k, v = problem.make_inputs(cupy)
+        poison(math.prod(problem.shapes()[0]) * 2, problem.batch * problem.heads * sq * 4)
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, layout=layout, family=family)
+        ref, ref_lse = problem.reference(q, k, v)
+        base, _ = problem.naive(q, k, v)
+        assert_attention_close(out, ref, dtype, baseline=base, lse=lse, ref_lse=ref_lse)

@@ -68,6 +68,23 @@ def test_nvrtc_compiles_without_spills(head_dim, dtype, causal, arch):
     assert len(report.cubin) > 0
 
 
+@pytest.mark.parametrize("spec", [s for s in __import__("cuflash").spec.all_default_specs("sm90a", family="wgmma")],
+                         ids=lambda s: s.name)
+def test_wgmma_specs_compile_without_spills(spec):
+    pytest.importorskip("cupy")
+    report = compile_offline(spec)
+    assert not report.spills, f"{spec.name}: {report.log}"
+
+
+def test_default_family_per_target():
+    assert default_spec(128, "bf16", True, "sm90a").family == "wgmma"
+    assert default_spec(96, "bf16", True, "sm90a").family == "mma"
+    assert default_spec(128, "bf16", True, "sm80").family == "mma"
+    assert default_spec(128, "fp32", True, "sm90a").family == "simt"
+    with pytest.raises(ValueError, match="wgmma"):
+        default_spec(128, "bf16", True, "sm80", family="wgmma")
+
+
 def test_compile_error_carries_spec_options_log_and_source(monkeypatch, tmp_path):
     pytest.importorskip("cupy")
     from cuflash import compile as compile_mod

@@ -13,7 +13,7 @@
 //   kHeadDim, kBlockM, kBlockN, kWarps, kStages, kCausal, kBF16, kQInRegs, kOverlap,
 //   kChunksPerRow, kSmemRowBytes, kSmemQ, kSmemK, kSmemV, kKVTileBytes, and the Params struct.
 #pragma once
-#include "cuflash/ptx.cuh"
+#include "cuflash/online_softmax.cuh"
 
 namespace cuflash {
 
@@ -67,7 +67,6 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
     constexpr int kSTiles = kBN / 8;                   // n=8 tiles of S per warp row block
     constexpr int kOTiles = kD / 8;                    // n=8 tiles of O
     constexpr bool kBF16 = Cfg::kBF16;
-    constexpr float kLn2 = 0.6931471805599453f;
 
     extern __shared__ __align__(128) unsigned char smem[];
     const u32 smem_base = smem_addr(smem);
@@ -202,67 +201,12 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
     auto apply_mask = [&](float (&acc_s)[kMTiles][kSTiles][4], int n0) {
         bool needs_mask = n0 + kBN > p.seqlen_k;
         if constexpr (Cfg::kCausal) needs_mask = needs_mask || n0 + kBN - 1 > m0 + causal_offset;
-        if (!needs_mask) return;
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < kSTiles; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = n0 + nt * 8 + 2 * (lane % 4) + (e & 1);
-                    const int row = m0 + warp_row0 + mt * 16 + lane / 4 + (e >> 1) * 8;
-                    bool allowed = col < p.seqlen_k;
-                    if constexpr (Cfg::kCausal) allowed = allowed && col <= row + causal_offset;
-                    if (!allowed) acc_s[mt][nt][e] = neg_inf();
-                }
+        if (needs_mask)
+            mask_scores<Cfg::kCausal>(acc_s, n0, m0 + warp_row0, lane, p.seqlen_k, causal_offset);
     };
-
-    // -- online softmax on raw scores (scale > 0, so the max commutes with scaling):
-    //    P = exp2(S * scale_log2 - max * scale_log2), one FFMA and one MUFU per score;
-    //    O and the running sum are rescaled by exp2(old max - new max) --
-    auto softmax_rescale = [&](float (&acc_s)[kMTiles][kSTiles][4]) {
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-            float alphas[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float tile_max = neg_inf();
-#pragma unroll
-                for (int nt = 0; nt < kSTiles; ++nt)
-                    tile_max = fmaxf(tile_max, fmaxf(acc_s[mt][nt][2 * r], acc_s[mt][nt][2 * r + 1]));
-                tile_max = quad_max(tile_max);
-                const float new_max = fmaxf(row_max[mt][r], tile_max);
-                // A row with nothing unmasked yet keeps max -inf; using 0 as its base keeps
-                // exp2(-inf - base) at 0 rather than NaN.
-                const float base = new_max == neg_inf() ? 0.f : new_max * p.scale_log2;
-                const float alpha = exp2_approx(row_max[mt][r] * p.scale_log2 - base);
-                row_max[mt][r] = new_max;
-                float tile_sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < kSTiles; ++nt) {
-#pragma unroll
-                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                        acc_s[mt][nt][e] = exp2_approx(fmaf(acc_s[mt][nt][e], p.scale_log2, -base));
-                        tile_sum += acc_s[mt][nt][e];
-                    }
-                }
-                row_sum[mt][r] = row_sum[mt][r] * alpha + tile_sum;
-                alphas[r] = alpha;
-            }
-            // Once the running max settles, alpha is exactly 1 in every row of the warp and the
-            // rescale can be skipped. The warp-uniform branch splits the basic block, which would
-            // keep the compiler from interleaving the next tile's MMAs with this softmax, so the
-            // overlapped schedule always rescales.
-            if (Cfg::kOverlap || __any_sync(0xffffffffu, alphas[0] != 1.f || alphas[1] != 1.f)) {
-#pragma unroll
-                for (int nt = 0; nt < kOTiles; ++nt) {
-                    acc_o[mt][nt][0] *= alphas[0];
-                    acc_o[mt][nt][1] *= alphas[0];
-                    acc_o[mt][nt][2] *= alphas[1];
-                    acc_o[mt][nt][3] *= alphas[1];
-                }
-            }
-        }
+    // The overlapped schedule keeps one basic block per step, so it always rescales.
+    auto softmax_step = [&](float (&acc_s)[kMTiles][kSTiles][4]) {
+        softmax_rescale<!Cfg::kOverlap>(acc_s, acc_o, row_max, row_sum, p.scale_log2);
     };
 
     // -- O += P V for the tile in `slot`: two n=8 tiles of S form one A fragment of k=16 --
@@ -272,12 +216,7 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
         for (int kk = 0; kk < kBN / 16; ++kk) {
             u32 a[kMTiles][4];
 #pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) {
-                a[mt][0] = pack2<kBF16>(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
-                a[mt][1] = pack2<kBF16>(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
-                a[mt][2] = pack2<kBF16>(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
-                a[mt][3] = pack2<kBF16>(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
-            }
+            for (int mt = 0; mt < kMTiles; ++mt) probs_operand<kBF16>(a[mt], acc_s[mt], kk);
 #pragma unroll
             for (int dp = 0; dp < kOTiles / 2; ++dp) {
                 u32 b[4];
@@ -336,7 +275,7 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
             float acc_s[kMTiles][kSTiles][4];
             gemm_qk(acc_s, i % Cfg::kStages);
             apply_mask(acc_s, (n_tiles - 1 - i) * kBN);
-            softmax_rescale(acc_s);
+            softmax_step(acc_s);
             gemm_pv(acc_s, i % Cfg::kStages);
         }
     } else if (n_tiles > 0) {
@@ -352,7 +291,7 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
             wait_and_prefetch(i);
             float acc_next[kMTiles][kSTiles][4];
             gemm_qk(acc_next, (i + 1) % Cfg::kStages);
-            softmax_rescale(acc_s);
+            softmax_step(acc_s);
             gemm_pv(acc_s, i % Cfg::kStages);
             apply_mask(acc_next, (n_tiles - 2 - i) * kBN);
 #pragma unroll
@@ -362,7 +301,7 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = acc_next[mt][nt][e];
         }
-        softmax_rescale(acc_s);
+        softmax_step(acc_s);
         gemm_pv(acc_s, (n_tiles - 1) % Cfg::kStages);
     }
     cp_async_wait<0>();
@@ -370,24 +309,9 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
     // -- epilogue: normalize, write O in the input dtype and the natural-log LSE --
     unsigned short* o = static_cast<unsigned short*>(p.o) + batch * p.o_batch_stride
                         + head * p.o_head_stride;
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float sum = quad_sum(row_sum[mt][r]);
-            const int row = m0 + warp_row0 + mt * 16 + lane / 4 + r * 8;
-            if (row >= p.seqlen_q) continue;
-            // sum == 0 only for a fully masked row: O = 0, LSE = -inf. A NaN sum stays NaN.
-            const float inv = sum == 0.f ? 0.f : 1.f / sum;
-            u32* o_row = reinterpret_cast<u32*>(o + row * p.o_row_stride) + lane % 4;
-#pragma unroll
-            for (int nt = 0; nt < kOTiles; ++nt)
-                o_row[nt * 4] = pack2<kBF16>(acc_o[mt][nt][2 * r] * inv, acc_o[mt][nt][2 * r + 1] * inv);
-            if (lane % 4 == 0)
-                p.lse[static_cast<long long>(bh) * p.seqlen_q + row] =
-                    sum == 0.f ? neg_inf() : row_max[mt][r] * p.scale_log2 * kLn2 + logf(sum);
-        }
-    }
+    store_output<kBF16>(acc_o, row_max, row_sum, o, p.o_row_stride,
+                        p.lse + static_cast<long long>(bh) * p.seqlen_q, m0 + warp_row0, p.seqlen_q,
+                        lane, p.scale_log2);
 }
 
 }  // namespace cuflash

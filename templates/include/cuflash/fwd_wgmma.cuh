@@ -1,0 +1,173 @@
+// Attention forward on Hopper tensor cores (wgmma, sm_90a).
+//
+// One thread block per (query tile, head, batch), as in the mma.sync kernel, with kWarps/4
+// warpgroups of 64 query rows each. Q and a kStages-deep ring of K/V tiles sit in shared memory
+// in the 128-byte swizzled layout wgmma reads through descriptors (cuflash/wgmma.cuh):
+// S = Q K^T takes both operands from shared memory; O += P V takes P from registers (the S
+// accumulators, rounded to 16 bits) and V from shared memory, transposed by the descriptor.
+// The accumulators of each warp are in the m16n8 C-fragment layout, so the online softmax,
+// masking and epilogue are the ones the mma.sync kernel uses (cuflash/online_softmax.cuh).
+//
+// The generated kernel provides Cfg with kHeadDim, kBlockM, kBlockN, kWarps, kStages, kCausal,
+// kBF16, kChunksPerRow, kSmemQ, kSmemK, kSmemV, kKVTileBytes, the Params struct, and the
+// wgmma_ss_n<kBlockN> / wgmma_rs_n<kHeadDim> wrappers.
+#pragma once
+#include "cuflash/online_softmax.cuh"
+#include "cuflash/wgmma.cuh"
+
+namespace cuflash {
+
+// Copy kRows rows (kChunksPerRow 16-byte chunks each) into a swizzled tile; rows at or past
+// rows_valid are zero-filled.
+template <class Cfg, int kRows>
+__device__ __forceinline__ void load_swizzled_async(u32 smem_tile, const unsigned short* gmem,
+                                                    long long row_stride, int rows_valid, int tid) {
+    constexpr int kThreads = Cfg::kWarps * 32;
+    constexpr int kChunks = kRows * Cfg::kChunksPerRow;
+#pragma unroll
+    for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
+        const int idx = tid + it * kThreads;
+        if (kChunks % kThreads == 0 || idx < kChunks) {
+            const int row = idx / Cfg::kChunksPerRow;
+            const int chunk = idx % Cfg::kChunksPerRow;
+            const bool valid = row < rows_valid;
+            const unsigned short* src = valid ? gmem + row * row_stride + chunk * 8 : gmem;
+            cp_async_16(smem_tile + swizzled_offset(row, chunk, kRows), src, valid);
+        }
+    }
+}
+
+template <class Cfg>
+__device__ __forceinline__ void fwd_wgmma(const typename Cfg::Params& p) {
+    constexpr int kD = Cfg::kHeadDim;
+    constexpr int kBM = Cfg::kBlockM;
+    constexpr int kBN = Cfg::kBlockN;
+    constexpr int kNT = kBN / 8;           // n=8 tiles of S per warp
+    constexpr int kOT = kD / 8;            // n=8 tiles of O per warp
+    constexpr int kColBlocks = kD / 64;    // 128-byte column blocks of a swizzled tile
+    constexpr bool kBF16 = Cfg::kBF16;
+
+    extern __shared__ unsigned char smem_raw[];
+    // Swizzle atoms are 1024 bytes; the launch reserves the slack to align the base.
+    const u32 smem_base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const u32 sQ = smem_base + Cfg::kSmemQ;
+    const u32 sK = smem_base + Cfg::kSmemK;
+    const u32 sV = smem_base + Cfg::kSmemV;
+
+    const int tid = threadIdx.x;
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+    const int warpgroup = warp / 4;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int bh = batch * p.heads + head;
+    const int head_k = head / p.group;
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * kBM;  // heaviest query tiles first
+    const int causal_offset = p.seqlen_k - p.seqlen_q;  // bottom-right alignment
+
+    int n_end = p.seqlen_k;
+    if constexpr (Cfg::kCausal) n_end = min(n_end, m0 + kBM + causal_offset);
+    const int n_tiles = n_end > 0 ? (n_end + kBN - 1) / kBN : 0;
+
+    const unsigned short* q = static_cast<const unsigned short*>(p.q) + batch * p.q_batch_stride
+                              + head * p.q_head_stride + m0 * p.q_row_stride;
+    const unsigned short* k = static_cast<const unsigned short*>(p.k) + batch * p.k_batch_stride
+                              + head_k * p.k_head_stride;
+    const unsigned short* v = static_cast<const unsigned short*>(p.v) + batch * p.v_batch_stride
+                              + head_k * p.v_head_stride;
+
+    auto load_kv = [&](int tile, int slot) {
+        const int n0 = tile * kBN;
+        load_swizzled_async<Cfg, kBN>(sK + slot * Cfg::kKVTileBytes, k + n0 * p.k_row_stride,
+                                      p.k_row_stride, p.seqlen_k - n0, tid);
+        load_swizzled_async<Cfg, kBN>(sV + slot * Cfg::kKVTileBytes, v + n0 * p.v_row_stride,
+                                      p.v_row_stride, p.seqlen_k - n0, tid);
+    };
+
+    // -- prologue: Q, then the first kStages-1 K/V tiles, one commit group each --
+    load_swizzled_async<Cfg, kBM>(sQ, q, p.q_row_stride, p.seqlen_q - m0, tid);
+    cp_async_commit();
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages - 1; ++s) {
+        if (s < n_tiles) load_kv(n_tiles - 1 - s, s);
+        cp_async_commit();
+    }
+
+    const int warp_row0 = warpgroup * 64 + (warp % 4) * 16;  // first query row of this warp
+    const u32 q_rows = sQ + warpgroup * 64 * 128;              // this warpgroup's rows, block 0
+
+    float acc_s[1][kNT][4];
+    float acc_o[1][kOT][4];
+    float row_max[1][2], row_sum[1][2];
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < kOT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[0][nt][e] = 0.f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) { row_max[0][r] = neg_inf(); row_sum[0][r] = 0.f; }
+
+    for (int i = 0; i < n_tiles; ++i) {
+        cp_async_wait<Cfg::kStages - 2>();
+        fence_proxy_async();  // the copies were generic-proxy writes; wgmma reads via the async proxy
+        // Tile i has landed for every thread, and every warpgroup is done with tile i-1's slot.
+        __syncthreads();
+        {
+            const int ahead = i + Cfg::kStages - 1;
+            if (ahead < n_tiles) load_kv(n_tiles - 1 - ahead, ahead % Cfg::kStages);
+            cp_async_commit();
+        }
+        const int slot = i % Cfg::kStages;
+        const int n0 = (n_tiles - 1 - i) * kBN;
+        const u32 sKs = sK + slot * Cfg::kKVTileBytes;
+        const u32 sVs = sV + slot * Cfg::kKVTileBytes;
+
+        // -- S = Q K^T: both operands K-major in shared memory; k=16 steps are 32 bytes apart
+        //    inside a 128-byte column block --
+        wgmma_fence();
+#pragma unroll
+        for (int cb = 0; cb < kColBlocks; ++cb)
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks)
+                Cfg::wgmma_qk(acc_s[0],
+                              smem_desc(q_rows + cb * kBM * 128 + ks * 32, 16, 1024),
+                              smem_desc(sKs + cb * kBN * 128 + ks * 32, 16, 1024),
+                              cb + ks);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(acc_s[0]);
+
+        bool needs_mask = n0 + kBN > p.seqlen_k;
+        if constexpr (Cfg::kCausal) needs_mask = needs_mask || n0 + kBN - 1 > m0 + causal_offset;
+        if (needs_mask)
+            mask_scores<Cfg::kCausal>(acc_s, n0, m0 + warp_row0, lane, p.seqlen_k, causal_offset);
+        softmax_rescale<true>(acc_s, acc_o, row_max, row_sum, p.scale_log2);
+
+        // -- O += P V: P from registers, V (keys x head_dim, head_dim contiguous) read transposed;
+        //    16 keys are 2048 bytes apart, 64-column blocks kBlockN*128 bytes apart --
+        u32 probs[kBN / 16][4];  // all of P first: registers that wgmma reads must be settled
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; ++kk) probs_operand<kBF16>(probs[kk], acc_s[0], kk);
+        fence_operands(acc_o[0]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; ++kk)
+            Cfg::wgmma_pv(acc_o[0], probs[kk],
+                          smem_desc(sVs + kk * 2048, Cfg::kVLeadingBytes, Cfg::kVStrideBytes), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(acc_o[0]);
+    }
+    cp_async_wait<0>();
+
+    unsigned short* o = static_cast<unsigned short*>(p.o) + batch * p.o_batch_stride
+                        + head * p.o_head_stride;
+    store_output<kBF16>(acc_o, row_max, row_sum, o, p.o_row_stride,
+                        p.lse + static_cast<long long>(bh) * p.seqlen_q, m0 + warp_row0, p.seqlen_q,
+                        lane, p.scale_log2);
+}
+
+}  // namespace cuflash

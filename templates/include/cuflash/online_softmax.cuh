@@ -1,0 +1,113 @@
+// The online softmax both tensor-core kernels share, on accumulators in the m16n8 C-fragment
+// layout (mma.sync's, and wgmma's for each warp's 16 rows): a warp's scores are
+// float[kMT][kNT][4], where tile (mt, nt) holds rows 16*mt + lane/4 (+8) and columns
+// 8*nt + 2*(lane%4) (+1). The 4 lanes of a quad share a row.
+#pragma once
+#include "cuflash/ptx.cuh"
+
+namespace cuflash {
+
+// Causal and sequence-tail mask of one key tile starting at column n0. row0 is the first query
+// row of the warp; a query row r may see key c iff c < seqlen_k and (causal) c <= r + offset.
+template <bool kCausal, int kMT, int kNT>
+__device__ __forceinline__ void mask_scores(float (&s)[kMT][kNT][4], int n0, int row0, int lane,
+                                            int seqlen_k, int causal_offset) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = n0 + nt * 8 + 2 * (lane % 4) + (e & 1);
+                const int row = row0 + mt * 16 + lane / 4 + (e >> 1) * 8;
+                bool allowed = col < seqlen_k;
+                if constexpr (kCausal) allowed = allowed && col <= row + causal_offset;
+                if (!allowed) s[mt][nt][e] = neg_inf();
+            }
+}
+
+// One step of the online softmax on raw scores (scale > 0, so the max commutes with scaling):
+// P = exp2(S * scale_log2 - max * scale_log2), one FFMA and one MUFU per score; the running sum
+// and the output accumulators are rescaled by exp2(old max - new max). row_max holds raw scores.
+// kSkipRescale: skip rescaling O when the max moved in no row of the warp (a warp-uniform branch;
+// it splits the basic block, so schedules that interleave MMAs with this code turn it off).
+template <bool kSkipRescale, int kMT, int kNT, int kOT>
+__device__ __forceinline__ void softmax_rescale(float (&s)[kMT][kNT][4], float (&o)[kMT][kOT][4],
+                                                float (&row_max)[kMT][2], float (&row_sum)[kMT][2],
+                                                float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+        float alphas[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float tile_max = neg_inf();
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+                tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+            tile_max = quad_max(tile_max);
+            const float new_max = fmaxf(row_max[mt][r], tile_max);
+            // A row with nothing unmasked yet keeps max -inf; using 0 as its base keeps
+            // exp2(-inf - base) at 0 rather than NaN.
+            const float base = new_max == neg_inf() ? 0.f : new_max * scale_log2;
+            alphas[r] = exp2_approx(row_max[mt][r] * scale_log2 - base);
+            row_max[mt][r] = new_max;
+            float tile_sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                    s[mt][nt][e] = exp2_approx(fmaf(s[mt][nt][e], scale_log2, -base));
+                    tile_sum += s[mt][nt][e];
+                }
+            }
+            row_sum[mt][r] = row_sum[mt][r] * alphas[r] + tile_sum;
+        }
+        if (!kSkipRescale || __any_sync(0xffffffffu, alphas[0] != 1.f || alphas[1] != 1.f)) {
+#pragma unroll
+            for (int nt = 0; nt < kOT; ++nt) {
+                o[mt][nt][0] *= alphas[0];
+                o[mt][nt][1] *= alphas[0];
+                o[mt][nt][2] *= alphas[1];
+                o[mt][nt][3] *= alphas[1];
+            }
+        }
+    }
+}
+
+// P of key columns 16*kk .. 16*kk+15 as the A operand (m16n8k16 / wgmma register layout) of
+// O += P V: the C-fragments of two adjacent n=8 tiles form one k=16 A-fragment.
+template <bool kBF16, int kNT>
+__device__ __forceinline__ void probs_operand(u32 (&a)[4], const float (&s)[kNT][4], int kk) {
+    a[0] = pack2<kBF16>(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = pack2<kBF16>(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = pack2<kBF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = pack2<kBF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// Normalize and store a warp's output rows (16-bit dtype) and the natural-log LSE.
+// A row whose sum is 0 saw no key: O = 0, LSE = -inf. A NaN sum stays NaN.
+template <bool kBF16, int kMT, int kOT>
+__device__ __forceinline__ void store_output(const float (&o)[kMT][kOT][4], const float (&row_max)[kMT][2],
+                                             const float (&row_sum)[kMT][2], unsigned short* out,
+                                             long long out_row_stride, float* lse_rows, int row0,
+                                             int seqlen_q, int lane, float scale_log2) {
+    constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float sum = quad_sum(row_sum[mt][r]);
+            const int row = row0 + mt * 16 + lane / 4 + r * 8;
+            if (row >= seqlen_q) continue;
+            const float inv = sum == 0.f ? 0.f : 1.f / sum;
+            u32* o_row = reinterpret_cast<u32*>(out + row * out_row_stride) + lane % 4;
+#pragma unroll
+            for (int nt = 0; nt < kOT; ++nt)
+                o_row[nt * 4] = pack2<kBF16>(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv);
+            if (lane % 4 == 0)
+                lse_rows[row] = sum == 0.f ? neg_inf() : row_max[mt][r] * scale_log2 * kLn2 + logf(sum);
+        }
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,36 @@
+// Hopper (sm_90a) warpgroup MMA: shared-memory descriptors, the 128-byte swizzled tile layout
+// they describe, and the fence/commit/wait protocol. The m64nNk16 instruction wrappers
+// themselves are generated per N by the template (templates/wgmma_ops.j2).
+#pragma once
+#include "cuflash/ptx.cuh"
+
+namespace cuflash {
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of `rows` rows stored the way
+// wgmma's 128-byte swizzle expects: the row is cut into 64-element (128-byte) column blocks,
+// each block holds all rows back to back (128 bytes each), and inside every 8-row, 1024-byte
+// atom the chunk index is XORed with the row index. Tile bases must be 1024-byte aligned.
+__device__ __forceinline__ u32 swizzled_offset(int row, int chunk, int rows) {
+    return (chunk / 8) * rows * 128 + row * 128 + (((chunk % 8) ^ (row % 8)) * 16);
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle (layout type 1 in bits 62-63).
+// Addresses and offsets are encoded in 16-byte units.
+__device__ __forceinline__ u64 smem_desc(u32 addr, u32 leading_bytes, u32 stride_bytes) {
+    return static_cast<u64>((addr & 0x3FFFF) >> 4)
+           | (static_cast<u64>(leading_bytes >> 4) << 16)
+           | (static_cast<u64>(stride_bytes >> 4) << 32)
+           | (1ull << 62);
+}
+
+// Registers that wgmma reads or accumulates into were written by ordinary instructions.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+
+// Shared memory written through the generic proxy (cp.async, st.shared) must be made visible to
+// the async proxy that wgmma reads it through.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+}  // namespace cuflash
