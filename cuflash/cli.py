@@ -143,6 +143,16 @@ def cmd_info(args) -> int:
     else:
         rows += [("GPU", f"none: {reason}"),
                  ("compile target", f"none (offline compiles default to {FALLBACK_ARCH})")]
+    if args.head_dim is not None:
+        from .spec import default_spec
+        arch = env["arch"] if available and env["arch"] else (args.arch or FALLBACK_ARCH)
+        try:
+            spec = default_spec(args.head_dim, args.dtype, args.causal, args.arch or arch)
+        except ValueError as exc:
+            print(f"cuflash info: error: {exc}", file=sys.stderr)
+            return 2
+        rows.append(("kernel for the problem", f"{spec.name} (family {spec.family}, "
+                                                f"{spec.threads} threads, {spec.smem_bytes} bytes shared memory)"))
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
@@ -359,7 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    info = sub.add_parser("info", help="GPU, CUDA, CuPy and NVRTC versions, compile target and cache")
+    info = sub.add_parser("info", help="GPU, CUDA, CuPy and NVRTC versions, compile target and cache; "
+                                       "with --head-dim, the kernel a problem runs")
+    info.add_argument("--head-dim", type=int, help="also say which kernel (and family) this problem uses")
+    info.add_argument("--dtype", default="bf16")
+    info.add_argument("--causal", action="store_true")
+    info.add_argument("--arch", help=f"target tag (default: this GPU's, else {FALLBACK_ARCH})")
     info.set_defaults(handler=cmd_info)
 
     gen = sub.add_parser("generate", help="print or write the CUDA source of one kernel specialization")

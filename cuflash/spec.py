@@ -94,8 +94,8 @@ class KernelSpec:
                                 f"(num_warps={self.num_warps})")
             if self.block_n % 16 or not 16 <= self.block_n <= 256:
                 problems.append(f"block_n={self.block_n} must be a multiple of 16 up to 256")
-            if self.num_stages < 2 or self.overlap:
-                problems.append(f"num_stages={self.num_stages} must be at least 2, overlap off")
+            if self.num_stages < 2 + self.overlap:
+                problems.append(f"num_stages={self.num_stages} must be at least {2 + self.overlap}")
         elif self.family == "mma":
             if self.block_m % (16 * self.num_warps):
                 problems.append(f"block_m={self.block_m} must be a multiple of 16*num_warps={16 * self.num_warps}")

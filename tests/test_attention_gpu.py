@@ -272,3 +272,22 @@ def test_both_tensor_core_families(family, head_dim, dtype, causal, warm_kernels
         ref, ref_lse = problem.reference(q, k, v)
         base, _ = problem.naive(q, k, v)
         assert_attention_close(out, ref, dtype, baseline=base, lse=lse, ref_lse=ref_lse)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim,block_n", [(64, 64), (128, 96), (256, 48)])
+def test_wgmma_overlapped_schedule(head_dim, block_n, causal, poison):
+    """The schedule that issues the next tile's QK^T before this tile's softmax."""
+    if not _hopper():
+        pytest.skip("the wgmma family needs sm_90a")
+    from cuflash.spec import KernelSpec
+
+    spec = KernelSpec(head_dim, "bf16", causal, 128, block_n, 8, 3, "sm90a", True, family="wgmma")
+    for sq, sk in ((239, 113), (113, 239), (300, 300), (1, 1)):
+        problem = AttentionProblem(batch=2, heads=2, heads_k=1, seqlen_q=sq, seqlen_k=sk, head_dim=head_dim,
+                                   dtype="bf16", causal=causal)
+        q, k, v = problem.make_inputs(cupy)
+        poison(math.prod(problem.shapes()[0]) * 2, problem.batch * problem.heads * sq * 4)
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, spec=spec)
+        ref, ref_lse = problem.reference(q, k, v)
+        assert_attention_close(out, ref, "bf16", baseline=problem.naive(q, k, v)[0], lse=lse, ref_lse=ref_lse)

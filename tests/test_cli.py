@@ -203,3 +203,11 @@ def test_bench_with_gpu_writes_json_and_markdown(tmp_path, capsys):
     assert result["tflops"] > 0
     assert "| cuflash |" in md_path.read_text()
     assert "fwd bf16 hd64 causal N=256 b=4 h=32" in capsys.readouterr().out
+
+
+def test_info_names_the_kernel_of_a_problem(capsys):
+    assert cli.main(["info", "--head-dim", "128", "--dtype", "bf16", "--causal", "--arch", "sm90a"]) == 0
+    out = capsys.readouterr().out
+    assert "fwd_bf16_hd128_causal_" in out and "family wgmma" in out
+    assert cli.main(["info", "--head-dim", "96", "--arch", "sm80"]) == 0
+    assert "family mma" in capsys.readouterr().out

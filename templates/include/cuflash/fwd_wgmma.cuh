@@ -9,7 +9,7 @@
 // masking and epilogue are the ones the mma.sync kernel uses (cuflash/online_softmax.cuh).
 //
 // The generated kernel provides Cfg with kHeadDim, kBlockM, kBlockN, kWarps, kStages, kCausal,
-// kBF16, kChunksPerRow, kSmemQ, kSmemK, kSmemV, kKVTileBytes, the Params struct, and the
+// kOverlap, kBF16, kChunksPerRow, kSmemQ, kSmemK, kSmemV, kKVTileBytes, the Params struct, and the
 // wgmma_ss_n<kBlockN> / wgmma_rs_n<kHeadDim> wrappers.
 #pragma once
 #include "cuflash/online_softmax.cuh"
@@ -110,47 +110,40 @@ __device__ __forceinline__ void fwd_wgmma(const typename Cfg::Params& p) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) { row_max[0][r] = neg_inf(); row_sum[0][r] = 0.f; }
 
-    for (int i = 0; i < n_tiles; ++i) {
-        cp_async_wait<Cfg::kStages - 2>();
+    // Ring bookkeeping as in the mma.sync kernel: tile t lives in slot t % kStages, one commit
+    // group per tile; a step needs tile i (and tile i+1 when overlapping) complete.
+    constexpr int kAhead = Cfg::kOverlap ? 1 : 0;
+    auto wait_and_prefetch = [&](int i) {
+        cp_async_wait<Cfg::kStages - 2 - kAhead>();
         fence_proxy_async();  // the copies were generic-proxy writes; wgmma reads via the async proxy
-        // Tile i has landed for every thread, and every warpgroup is done with tile i-1's slot.
+        // The tiles have landed for every thread, and every warpgroup is done with tile i-1's slot.
         __syncthreads();
-        {
-            const int ahead = i + Cfg::kStages - 1;
-            if (ahead < n_tiles) load_kv(n_tiles - 1 - ahead, ahead % Cfg::kStages);
-            cp_async_commit();
-        }
-        const int slot = i % Cfg::kStages;
-        const int n0 = (n_tiles - 1 - i) * kBN;
-        const u32 sKs = sK + slot * Cfg::kKVTileBytes;
-        const u32 sVs = sV + slot * Cfg::kKVTileBytes;
+        const int ahead = i + Cfg::kStages - 1;
+        if (ahead < n_tiles) load_kv(n_tiles - 1 - ahead, ahead % Cfg::kStages);
+        cp_async_commit();
+    };
 
-        // -- S = Q K^T: both operands K-major in shared memory; k=16 steps are 32 bytes apart
-        //    inside a 128-byte column block --
+    // -- S = Q K^T: both operands K-major in shared memory; k=16 steps are 32 bytes apart inside
+    //    a 128-byte column block. Issued asynchronously; the caller waits. --
+    auto issue_qk = [&](float (&acc)[kNT][4], int slot) {
+        const u32 sKs = sK + slot * Cfg::kKVTileBytes;
         wgmma_fence();
 #pragma unroll
         for (int cb = 0; cb < kColBlocks; ++cb)
 #pragma unroll
             for (int ks = 0; ks < 4; ++ks)
-                Cfg::wgmma_qk(acc_s[0],
-                              smem_desc(q_rows + cb * kBM * 128 + ks * 32, 16, 1024),
-                              smem_desc(sKs + cb * kBN * 128 + ks * 32, 16, 1024),
-                              cb + ks);
+                Cfg::wgmma_qk(acc, smem_desc(q_rows + cb * kBM * 128 + ks * 32, 16, 1024),
+                              smem_desc(sKs + cb * kBN * 128 + ks * 32, 16, 1024), cb + ks);
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(acc_s[0]);
+    };
 
-        bool needs_mask = n0 + kBN > p.seqlen_k;
-        if constexpr (Cfg::kCausal) needs_mask = needs_mask || n0 + kBN - 1 > m0 + causal_offset;
-        if (needs_mask)
-            mask_scores<Cfg::kCausal>(acc_s, n0, m0 + warp_row0, lane, p.seqlen_k, causal_offset);
-        softmax_rescale<true>(acc_s, acc_o, row_max, row_sum, p.scale_log2);
-
-        // -- O += P V: P from registers, V (keys x head_dim, head_dim contiguous) read transposed;
-        //    16 keys are 2048 bytes apart, 64-column blocks kBlockN*128 bytes apart --
-        u32 probs[kBN / 16][4];  // all of P first: registers that wgmma reads must be settled
+    // -- O += P V: P from registers, V (keys x head_dim, head_dim contiguous) read transposed;
+    //    16 keys are 2048 bytes apart, 64-column blocks kBlockN*128 bytes apart. Asynchronous. --
+    u32 probs[kBN / 16][4];  // all of P first: registers that wgmma reads must be settled
+    auto issue_pv = [&](const float (&acc)[kNT][4], int slot) {
+        const u32 sVs = sV + slot * Cfg::kKVTileBytes;
 #pragma unroll
-        for (int kk = 0; kk < kBN / 16; ++kk) probs_operand<kBF16>(probs[kk], acc_s[0], kk);
+        for (int kk = 0; kk < kBN / 16; ++kk) probs_operand<kBF16>(probs[kk], acc, kk);
         fence_operands(acc_o[0]);
         wgmma_fence();
 #pragma unroll
@@ -158,6 +151,54 @@ __device__ __forceinline__ void fwd_wgmma(const typename Cfg::Params& p) {
             Cfg::wgmma_pv(acc_o[0], probs[kk],
                           smem_desc(sVs + kk * 2048, Cfg::kVLeadingBytes, Cfg::kVStrideBytes), 1);
         wgmma_commit();
+    };
+
+    auto apply_mask = [&](float (&acc)[1][kNT][4], int n0) {
+        bool needs_mask = n0 + kBN > p.seqlen_k;
+        if constexpr (Cfg::kCausal) needs_mask = needs_mask || n0 + kBN - 1 > m0 + causal_offset;
+        if (needs_mask)
+            mask_scores<Cfg::kCausal>(acc, n0, m0 + warp_row0, lane, p.seqlen_k, causal_offset);
+    };
+
+    if constexpr (!Cfg::kOverlap) {
+        for (int i = 0; i < n_tiles; ++i) {
+            wait_and_prefetch(i);
+            issue_qk(acc_s[0], i % Cfg::kStages);
+            wgmma_wait<0>();
+            fence_operands(acc_s[0]);
+            apply_mask(acc_s, (n_tiles - 1 - i) * kBN);
+            softmax_rescale<true>(acc_s, acc_o, row_max, row_sum, p.scale_log2);
+            issue_pv(acc_s[0], i % Cfg::kStages);
+            wgmma_wait<0>();
+            fence_operands(acc_o[0]);
+        }
+    } else if (n_tiles > 0) {
+        // Intra-warpgroup overlap: S of tile i+1 runs on the tensor cores while this warpgroup
+        // computes the softmax of tile i.
+        cp_async_wait<Cfg::kStages - 2>();
+        fence_proxy_async();
+        __syncthreads();
+        issue_qk(acc_s[0], 0);
+        wgmma_wait<0>();
+        fence_operands(acc_s[0]);
+        apply_mask(acc_s, (n_tiles - 1) * kBN);
+        for (int i = 0; i < n_tiles - 1; ++i) {
+            wait_and_prefetch(i);
+            float acc_next[1][kNT][4];
+            issue_qk(acc_next[0], (i + 1) % Cfg::kStages);
+            softmax_rescale<false>(acc_s, acc_o, row_max, row_sum, p.scale_log2);
+            issue_pv(acc_s[0], i % Cfg::kStages);
+            wgmma_wait<0>();
+            fence_operands(acc_next[0]);
+            fence_operands(acc_o[0]);
+            apply_mask(acc_next, (n_tiles - 2 - i) * kBN);
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = acc_next[0][nt][e];
+        }
+        softmax_rescale<false>(acc_s, acc_o, row_max, row_sum, p.scale_log2);
+        issue_pv(acc_s[0], (n_tiles - 1) % Cfg::kStages);
         wgmma_wait<0>();
         fence_operands(acc_o[0]);
     }
