@@ -66,6 +66,7 @@ class KernelSpec:
     arch: str                 # compile target tag, e.g. "sm80", "sm90a"
     overlap: bool = False     # issue S = Q K^T of the next tile before the softmax of this one
     family: str = ""          # kernel family; "" picks the portable one for the dtype (see FAMILIES)
+    warp_specialized: bool = False  # wgmma: a producer warpgroup feeds the ring through mbarriers
 
     def __post_init__(self):
         if not self.family:
@@ -89,13 +90,17 @@ class KernelSpec:
                 problems.append(f"the wgmma family needs arch sm90a and fp16/bf16 (got {self.arch}, {self.dtype})")
             if self.head_dim % 64:
                 problems.append(f"head_dim={self.head_dim} must be a multiple of 64 for wgmma")
-            if self.num_warps not in (4, 8, 12) or self.block_m != 16 * self.num_warps:
-                problems.append(f"block_m={self.block_m} must be 64 rows per warpgroup of 4 warps "
-                                f"(num_warps={self.num_warps})")
+            if self.num_warps not in (4, 8, 12) or self.block_m != 64 * self.compute_warpgroups:
+                problems.append(f"block_m={self.block_m} must be 64 rows per compute warpgroup of 4 warps "
+                                f"(num_warps={self.num_warps}, warp_specialized={self.warp_specialized})")
             if self.block_n % 16 or not 16 <= self.block_n <= 256:
                 problems.append(f"block_n={self.block_n} must be a multiple of 16 up to 256")
             if self.num_stages < 2 + self.overlap:
                 problems.append(f"num_stages={self.num_stages} must be at least {2 + self.overlap}")
+            if self.warp_specialized and self.overlap:
+                problems.append("warp_specialized and overlap are separate schedules; pick one")
+        elif self.warp_specialized:
+            problems.append(f"warp_specialized applies to the wgmma family only (family={self.family!r})")
         elif self.family == "mma":
             if self.block_m % (16 * self.num_warps):
                 problems.append(f"block_m={self.block_m} must be a multiple of 16*num_warps={16 * self.num_warps}")
@@ -120,6 +125,8 @@ class KernelSpec:
         causal = "_causal" if self.causal else ""
         overlap = "o" if self.overlap else ""
         family = "_wgmma" if self.family == "wgmma" else ""
+        if self.warp_specialized:
+            family += "ws"
         return (f"fwd_{self.dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
                 f"w{self.num_warps}s{self.num_stages}{overlap}{family}_{self.arch}")
 
@@ -154,6 +161,25 @@ class KernelSpec:
     @property
     def smem_row_bytes(self) -> int:
         return self.smem_row_chunks * _CHUNK
+
+    @property
+    def compute_warpgroups(self) -> int:
+        """wgmma: warpgroups of 64 query rows (all but the producer when warp-specialized)."""
+        return self.num_warps // 4 - self.warp_specialized
+
+    @property
+    def smem_barriers_offset(self) -> int:
+        """wgmma: byte offset of the mbarriers, after Q and the K/V ring."""
+        return (self.block_m + 2 * self.num_stages * self.block_n) * self.head_dim * 2
+
+    #: wgmma, warp-specialized: registers each producer thread keeps after setmaxnreg.
+    producer_registers = 56
+
+    @property
+    def compute_registers(self) -> int:
+        """wgmma, warp-specialized: registers per compute thread after setmaxnreg, so that the
+        block's total stays within the 64K register file."""
+        return min(240, (65536 - 128 * self.producer_registers) // (128 * self.compute_warpgroups) // 8 * 8)
 
     @property
     def v_descriptor_offsets(self) -> tuple[int, int]:
@@ -199,8 +225,8 @@ class KernelSpec:
             floats = (self.block_m * (d + 1) + self.block_n * (d + 1) + self.block_n * d
                       + self.block_m * (self.block_n + 1))
             return floats * 4
-        if self.family == "wgmma":  # unpadded swizzled tiles, plus slack to align the base to 1024
-            return (self.block_m + 2 * self.num_stages * self.block_n) * self.head_dim * 2 + 1024
+        if self.family == "wgmma":  # unpadded swizzled tiles, mbarriers, slack to align the base
+            return self.smem_barriers_offset + 8 * (1 + 2 * self.num_stages) + 1024
         return self.q_tile_bytes + 2 * self.num_stages * self.kv_tile_bytes
 
     @property

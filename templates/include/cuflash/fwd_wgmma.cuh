@@ -8,8 +8,12 @@
 // The accumulators of each warp are in the m16n8 C-fragment layout, so the online softmax,
 // masking and epilogue are the ones the mma.sync kernel uses (cuflash/online_softmax.cuh).
 //
+// With kWarpSpecialized, warpgroup 0 is a producer that only issues the copies and hands ring
+// slots to the compute warpgroups through mbarriers (no block-wide barrier in the loop), with
+// setmaxnreg moving registers from the producer to the compute warpgroups.
+//
 // The generated kernel provides Cfg with kHeadDim, kBlockM, kBlockN, kWarps, kStages, kCausal,
-// kOverlap, kBF16, kChunksPerRow, kSmemQ, kSmemK, kSmemV, kKVTileBytes, the Params struct, and the
+// kOverlap, kWarpSpecialized, kProducerRegisters, kComputeRegisters, kSmemBarriers, kBF16, kChunksPerRow, kSmemQ, kSmemK, kSmemV, kKVTileBytes, the Params struct, and the
 // wgmma_ss_n<kBlockN> / wgmma_rs_n<kHeadDim> wrappers.
 #pragma once
 #include "cuflash/online_softmax.cuh"
@@ -19,12 +23,12 @@ namespace cuflash {
 
 // Copy kRows rows (kChunksPerRow 16-byte chunks each) into a swizzled tile; rows at or past
 // rows_valid are zero-filled.
-template <class Cfg, int kRows>
+// kRolled keeps the loop rolled: a producer warpgroup runs on few registers.
+template <class Cfg, int kRows, int kThreads, bool kRolled>
 __device__ __forceinline__ void load_swizzled_async(u32 smem_tile, const unsigned short* gmem,
                                                     long long row_stride, int rows_valid, int tid) {
-    constexpr int kThreads = Cfg::kWarps * 32;
     constexpr int kChunks = kRows * Cfg::kChunksPerRow;
-#pragma unroll
+#pragma unroll (kRolled ? 1 : (kChunks + kThreads - 1) / kThreads)
     for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
         const int idx = tid + it * kThreads;
         if (kChunks % kThreads == 0 || idx < kChunks) {
@@ -76,51 +80,40 @@ __device__ __forceinline__ void fwd_wgmma(const typename Cfg::Params& p) {
     const unsigned short* v = static_cast<const unsigned short*>(p.v) + batch * p.v_batch_stride
                               + head_k * p.v_head_stride;
 
-    auto load_kv = [&](int tile, int slot) {
+    // Warp-specialized: warpgroup 0 only copies (the producer), the others only compute.
+    // Otherwise every thread does both, and a block-wide barrier guards the ring.
+    constexpr bool kWS = Cfg::kWarpSpecialized;
+    constexpr int kLoaders = kWS ? 128 : Cfg::kWarps * 32;
+    const int compute_group = kWS ? warpgroup - 1 : warpgroup;
+
+    auto load_q = [&](int loader) {
+        load_swizzled_async<Cfg, kBM, kLoaders, kWS>(sQ, q, p.q_row_stride, p.seqlen_q - m0, loader);
+    };
+    auto load_kv = [&](int tile, int slot, int loader) {
         const int n0 = tile * kBN;
-        load_swizzled_async<Cfg, kBN>(sK + slot * Cfg::kKVTileBytes, k + n0 * p.k_row_stride,
-                                      p.k_row_stride, p.seqlen_k - n0, tid);
-        load_swizzled_async<Cfg, kBN>(sV + slot * Cfg::kKVTileBytes, v + n0 * p.v_row_stride,
-                                      p.v_row_stride, p.seqlen_k - n0, tid);
+        load_swizzled_async<Cfg, kBN, kLoaders, kWS>(sK + slot * Cfg::kKVTileBytes, k + n0 * p.k_row_stride,
+                                                p.k_row_stride, p.seqlen_k - n0, loader);
+        load_swizzled_async<Cfg, kBN, kLoaders, kWS>(sV + slot * Cfg::kKVTileBytes, v + n0 * p.v_row_stride,
+                                                p.v_row_stride, p.seqlen_k - n0, loader);
     };
 
-    // -- prologue: Q, then the first kStages-1 K/V tiles, one commit group each --
-    load_swizzled_async<Cfg, kBM>(sQ, q, p.q_row_stride, p.seqlen_q - m0, tid);
-    cp_async_commit();
-#pragma unroll
-    for (int s = 0; s < Cfg::kStages - 1; ++s) {
-        if (s < n_tiles) load_kv(n_tiles - 1 - s, s);
-        cp_async_commit();
-    }
-
-    const int warp_row0 = warpgroup * 64 + (warp % 4) * 16;  // first query row of this warp
-    const u32 q_rows = sQ + warpgroup * 64 * 128;              // this warpgroup's rows, block 0
+    const int warp_row0 = compute_group * 64 + (warp % 4) * 16;  // first query row of this warp
+    const u32 q_rows = sQ + compute_group * 64 * 128;             // its warpgroup's rows, block 0
 
     float acc_s[1][kNT][4];
     float acc_o[1][kOT][4];
     float row_max[1][2], row_sum[1][2];
+    auto init_accumulators = [&]() {
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
+        for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = 0.f;
+            for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < kOT; ++nt)
+        for (int nt = 0; nt < kOT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[0][nt][e] = 0.f;
+            for (int e = 0; e < 4; ++e) acc_o[0][nt][e] = 0.f;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) { row_max[0][r] = neg_inf(); row_sum[0][r] = 0.f; }
-
-    // Ring bookkeeping as in the mma.sync kernel: tile t lives in slot t % kStages, one commit
-    // group per tile; a step needs tile i (and tile i+1 when overlapping) complete.
-    constexpr int kAhead = Cfg::kOverlap ? 1 : 0;
-    auto wait_and_prefetch = [&](int i) {
-        cp_async_wait<Cfg::kStages - 2 - kAhead>();
-        fence_proxy_async();  // the copies were generic-proxy writes; wgmma reads via the async proxy
-        // The tiles have landed for every thread, and every warpgroup is done with tile i-1's slot.
-        __syncthreads();
-        const int ahead = i + Cfg::kStages - 1;
-        if (ahead < n_tiles) load_kv(n_tiles - 1 - ahead, ahead % Cfg::kStages);
-        cp_async_commit();
+        for (int r = 0; r < 2; ++r) { row_max[0][r] = neg_inf(); row_sum[0][r] = 0.f; }
     };
 
     // -- S = Q K^T: both operands K-major in shared memory; k=16 steps are 32 bytes apart inside
@@ -160,17 +153,102 @@ __device__ __forceinline__ void fwd_wgmma(const typename Cfg::Params& p) {
             mask_scores<Cfg::kCausal>(acc, n0, m0 + warp_row0, lane, p.seqlen_k, causal_offset);
     };
 
+    // One tile, start to finish: S, mask, softmax, O += P V.
+    auto compute_tile = [&](int i, int slot) {
+        issue_qk(acc_s[0], slot);
+        wgmma_wait<0>();
+        fence_operands(acc_s[0]);
+        apply_mask(acc_s, (n_tiles - 1 - i) * kBN);
+        softmax_rescale<true>(acc_s, acc_o, row_max, row_sum, p.scale_log2);
+        issue_pv(acc_s[0], slot);
+        wgmma_wait<0>();
+        fence_operands(acc_o[0]);
+    };
+
+    auto store = [&]() {
+        unsigned short* o = static_cast<unsigned short*>(p.o) + batch * p.o_batch_stride
+                            + head * p.o_head_stride;
+        store_output<kBF16>(acc_o, row_max, row_sum, o, p.o_row_stride,
+                            p.lse + static_cast<long long>(bh) * p.seqlen_q, m0 + warp_row0,
+                            p.seqlen_q, lane, p.scale_log2);
+    };
+
+    if constexpr (kWS) {
+        // mbarriers: q_full (producer threads arrive once Q landed), full[s] (tile in slot s
+        // landed), empty[s] (every compute thread is done reading slot s).
+        const u32 q_full = smem_base + Cfg::kSmemBarriers;
+        const u32 full = q_full + 8;
+        const u32 empty = full + 8 * Cfg::kStages;
+        constexpr u32 kComputeThreads = (Cfg::kWarps - 4) * 32;
+        if (tid == 0) {
+            mbar_init(q_full, 128);
+            for (int s = 0; s < Cfg::kStages; ++s) {
+                mbar_init(full + 8 * s, 128);
+                mbar_init(empty + 8 * s, kComputeThreads);
+            }
+        }
+        __syncthreads();
+        if (warpgroup == 0) {
+            setmaxnreg_dec<Cfg::kProducerRegisters>();
+            const int loader = tid;
+            // Each copy group is signalled one tile late, once it has landed (wait_group 1 keeps
+            // the newest group in flight); the fence hands the data to wgmma's async proxy.
+            load_q(loader);
+            cp_async_commit();
+            for (int t = 0; t < n_tiles; ++t) {
+                const int slot = t % Cfg::kStages;
+                if (t >= Cfg::kStages) mbar_wait(empty + 8 * slot, (t / Cfg::kStages - 1) & 1);
+                load_kv(n_tiles - 1 - t, slot, loader);
+                cp_async_commit();
+                cp_async_wait<1>();
+                fence_proxy_async();
+                mbar_arrive(t == 0 ? q_full : full + 8 * ((t - 1) % Cfg::kStages));
+            }
+            cp_async_wait<0>();
+            fence_proxy_async();
+            mbar_arrive(n_tiles == 0 ? q_full : full + 8 * ((n_tiles - 1) % Cfg::kStages));
+        } else {
+            setmaxnreg_inc<Cfg::kComputeRegisters>();
+            init_accumulators();
+            mbar_wait(q_full, 0);
+            for (int i = 0; i < n_tiles; ++i) {
+                const int slot = i % Cfg::kStages;
+                mbar_wait(full + 8 * slot, (i / Cfg::kStages) & 1);
+                compute_tile(i, slot);
+                mbar_arrive(empty + 8 * slot);
+            }
+            store();
+        }
+        return;
+    }
+
+    // -- one role for all threads: cp.async ring guarded by a block-wide barrier --
+    load_q(tid);
+    cp_async_commit();
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages - 1; ++s) {
+        if (s < n_tiles) load_kv(n_tiles - 1 - s, s, tid);
+        cp_async_commit();
+    }
+    init_accumulators();
+
+    // Ring bookkeeping as in the mma.sync kernel: tile t lives in slot t % kStages, one commit
+    // group per tile; a step needs tile i (and tile i+1 when overlapping) complete.
+    constexpr int kAhead = Cfg::kOverlap ? 1 : 0;
+    auto wait_and_prefetch = [&](int i) {
+        cp_async_wait<Cfg::kStages - 2 - kAhead>();
+        fence_proxy_async();  // the copies were generic-proxy writes; wgmma reads via the async proxy
+        // The tiles have landed for every thread, and every warpgroup is done with tile i-1's slot.
+        __syncthreads();
+        const int ahead = i + Cfg::kStages - 1;
+        if (ahead < n_tiles) load_kv(n_tiles - 1 - ahead, ahead % Cfg::kStages, tid);
+        cp_async_commit();
+    };
+
     if constexpr (!Cfg::kOverlap) {
         for (int i = 0; i < n_tiles; ++i) {
             wait_and_prefetch(i);
-            issue_qk(acc_s[0], i % Cfg::kStages);
-            wgmma_wait<0>();
-            fence_operands(acc_s[0]);
-            apply_mask(acc_s, (n_tiles - 1 - i) * kBN);
-            softmax_rescale<true>(acc_s, acc_o, row_max, row_sum, p.scale_log2);
-            issue_pv(acc_s[0], i % Cfg::kStages);
-            wgmma_wait<0>();
-            fence_operands(acc_o[0]);
+            compute_tile(i, i % Cfg::kStages);
         }
     } else if (n_tiles > 0) {
         // Intra-warpgroup overlap: S of tile i+1 runs on the tensor cores while this warpgroup
@@ -203,12 +281,7 @@ __device__ __forceinline__ void fwd_wgmma(const typename Cfg::Params& p) {
         fence_operands(acc_o[0]);
     }
     cp_async_wait<0>();
-
-    unsigned short* o = static_cast<unsigned short*>(p.o) + batch * p.o_batch_stride
-                        + head * p.o_head_stride;
-    store_output<kBF16>(acc_o, row_max, row_sum, o, p.o_row_stride,
-                        p.lse + static_cast<long long>(bh) * p.seqlen_q, m0 + warp_row0, p.seqlen_q,
-                        lane, p.scale_log2);
+    store();
 }
 
 }  // namespace cuflash
