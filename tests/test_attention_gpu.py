@@ -276,13 +276,17 @@ def test_both_tensor_core_families(family, head_dim, dtype, causal, warm_kernels
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim,block_n", [(64, 64), (128, 96), (256, 48)])
-def test_wgmma_overlapped_schedule(head_dim, block_n, causal, poison):
-    """The schedule that issues the next tile's QK^T before this tile's softmax."""
+@pytest.mark.parametrize("schedule", ["overlap", "warp_specialized"])
+def test_wgmma_other_schedules(schedule, head_dim, block_n, causal, poison):
+    """overlap: the next tile's QK^T is issued before this tile's softmax. warp_specialized: a
+    producer warpgroup feeds the ring through mbarriers."""
     if not _hopper():
         pytest.skip("the wgmma family needs sm_90a")
     from cuflash.spec import KernelSpec
 
-    spec = KernelSpec(head_dim, "bf16", causal, 128, block_n, 8, 3, "sm90a", True, family="wgmma")
+    ws = schedule == "warp_specialized"
+    spec = KernelSpec(head_dim, "bf16", causal, 128, block_n, 12 if ws else 8, 3, "sm90a",
+                      overlap=not ws, family="wgmma", warp_specialized=ws)
     for sq, sk in ((239, 113), (113, 239), (300, 300), (1, 1)):
         problem = AttentionProblem(batch=2, heads=2, heads_k=1, seqlen_q=sq, seqlen_k=sk, head_dim=head_dim,
                                    dtype="bf16", causal=causal)
