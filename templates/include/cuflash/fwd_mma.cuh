@@ -13,6 +13,7 @@
 //   kHeadDim, kBlockM, kBlockN, kWarps, kStages, kCausal, kBF16, kQInRegs, kOverlap,
 //   kChunksPerRow, kSmemRowBytes, kSmemQ, kSmemK, kSmemV, kKVTileBytes, and the Params struct.
 #pragma once
+#include "cuflash/block.cuh"
 #include "cuflash/online_softmax.cuh"
 
 namespace cuflash {
@@ -40,17 +41,8 @@ __device__ __forceinline__ void load_tile_async(u32 smem_tile, const unsigned sh
                         valid ? src + it * kRowsPerStep * row_stride : gmem, valid);
         }
     } else {
-#pragma unroll
-        for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
-            const int idx = tid + it * kThreads;
-            if (kChunks % kThreads == 0 || idx < kChunks) {
-                const int row = idx / Cfg::kChunksPerRow;
-                const int chunk = idx % Cfg::kChunksPerRow;
-                const bool valid = row < rows_valid;
-                const unsigned short* src = valid ? gmem + row * row_stride + chunk * 8 : gmem;
-                cp_async_16(smem_tile + row * Cfg::kSmemRowBytes + chunk * 16, src, valid);
-            }
-        }
+        auto padded = [](int row, int chunk) { return u32(row * Cfg::kSmemRowBytes + chunk * 16); };
+        copy_rows_async<kRows, Cfg::kChunksPerRow, kThreads>(padded, smem_tile, gmem, row_stride, rows_valid, tid);
     }
 }
 
@@ -77,25 +69,9 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
     const int tid = threadIdx.x;
     const int lane = tid % 32;
     const int warp = tid / 32;
-    const int head = blockIdx.y;
-    const int batch = blockIdx.z;
-    const int bh = batch * p.heads + head;
-    const int head_k = head / p.group;
-    // Query tiles vary fastest, so the blocks resident together share one head's K/V in L2;
-    // within a head the heaviest (last) tiles go first, so a causal grid ends on short blocks.
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * kBM;
-    const int causal_offset = p.seqlen_k - p.seqlen_q;  // bottom-right alignment
-
-    int n_end = p.seqlen_k;
-    if constexpr (Cfg::kCausal) n_end = min(n_end, m0 + kBM + causal_offset);
-    const int n_tiles = n_end > 0 ? (n_end + kBN - 1) / kBN : 0;
-
-    const unsigned short* q = static_cast<const unsigned short*>(p.q) + batch * p.q_batch_stride
-                              + head * p.q_head_stride + m0 * p.q_row_stride;
-    const unsigned short* k = static_cast<const unsigned short*>(p.k) + batch * p.k_batch_stride
-                              + head_k * p.k_head_stride;
-    const unsigned short* v = static_cast<const unsigned short*>(p.v) + batch * p.v_batch_stride
-                              + head_k * p.v_head_stride;
+    const BlockWork<unsigned short, kBM, kBN, Cfg::kCausal> work(p);
+    const int m0 = work.m0, n_tiles = work.n_tiles, causal_offset = work.causal_offset;
+    const unsigned short *q = work.q, *k = work.k, *v = work.v;
 
     auto load_kv = [&](int tile, int slot) {
         const int n0 = tile * kBN;
@@ -199,9 +175,7 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
 
     // -- mask: only the causal diagonal and the sequence tail need it --
     auto apply_mask = [&](float (&acc_s)[kMTiles][kSTiles][4], int n0) {
-        bool needs_mask = n0 + kBN > p.seqlen_k;
-        if constexpr (Cfg::kCausal) needs_mask = needs_mask || n0 + kBN - 1 > m0 + causal_offset;
-        if (needs_mask)
+        if (work.needs_mask(n0, p.seqlen_k))
             mask_scores<Cfg::kCausal>(acc_s, n0, m0 + warp_row0, lane, p.seqlen_k, causal_offset);
     };
     // The overlapped schedule keeps one basic block per step, so it always rescales.
@@ -307,10 +281,10 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
     cp_async_wait<0>();
 
     // -- epilogue: normalize, write O in the input dtype and the natural-log LSE --
-    unsigned short* o = static_cast<unsigned short*>(p.o) + batch * p.o_batch_stride
-                        + head * p.o_head_stride;
+    unsigned short* o = static_cast<unsigned short*>(p.o) + work.batch * p.o_batch_stride
+                        + work.head * p.o_head_stride;
     store_output<kBF16>(acc_o, row_max, row_sum, o, p.o_row_stride,
-                        p.lse + static_cast<long long>(bh) * p.seqlen_q, m0 + warp_row0, p.seqlen_q,
+                        p.lse + static_cast<long long>(work.bh) * p.seqlen_q, m0 + warp_row0, p.seqlen_q,
                         lane, p.scale_log2);
 }
 

@@ -7,7 +7,7 @@
 //
 // The generated kernel provides Cfg with kHeadDim, kBlockM, kBlockN, kWarps, kCausal and Params.
 #pragma once
-#include "cuflash/ptx.cuh"
+#include "cuflash/block.cuh"
 
 namespace cuflash {
 
@@ -48,25 +48,14 @@ __device__ __forceinline__ void fwd_simt(const typename Cfg::Params& p) {
     const int tid = threadIdx.x;
     const int row_local = tid / kThreadsPerRow;
     const int sub = tid % kThreadsPerRow;
-    const int head = blockIdx.y;
-    const int batch = blockIdx.z;
-    const int bh = batch * p.heads + head;
-    const int head_k = head / p.group;
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * kBM;
-    const int causal_offset = p.seqlen_k - p.seqlen_q;
+    const BlockWork<float, kBM, kBN, Cfg::kCausal> work(p);
+    const int m0 = work.m0, n_tiles = work.n_tiles, causal_offset = work.causal_offset;
+    const float *q = work.q, *k = work.k, *v = work.v;
     const int row = m0 + row_local;
-
-    int n_end = p.seqlen_k;
-    if constexpr (Cfg::kCausal) n_end = min(n_end, m0 + kBM + causal_offset);
-    const int n_tiles = n_end > 0 ? (n_end + kBN - 1) / kBN : 0;
-
-    const float* q = static_cast<const float*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
-    const float* k = static_cast<const float*>(p.k) + batch * p.k_batch_stride + head_k * p.k_head_stride;
-    const float* v = static_cast<const float*>(p.v) + batch * p.v_batch_stride + head_k * p.v_head_stride;
 
     for (int idx = tid; idx < kBM * kD; idx += kThreads) {
         const int r = idx / kD, c = idx % kD;
-        sQ[r * kQPitch + c] = m0 + r < p.seqlen_q ? q[(m0 + r) * p.q_row_stride + c] : 0.f;
+        sQ[r * kQPitch + c] = m0 + r < p.seqlen_q ? q[r * p.q_row_stride + c] : 0.f;
     }
 
     float acc_o[kOutCols];
@@ -128,7 +117,7 @@ __device__ __forceinline__ void fwd_simt(const typename Cfg::Params& p) {
     }
 
     if (row < p.seqlen_q) {
-        float* o = static_cast<float*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride
+        float* o = static_cast<float*>(p.o) + work.batch * p.o_batch_stride + work.head * p.o_head_stride
                    + row * p.o_row_stride;
         const float inv = row_sum == 0.f ? 0.f : 1.f / row_sum;
 #pragma unroll
@@ -137,7 +126,7 @@ __device__ __forceinline__ void fwd_simt(const typename Cfg::Params& p) {
             if (kD % kThreadsPerRow == 0 || d < kD) o[d] = acc_o[c] * inv;
         }
         if (sub == 0)
-            p.lse[static_cast<long long>(bh) * p.seqlen_q + row] =
+            p.lse[static_cast<long long>(work.bh) * p.seqlen_q + row] =
                 row_sum == 0.f ? neg_inf() : row_max * kLn2 + logf(row_sum);
     }
 }

@@ -16,30 +16,11 @@
 // kOverlap, kWarpSpecialized, kProducerRegisters, kComputeRegisters, kSmemBarriers, kBF16, kChunksPerRow, kSmemQ, kSmemK, kSmemV, kKVTileBytes, the Params struct, and the
 // wgmma_ss_n<kBlockN> / wgmma_rs_n<kHeadDim> wrappers.
 #pragma once
+#include "cuflash/block.cuh"
 #include "cuflash/online_softmax.cuh"
 #include "cuflash/wgmma.cuh"
 
 namespace cuflash {
-
-// Copy kRows rows (kChunksPerRow 16-byte chunks each) into a swizzled tile; rows at or past
-// rows_valid are zero-filled.
-// kRolled keeps the loop rolled: a producer warpgroup runs on few registers.
-template <class Cfg, int kRows, int kThreads, bool kRolled>
-__device__ __forceinline__ void load_swizzled_async(u32 smem_tile, const unsigned short* gmem,
-                                                    long long row_stride, int rows_valid, int tid) {
-    constexpr int kChunks = kRows * Cfg::kChunksPerRow;
-#pragma unroll (kRolled ? 1 : (kChunks + kThreads - 1) / kThreads)
-    for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
-        const int idx = tid + it * kThreads;
-        if (kChunks % kThreads == 0 || idx < kChunks) {
-            const int row = idx / Cfg::kChunksPerRow;
-            const int chunk = idx % Cfg::kChunksPerRow;
-            const bool valid = row < rows_valid;
-            const unsigned short* src = valid ? gmem + row * row_stride + chunk * 8 : gmem;
-            cp_async_16(smem_tile + swizzled_offset(row, chunk, kRows), src, valid);
-        }
-    }
-}
 
 template <class Cfg>
 __device__ __forceinline__ void fwd_wgmma(const typename Cfg::Params& p) {
@@ -62,23 +43,9 @@ __device__ __forceinline__ void fwd_wgmma(const typename Cfg::Params& p) {
     const int lane = tid % 32;
     const int warp = tid / 32;
     const int warpgroup = warp / 4;
-    const int head = blockIdx.y;
-    const int batch = blockIdx.z;
-    const int bh = batch * p.heads + head;
-    const int head_k = head / p.group;
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * kBM;  // heaviest query tiles first
-    const int causal_offset = p.seqlen_k - p.seqlen_q;  // bottom-right alignment
-
-    int n_end = p.seqlen_k;
-    if constexpr (Cfg::kCausal) n_end = min(n_end, m0 + kBM + causal_offset);
-    const int n_tiles = n_end > 0 ? (n_end + kBN - 1) / kBN : 0;
-
-    const unsigned short* q = static_cast<const unsigned short*>(p.q) + batch * p.q_batch_stride
-                              + head * p.q_head_stride + m0 * p.q_row_stride;
-    const unsigned short* k = static_cast<const unsigned short*>(p.k) + batch * p.k_batch_stride
-                              + head_k * p.k_head_stride;
-    const unsigned short* v = static_cast<const unsigned short*>(p.v) + batch * p.v_batch_stride
-                              + head_k * p.v_head_stride;
+    const BlockWork<unsigned short, kBM, kBN, Cfg::kCausal> work(p);
+    const int m0 = work.m0, n_tiles = work.n_tiles, causal_offset = work.causal_offset;
+    const unsigned short *q = work.q, *k = work.k, *v = work.v;
 
     // Warp-specialized: warpgroup 0 only copies (the producer), the others only compute.
     // Otherwise every thread does both, and a block-wide barrier guards the ring.
@@ -86,15 +53,21 @@ __device__ __forceinline__ void fwd_wgmma(const typename Cfg::Params& p) {
     constexpr int kLoaders = kWS ? 128 : Cfg::kWarps * 32;
     const int compute_group = kWS ? warpgroup - 1 : warpgroup;
 
+    // Tiles are stored in wgmma's 128-byte swizzled layout (cuflash/wgmma.cuh).
+    auto q_layout = [](int row, int chunk) { return swizzled_offset(row, chunk, kBM); };
+    auto kv_layout = [](int row, int chunk) { return swizzled_offset(row, chunk, kBN); };
     auto load_q = [&](int loader) {
-        load_swizzled_async<Cfg, kBM, kLoaders, kWS>(sQ, q, p.q_row_stride, p.seqlen_q - m0, loader);
+        copy_rows_async<kBM, Cfg::kChunksPerRow, kLoaders, kWS>(q_layout, sQ, q, p.q_row_stride,
+                                                                p.seqlen_q - m0, loader);
     };
     auto load_kv = [&](int tile, int slot, int loader) {
         const int n0 = tile * kBN;
-        load_swizzled_async<Cfg, kBN, kLoaders, kWS>(sK + slot * Cfg::kKVTileBytes, k + n0 * p.k_row_stride,
-                                                p.k_row_stride, p.seqlen_k - n0, loader);
-        load_swizzled_async<Cfg, kBN, kLoaders, kWS>(sV + slot * Cfg::kKVTileBytes, v + n0 * p.v_row_stride,
-                                                p.v_row_stride, p.seqlen_k - n0, loader);
+        copy_rows_async<kBN, Cfg::kChunksPerRow, kLoaders, kWS>(kv_layout, sK + slot * Cfg::kKVTileBytes,
+                                                                k + n0 * p.k_row_stride, p.k_row_stride,
+                                                                p.seqlen_k - n0, loader);
+        copy_rows_async<kBN, Cfg::kChunksPerRow, kLoaders, kWS>(kv_layout, sV + slot * Cfg::kKVTileBytes,
+                                                                v + n0 * p.v_row_stride, p.v_row_stride,
+                                                                p.seqlen_k - n0, loader);
     };
 
     const int warp_row0 = compute_group * 64 + (warp % 4) * 16;  // first query row of this warp
@@ -147,9 +120,7 @@ __device__ __forceinline__ void fwd_wgmma(const typename Cfg::Params& p) {
     };
 
     auto apply_mask = [&](float (&acc)[1][kNT][4], int n0) {
-        bool needs_mask = n0 + kBN > p.seqlen_k;
-        if constexpr (Cfg::kCausal) needs_mask = needs_mask || n0 + kBN - 1 > m0 + causal_offset;
-        if (needs_mask)
+        if (work.needs_mask(n0, p.seqlen_k))
             mask_scores<Cfg::kCausal>(acc, n0, m0 + warp_row0, lane, p.seqlen_k, causal_offset);
     };
 
@@ -166,10 +137,10 @@ __device__ __forceinline__ void fwd_wgmma(const typename Cfg::Params& p) {
     };
 
     auto store = [&]() {
-        unsigned short* o = static_cast<unsigned short*>(p.o) + batch * p.o_batch_stride
-                            + head * p.o_head_stride;
+        unsigned short* o = static_cast<unsigned short*>(p.o) + work.batch * p.o_batch_stride
+                            + work.head * p.o_head_stride;
         store_output<kBF16>(acc_o, row_max, row_sum, o, p.o_row_stride,
-                            p.lse + static_cast<long long>(bh) * p.seqlen_q, m0 + warp_row0,
+                            p.lse + static_cast<long long>(work.bh) * p.seqlen_q, m0 + warp_row0,
                             p.seqlen_q, lane, p.scale_log2);
     };
 

@@ -1,0 +1,65 @@
+// What one thread block of a forward kernel works on, shared by every kernel family: the
+// (query tile, head, batch) of its grid position, the key tiles it visits and where its rows live.
+#pragma once
+#include "cuflash/ptx.cuh"
+
+namespace cuflash {
+
+template <class T, int kBlockM, int kBlockN, bool kCausal>
+struct BlockWork {
+    int head, batch, bh, head_k;
+    int m0;             // first query row of the tile
+    int causal_offset;  // seqlen_k - seqlen_q: causal masks align bottom-right
+    int n_tiles;        // key tiles with at least one visible key
+    const T* q;         // row m0 of this head's queries
+    const T* k;         // row 0 of this head's keys / values (grouped-query: its kv head)
+    const T* v;
+
+    template <class Params>
+    __device__ __forceinline__ explicit BlockWork(const Params& p) {
+        head = blockIdx.y;
+        batch = blockIdx.z;
+        bh = batch * p.heads + head;
+        head_k = head / p.group;
+        // Query tiles vary fastest, so the blocks resident together share one head's K/V in L2;
+        // within a head the heaviest (last) tiles go first, so a causal grid ends on short blocks.
+        m0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;
+        causal_offset = p.seqlen_k - p.seqlen_q;
+        int n_end = p.seqlen_k;
+        if constexpr (kCausal) n_end = min(n_end, m0 + kBlockM + causal_offset);
+        n_tiles = n_end > 0 ? (n_end + kBlockN - 1) / kBlockN : 0;
+        q = static_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride + m0 * p.q_row_stride;
+        k = static_cast<const T*>(p.k) + batch * p.k_batch_stride + head_k * p.k_head_stride;
+        v = static_cast<const T*>(p.v) + batch * p.v_batch_stride + head_k * p.v_head_stride;
+    }
+
+    // Does key tile starting at n0 need masking (the sequence tail, or the causal diagonal)?
+    __device__ __forceinline__ bool needs_mask(int n0, int seqlen_k) const {
+        bool tail = n0 + kBlockN > seqlen_k;
+        if constexpr (kCausal) return tail || n0 + kBlockN - 1 > m0 + causal_offset;
+        return tail;
+    }
+};
+
+// Copy kRows rows of kChunksPerRow 16-byte chunks with cp.async, thread `tid` of kThreads taking
+// every kThreads-th chunk; smem_offset(row, chunk) places a chunk in the tile. Rows at or past
+// rows_valid are zero-filled. kRolled keeps the loop rolled (for threads short of registers).
+template <int kRows, int kChunksPerRow, int kThreads, bool kRolled = false, class SmemOffset>
+__device__ __forceinline__ void copy_rows_async(SmemOffset smem_offset, u32 smem_tile,
+                                                const unsigned short* gmem, long long row_stride,
+                                                int rows_valid, int tid) {
+    constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll (kRolled ? 1 : (kChunks + kThreads - 1) / kThreads)
+    for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
+        const int idx = tid + it * kThreads;
+        if (kChunks % kThreads == 0 || idx < kChunks) {
+            const int row = idx / kChunksPerRow;
+            const int chunk = idx % kChunksPerRow;
+            const bool valid = row < rows_valid;
+            const unsigned short* src = valid ? gmem + row * row_stride + chunk * 8 : gmem;
+            cp_async_16(smem_tile + smem_offset(row, chunk), src, valid);
+        }
+    }
+}
+
+}  // namespace cuflash
