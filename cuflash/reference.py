@@ -1,4 +1,4 @@
-"""NumPy references for the forward attention kernels (no CuPy, no GPU).
+"""NumPy references for the attention kernels (no CuPy, no GPU).
 
 Numerical contract, shared by every function here and by the CUDA kernels:
 
@@ -22,7 +22,8 @@ Functions:
   against the reference is the yardstick of the accuracy rule in :mod:`cuflash.testing`.
 * :func:`simulate_tiled` and :func:`tile_schedule` -- the kernel's own tiled online-softmax
   algorithm and tile walk, run on the CPU.
-* :func:`attention_flops` -- causal-aware FLOP count for benchmarks.
+* :func:`attention_backward_reference` -- float64 gradients (dq, dk, dv) of the output.
+* :func:`attention_flops`, :func:`attention_backward_flops` -- causal-aware FLOP counts.
 """
 from __future__ import annotations
 
@@ -368,5 +369,56 @@ def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_d
     return 4 * batch * heads * head_dim * attention_pairs(seqlen_q, seqlen_k, causal)
 
 
-__all__ = ["LAYOUTS", "attention_reference", "attention_naive", "causal_mask", "simulate_tiled",
-           "tile_schedule", "attention_pairs", "attention_flops"]
+# -- float64 gradients ----------------------------------------------------------------------------
+
+def attention_backward_reference(dout, q, k, v, *, causal: bool = False, scale: float | None = None,
+                                 layout: str = "bhsd"):
+    """Gradients of :func:`attention_reference`'s output, in float64.
+
+    Args:
+        dout: gradient of the loss with respect to ``out``; q's shape and layout.
+        q, k, v, causal, scale, layout: as for :func:`attention_reference`.
+
+    Returns:
+        ``(dq, dk, dv)``, float64, shaped like q, k and v in ``layout``. With grouped-query
+        attention the gradients of the query heads that share a kv head are summed into it.
+
+    With ``P = softmax(S)`` (masked entries exactly 0, rows that attend nothing all 0):
+    ``dV = P^T dO``, ``dP = dO V^T``, ``D = rowsum(dO * O)``, ``dS = P * (dP - D)``,
+    ``dQ = scale * dS K`` and ``dK = scale * dS^T Q``. A row that attends nothing contributes no
+    gradient anywhere.
+    """
+    qb, kb, vb, scale = _prepare(q, k, v, scale, layout, np.float64)
+    dob = _to_bhsd(np.asarray(dout), layout).astype(np.float64)
+    if dob.shape != qb.shape:
+        raise ValueError(f"dout.shape={np.shape(dout)} must equal q.shape={np.shape(q)}")
+    heads_q, heads_k, seqlen_q, seqlen_k = qb.shape[1], kb.shape[1], qb.shape[2], kb.shape[2]
+    ke, ve = _expand_kv_heads(kb, heads_q), _expand_kv_heads(vb, heads_q)
+    allowed = _allowed(seqlen_q, seqlen_k, causal)
+    with np.errstate(invalid="ignore", over="ignore"):
+        scores = (qb @ ke.swapaxes(-1, -2)) * scale
+        p, _, row_sum, empty = _masked_softmax_parts(scores, allowed)
+        p = np.where(empty[..., None], 0.0, p / np.where(empty, 1.0, row_sum)[..., None])
+        out = p @ ve
+        dv = p.swapaxes(-1, -2) @ dob
+        dp = dob @ ve.swapaxes(-1, -2)
+        row_dot = (dob * out).sum(axis=-1, keepdims=True)
+        ds = p * (dp - row_dot)
+        dq = scale * (ds @ ke)
+        dk = scale * (ds.swapaxes(-1, -2) @ qb)
+    group = heads_q // heads_k
+    b, _, _, d = kb.shape
+    dk = dk.reshape(b, heads_k, group, seqlen_k, d).sum(axis=2)
+    dv = dv.reshape(b, heads_k, group, seqlen_k, d).sum(axis=2)
+    return _from_bhsd(dq, layout), _from_bhsd(dk, layout), _from_bhsd(dv, layout)
+
+
+def attention_backward_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+                             causal: bool) -> int:
+    """Backward FLOPs by the FlashAttention papers' convention: 2.5 times the forward."""
+    return 5 * attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal) // 2
+
+
+__all__ = ["LAYOUTS", "attention_reference", "attention_naive", "attention_backward_reference",
+           "causal_mask", "simulate_tiled", "tile_schedule", "attention_pairs", "attention_flops",
+           "attention_backward_flops"]
