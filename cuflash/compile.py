@@ -18,6 +18,7 @@ import dataclasses
 import multiprocessing
 import os
 import re
+import struct
 import sys
 import tempfile
 import threading
@@ -167,6 +168,19 @@ _PTXAS = {
 }
 
 
+def _whole_elf(cubin: bytes) -> bytes:
+    """CuPy's ``getCUBIN`` returns one byte less than NVRTC reports (it treats the size as that of
+    a NUL-terminated string), cutting the last program header short so disassemblers reject the
+    file. That byte is the top byte of the header's 64-bit alignment field, always 0: put it back
+    when the ELF's own tables say exactly one byte is missing."""
+    if len(cubin) < 64 or cubin[:4] != b"\x7fELF":
+        return cubin
+    ph_offset, sh_offset = struct.unpack_from("<QQ", cubin, 0x20)
+    ph_size, ph_count, sh_size, sh_count = struct.unpack_from("<HHHH", cubin, 0x36)
+    end = max(ph_offset + ph_size * ph_count, sh_offset + sh_size * sh_count)
+    return cubin + b"\0" if end == len(cubin) + 1 else cubin
+
+
 def compile_offline(spec: KernelSpec) -> OfflineReport:
     """Compile with NVRTC directly (no device needed) and parse the ptxas resource report."""
     from cupy.cuda import nvrtc
@@ -182,7 +196,7 @@ def compile_offline(spec: KernelSpec) -> OfflineReport:
             log = nvrtc.getProgramLog(prog)
             raise CompileError(spec.name, nvrtc_options, log, _write_failed_source(spec, source)) from None
         log = nvrtc.getProgramLog(prog)
-        cubin = nvrtc.getCUBIN(prog)
+        cubin = _whole_elf(nvrtc.getCUBIN(prog))
     finally:
         nvrtc.destroyProgram(prog)
     found = {key: int(m.group(1)) if (m := rx.search(log)) else 0 for key, rx in _PTXAS.items()}

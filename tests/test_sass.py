@@ -1,0 +1,60 @@
+"""The machine code of the generated kernels uses the instructions each family is built on.
+
+Compiled offline with NVRTC and disassembled with cuobjdump (from the nvidia-cuda-cuobjdump and
+nvidia-cuda-nvdisasm wheels of the ``test`` extra); no GPU needed.
+"""
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cuflash.compile import compile_offline
+from cuflash.spec import all_default_specs, default_spec
+
+
+def _tool_dir():
+    if shutil.which("cuobjdump") and shutil.which("nvdisasm"):
+        return None
+    try:
+        import nvidia
+    except ImportError:
+        return False
+    for root in nvidia.__path__:
+        for bin_dir in sorted(Path(root).glob("cu*/bin")):
+            if (bin_dir / "cuobjdump").exists() and (bin_dir / "nvdisasm").exists():
+                return bin_dir
+    return False
+
+
+TOOLS = _tool_dir()
+pytestmark = pytest.mark.skipif(TOOLS is False, reason="cuobjdump/nvdisasm not installed (test extra)")
+
+
+def sass(spec, tmp_path) -> str:
+    pytest.importorskip("cupy")
+    cubin = tmp_path / f"{spec.name}.cubin"
+    cubin.write_bytes(compile_offline(spec).cubin)
+    env = dict(os.environ)
+    if TOOLS:
+        env["PATH"] = f"{TOOLS}{os.pathsep}{env.get('PATH', '')}"
+    return subprocess.run(["cuobjdump", "-sass", str(cubin)], env=env, check=True,
+                          capture_output=True, text=True).stdout
+
+
+@pytest.mark.parametrize("spec", all_default_specs("sm90a", dtype_tags=["bf16"], causal=(True,), family="wgmma"),
+                         ids=lambda s: s.name)
+def test_hopper_kernels_use_warpgroup_mma(spec, tmp_path):
+    code = sass(spec, tmp_path)
+    assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16", code)
+    assert "LDGSTS" in code and "HMMA" not in code
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90a"])
+@pytest.mark.parametrize("head_dim", [64, 72, 128])
+def test_portable_kernels_use_mma_sync_ldmatrix_and_cp_async(head_dim, arch, tmp_path):
+    code = sass(default_spec(head_dim, "fp16", True, arch, family="mma"), tmp_path)
+    assert "HMMA.16816.F32" in code and "LDSM.16.M88.4" in code and "LDSM.16.MT88" in code
+    assert "LDGSTS" in code and "HGMMA" not in code
