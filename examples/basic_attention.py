@@ -5,19 +5,11 @@
 import sys
 
 
-def gpu_missing() -> str | None:
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return None
-        return "CUDA reports no device"
-    except Exception as exc:
-        return str(exc)
-
-
 def main() -> int:
-    reason = gpu_missing()
-    if reason:
+    from cuflash.cli import gpu_status
+
+    available, reason = gpu_status()
+    if not available:
         print(f"skipped: this example needs a CUDA GPU ({reason})")
         return 0
 

@@ -9,23 +9,15 @@ import argparse
 import sys
 
 
-def gpu_missing() -> str | None:
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return None
-        return "CUDA reports no device"
-    except Exception as exc:
-        return str(exc)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=50)
     args = parser.parse_args()
 
-    reason = gpu_missing()
-    if reason:
+    from cuflash.cli import gpu_status
+
+    available, reason = gpu_status()
+    if not available:
         print(f"skipped: fuzzing runs the kernels and needs a CUDA GPU ({reason})")
         return 0
     try:
