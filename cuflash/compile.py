@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 
 from .render import generate, headers_digest, include_dir
-from .spec import KernelSpec, arch_from_capability, nvrtc_arch
+from .spec import BwdSpec, KernelSpec, arch_from_capability, nvrtc_arch
 
 
 class CompileError(RuntimeError):
@@ -42,7 +42,7 @@ class CompileError(RuntimeError):
         )
 
 
-def compile_options(spec: KernelSpec) -> tuple[str, ...]:
+def compile_options(spec) -> tuple[str, ...]:
     return (
         "-std=c++17",
         f"-arch={nvrtc_arch(spec.arch)}",
@@ -69,7 +69,7 @@ def cached_entries() -> list[str]:
     return sorted(p.name.rsplit("-", 1)[0] for p in folder.iterdir() if p.name.endswith(digest))
 
 
-def _record(spec: KernelSpec) -> None:
+def _record(spec) -> None:
     try:
         _manifest_dir().mkdir(parents=True, exist_ok=True)
         (_manifest_dir() / f"{spec.name}-{headers_digest()}").touch()
@@ -77,7 +77,7 @@ def _record(spec: KernelSpec) -> None:
         pass  # the manifest is informational; a read-only cache must not break a launch
 
 
-def _write_failed_source(spec: KernelSpec, source: str) -> str:
+def _write_failed_source(spec, source: str) -> str:
     folder = Path(tempfile.gettempdir()) / "cuflash-failed"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{spec.name}.cu"
@@ -102,8 +102,9 @@ _lock = threading.Lock()
 stats = {"loads": 0}
 
 
-def get_kernel(spec: KernelSpec, device_id: int):
-    """The loaded kernel of ``spec`` on a device, compiled (or read from disk) once per process."""
+def get_kernel(spec: KernelSpec | BwdSpec, device_id: int):
+    """The loaded kernel of ``spec`` on a device, compiled (or read from disk) once per process;
+    for a :class:`BwdSpec`, the tuple of its kernels in ``spec.kernel_names`` order."""
     key = (spec, device_id)
     kernel = _memo.get(key)
     if kernel is not None:
@@ -116,19 +117,24 @@ def get_kernel(spec: KernelSpec, device_id: int):
     return kernel
 
 
-def _load(spec: KernelSpec):
+def _load(spec):
     import cupy
     from cupy.cuda.compiler import CompileException
 
     source = generate(spec)
     options = compile_options(spec)
     module = cupy.RawModule(code=source, options=options)
+    backward = isinstance(spec, BwdSpec)
+    names = spec.kernel_names if backward else (spec.name,)
+    smem = (0, spec.smem_bytes, spec.dq_smem_bytes) if backward else (spec.smem_bytes,)
     try:
-        kernel = module.get_function(spec.name)  # RawModule compiles lazily, here
+        kernels = tuple(module.get_function(name) for name in names)  # RawModule compiles lazily, here
     except CompileException as exc:
         raise CompileError(spec.name, options, exc.get_message(), _write_failed_source(spec, source)) from None
-    if spec.smem_bytes > 48 * 1024:
-        kernel.max_dynamic_shared_size_bytes = spec.smem_bytes
+    for kernel, size in zip(kernels, smem):
+        if size > 48 * 1024:
+            kernel.max_dynamic_shared_size_bytes = size
+    kernel = kernels if backward else kernels[0]
     stats["loads"] += 1
     _record(spec)
     return kernel
@@ -146,8 +152,8 @@ def clear_memo() -> None:
 class OfflineReport:
     """What ptxas said about one specialization."""
 
-    spec: KernelSpec
-    registers: int
+    spec: object              # KernelSpec or BwdSpec
+    registers: int            # the most of any kernel in the module, as are the spill figures
     spill_stores: int
     spill_loads: int
     stack_frame: int
@@ -181,7 +187,7 @@ def _whole_elf(cubin: bytes) -> bytes:
     return cubin + b"\0" if end == len(cubin) + 1 else cubin
 
 
-def compile_offline(spec: KernelSpec) -> OfflineReport:
+def compile_offline(spec) -> OfflineReport:
     """Compile with NVRTC directly (no device needed) and parse the ptxas resource report."""
     from cupy.cuda import nvrtc
 
@@ -199,13 +205,17 @@ def compile_offline(spec: KernelSpec) -> OfflineReport:
         cubin = _whole_elf(nvrtc.getCUBIN(prog))
     finally:
         nvrtc.destroyProgram(prog)
-    found = {key: int(m.group(1)) if (m := rx.search(log)) else 0 for key, rx in _PTXAS.items()}
+    # One section per entry function; the report keeps the worst of them (backward specs have three).
+    sections = re.split(r"Compiling entry function", log)[1:] or [log]
+    per_kernel = [{key: int(m.group(1)) if (m := rx.search(sec)) else 0 for key, rx in _PTXAS.items()}
+                  for sec in sections]
+    found = {key: max(k[key] for k in per_kernel) for key in _PTXAS}
     return OfflineReport(spec=spec, smem_bytes=spec.smem_bytes, log=log, cubin=cubin, **found)
 
 
 # -- warmup: fill the disk cache in parallel ----------------------------------------------------------
 
-def _warm_one(spec: KernelSpec) -> str:
+def _warm_one(spec) -> str:
     import cupy
 
     get_kernel(spec, cupy.cuda.Device().id)

@@ -10,11 +10,14 @@ import struct
 
 import numpy as np
 
-from .spec import PARAM_FIELDS, KernelSpec, ceil_div
+from .spec import BWD_PARAM_FIELDS, PARAM_FIELDS, BwdSpec, KernelSpec, ceil_div
 from .validate import Problem
 
-_STRUCT = struct.Struct("<" + "".join({"u8": "Q", "i8": "q", "i4": "i", "f4": "f"}[fmt] for _, _, fmt in PARAM_FIELDS))
+_FORMATS = {"u8": "Q", "i8": "q", "i4": "i", "f4": "f"}
+_STRUCT = struct.Struct("<" + "".join(_FORMATS[fmt] for _, _, fmt in PARAM_FIELDS))
 _PARAMS = np.dtype((np.void, _STRUCT.size))
+_BWD_STRUCT = struct.Struct("<" + "".join(_FORMATS[fmt] for _, _, fmt in BWD_PARAM_FIELDS))
+_BWD_PARAMS = np.dtype((np.void, _BWD_STRUCT.size))
 _LOG2E = 1.0 / math.log(2.0)
 
 
@@ -41,3 +44,40 @@ def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_st
     """Launch on the current CuPy stream."""
     params = pack_params(problem, q, k, v, out, lse, out_strides)
     kernel(grid(spec, problem), (spec.threads, 1, 1), (params,), shared_mem=spec.smem_bytes)
+
+
+# -- backward -----------------------------------------------------------------------------------------
+_AUX_THREADS = 256  # kRowsPerAuxBlock warps, one query row each
+
+
+def rows_padded(spec: BwdSpec, seqlen_q: int) -> int:
+    """seqlen_q rounded up to whole query tiles of both main kernels (lse2/delta/dq_accum rows)."""
+    unit = max(spec.block_m, spec.dq_tiles[0])
+    return ceil_div(max(seqlen_q, 1), unit) * unit
+
+
+def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict) -> None:
+    """Preprocess, the K/V-outer kernel, then the dQ kernel (or the accumulator's conversion), on
+    the current CuPy stream. ``tensors`` maps each pointer field of BWD_PARAM_FIELDS to an array
+    (dq_accum may be a placeholder when dQ is not accumulated); ``strides`` maps q, k, v, o, do,
+    dq, dk, dv to (batch, head, row) element strides."""
+    problem = bp.forward
+    padded = rows_padded(spec, problem.seqlen_q)
+    pointers = [tensors[name].data.ptr for name in
+                ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "lse2", "delta")]
+    raw = _BWD_STRUCT.pack(
+        *pointers,
+        *(s for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv") for s in strides[t]),
+        problem.heads, problem.heads // max(problem.heads_k, 1), problem.seqlen_q, problem.seqlen_k,
+        padded, problem.scale, problem.scale * _LOG2E, 0,
+    )
+    params = (np.frombuffer(raw, dtype=_BWD_PARAMS),)
+    pre, dkdv, dq = kernels
+    pre((ceil_div(padded, 8), problem.heads, problem.batch), (_AUX_THREADS, 1, 1), params)
+    dkdv((ceil_div(problem.seqlen_k, spec.block_n), problem.heads_k, problem.batch), (spec.threads, 1, 1),
+         params, shared_mem=spec.smem_bytes)
+    if spec.atomic_dq:
+        dq((ceil_div(problem.seqlen_q, 8), problem.heads, problem.batch), (_AUX_THREADS, 1, 1), params)
+    else:
+        dq((ceil_div(problem.seqlen_q, spec.dq_tiles[0]), problem.heads, problem.batch),
+           (32 * spec.dq_warps, 1, 1), params, shared_mem=spec.dq_smem_bytes)

@@ -23,6 +23,8 @@ Functions:
 * :func:`simulate_tiled` and :func:`tile_schedule` -- the kernel's own tiled online-softmax
   algorithm and tile walk, run on the CPU.
 * :func:`attention_backward_reference` -- float64 gradients (dq, dk, dv) of the output.
+* :func:`attention_backward_naive` -- the same gradients in the input precision (the baseline of
+  the backward's accuracy rule).
 * :func:`attention_flops`, :func:`attention_backward_flops` -- causal-aware FLOP counts.
 """
 from __future__ import annotations
@@ -413,6 +415,53 @@ def attention_backward_reference(dout, q, k, v, *, causal: bool = False, scale: 
     return _from_bhsd(dq, layout), _from_bhsd(dk, layout), _from_bhsd(dv, layout)
 
 
+def attention_backward_naive(dout, q, k, v, *, causal: bool = False, scale: float | None = None,
+                             layout: str = "bhsd"):
+    """The gradients written plainly in the input precision: the baseline of the accuracy rule
+    for the backward. For a 16-bit input dtype ``T``, every matmul accumulates in float32 and
+    rounds its result to ``T``:
+
+    1. ``P`` and ``O`` as in :func:`attention_naive` (``P`` rounded to ``T``);
+    2. ``dV = P^T dO``, ``dP = dO V^T`` and ``D = rowsum(dO * O)`` (float32);
+    3. ``dS = P * (dP - D)`` rounded to ``T``;
+    4. ``dQ = scale * (dS K)`` and ``dK = scale * (dS^T Q)``, the products rounded to ``T`` before
+       the scale and after it; grouped-query sums of dK and dV in float32, then rounded.
+
+    For float32 inputs every rounding is a no-op. Returns ``(dq, dk, dv)`` in the input dtype,
+    shaped like q, k and v in ``layout``.
+    """
+    entry = dtypes.from_numpy(np.asarray(q).dtype)
+    io, f32 = entry.numpy, np.float32
+    qb, kb, vb, scale = _prepare(q, k, v, scale, layout, f32)
+    dob = _to_bhsd(np.asarray(dout), layout).astype(f32)
+    if dob.shape != qb.shape:
+        raise ValueError(f"dout.shape={np.shape(dout)} must equal q.shape={np.shape(q)}")
+    heads_q, heads_k, seqlen_q, seqlen_k = qb.shape[1], kb.shape[1], qb.shape[2], kb.shape[2]
+    ke, ve = _expand_kv_heads(kb, heads_q), _expand_kv_heads(vb, heads_q)
+    allowed = _allowed(seqlen_q, seqlen_k, causal)
+    scale_io = np.asarray(scale, dtype=f32).astype(io).astype(f32)
+
+    def rounded(x):
+        return x.astype(f32).astype(io).astype(f32)
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        scores = rounded(rounded(qb @ ke.swapaxes(-1, -2)) * scale_io)
+        p, _, row_sum, empty = _masked_softmax_parts(scores, allowed)
+        p = rounded(np.where(empty[..., None], 0, p / np.where(empty, 1, row_sum)[..., None]))
+        out = rounded(p @ ve)
+        dv = p.swapaxes(-1, -2) @ dob
+        dp = rounded(dob @ ve.swapaxes(-1, -2))
+        row_dot = (dob * out).sum(axis=-1, keepdims=True, dtype=f32)
+        ds = rounded(p * (dp - row_dot))
+        dq = rounded(rounded(ds @ ke) * scale_io)
+        dk = ds.swapaxes(-1, -2) @ qb
+    group = heads_q // heads_k
+    b, _, _, d = kb.shape
+    dk = rounded(rounded(dk).reshape(b, heads_k, group, seqlen_k, d).sum(axis=2) * scale_io)
+    dv = rounded(rounded(dv).reshape(b, heads_k, group, seqlen_k, d).sum(axis=2))
+    return tuple(_from_bhsd(x.astype(io), layout) for x in (dq, dk, dv))
+
+
 def attention_backward_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
                              causal: bool) -> int:
     """Backward FLOPs by the FlashAttention papers' convention: 2.5 times the forward."""
@@ -420,5 +469,6 @@ def attention_backward_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: in
 
 
 __all__ = ["LAYOUTS", "attention_reference", "attention_naive", "attention_backward_reference",
+           "attention_backward_naive",
            "causal_mask", "simulate_tiled", "tile_schedule", "attention_pairs", "attention_flops",
            "attention_backward_flops"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jinja2
 
-from .spec import PARAM_FIELDS, KernelSpec, nvrtc_arch
+from .spec import BWD_PARAM_FIELDS, PARAM_FIELDS, BwdSpec, KernelSpec, nvrtc_arch
 
 
 def template_dir() -> Path:
@@ -57,10 +57,20 @@ _HEADERS = {"mma": "fwd_mma.cuh", "wgmma": "fwd_wgmma.cuh", "simt": "fwd_simt.cu
 
 
 @functools.lru_cache(maxsize=512)
-def generate(spec: KernelSpec) -> str:
-    """CUDA source of one specialization; its kernel symbol is ``spec.name``."""
+def generate(spec: KernelSpec | BwdSpec) -> str:
+    """CUDA source of one specialization: a forward spec's kernel is ``spec.name``; a backward
+    spec's three kernels are ``spec.kernel_names``."""
+    if isinstance(spec, BwdSpec):
+        return _environment().get_template("bwd.cu.j2").render(
+            spec=spec,
+            name=spec.name,
+            names=spec.kernel_names,
+            param_fields=BWD_PARAM_FIELDS,
+            nvrtc_arch=nvrtc_arch(spec.arch),
+            include_dir=include_dir(),
+        )
     if not isinstance(spec, KernelSpec):
-        raise TypeError(f"generate() takes a cuflash.KernelSpec, got {type(spec).__name__}")
+        raise TypeError(f"generate() takes a cuflash.KernelSpec or BwdSpec, got {type(spec).__name__}")
     template = _environment().get_template("fwd.cu.j2")
     return template.render(
         spec=spec,

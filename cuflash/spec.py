@@ -321,11 +321,227 @@ def all_default_specs(arch: str, dtype_tags=None, causal=(False, True), family=N
     return [default_spec(d, t, c, arch) for t in tags for d in HEAD_DIMS for c in causal]
 
 
+# -- backward ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BwdSpec:
+    """Every compile-time parameter of one backward specialization: the kernels that compute
+    (dq, dk, dv) of one (head_dim, dtype, causal) on one target.
+
+    Tensor cores (fp16/bf16, the ``mma`` family): a K/V-outer kernel whose ``num_warps`` warps own
+    16 key rows each (two warps per 16 rows, splitting the head dim, when ``num_warps * 16 ==
+    2 * block_n``), walking query tiles of ``block_m`` rows through a ``num_stages``-deep ring.
+    float32 (``simt``): the same loops on CUDA cores. ``deterministic`` computes dQ in its own
+    Q-outer kernel instead of by atomics (always so for float32).
+    """
+
+    head_dim: int
+    dtype: str
+    causal: bool
+    block_m: int          # query rows per step of the K/V-outer kernel
+    block_n: int          # key rows per block of the K/V-outer kernel
+    num_warps: int
+    num_stages: int       # query tiles (Q, dO, lse, delta) in flight
+    arch: str
+    deterministic: bool = False
+    family: str = ""      # "mma" (fp16/bf16) or "simt" (fp32); "" picks by dtype
+
+    def __post_init__(self):
+        if self.dtype in dtypes.DTYPES and not self.family:
+            object.__setattr__(self, "family", "mma" if dtypes.DTYPES[self.dtype].tensor_core else "simt")
+        problems = []
+        if self.head_dim not in HEAD_DIMS:
+            problems.append(f"head_dim={self.head_dim} (supported: multiples of 8 from 8 to 256)")
+        if self.dtype not in dtypes.DTYPES:
+            problems.append(f"dtype={self.dtype!r} (supported: {sorted(dtypes.DTYPES)})")
+        if self.arch not in SMEM_LIMIT:
+            problems.append(f"arch={self.arch!r} (supported: {list(SMEM_LIMIT)})")
+        if problems:
+            raise ValueError("invalid backward spec: " + "; ".join(problems))
+        if self.family not in ("mma", "simt") or (self.family == "mma") != dtypes.DTYPES[self.dtype].tensor_core:
+            problems.append(f"family={self.family!r} does not take dtype={self.dtype} (mma: fp16/bf16, simt: fp32)")
+        elif self.family == "mma":
+            if self.block_m % 16 or not 16 <= self.block_m <= 128:
+                problems.append(f"block_m={self.block_m} must be a multiple of 16 up to 128")
+            if self.num_warps not in (2, 4, 8) or 16 * self.num_warps not in (self.block_n, 2 * self.block_n):
+                problems.append(f"block_n={self.block_n} must be 16 key rows per warp, or per pair of warps "
+                                f"(num_warps={self.num_warps})")
+            elif not self.deterministic and self.num_warps % max(self.block_m // 16, 1):
+                problems.append(f"num_warps={self.num_warps} must be a multiple of block_m/16={self.block_m // 16} "
+                                "(warps share the dq tile by rows)")
+            if self.num_stages < 2:
+                problems.append(f"num_stages={self.num_stages} must be at least 2")
+        else:
+            if self.num_warps * 32 % self.block_n or self.num_warps * 32 % self.block_m:
+                problems.append(f"block_m={self.block_m}, block_n={self.block_n} must divide {self.num_warps * 32} threads")
+            elif not (self.head_dim % (self.num_warps * 32 // self.block_n) == 0
+                      and self.head_dim % (self.num_warps * 32 // self.block_m) == 0
+                      and self.num_warps * 32 // min(self.block_m, self.block_n) <= 32):
+                problems.append(f"block_m={self.block_m}, block_n={self.block_n}, num_warps={self.num_warps} "
+                                f"do not split head_dim={self.head_dim} into whole lanes")
+            if not self.deterministic:
+                problems.append("the float32 backward is always deterministic (deterministic=True)")
+        if not problems:
+            limit = SMEM_LIMIT[self.arch]
+            for what, size in (("K/V-outer kernel", self.smem_bytes), ("dq kernel", self.dq_smem_bytes)):
+                if size > limit:
+                    problems.append(f"the {what} needs {size} bytes of shared memory, {self.arch} allows {limit}")
+        if problems:
+            raise ValueError(f"invalid backward spec {self.name}: " + "; ".join(problems))
+
+    @functools.cached_property
+    def name(self) -> str:
+        causal = "_causal" if self.causal else ""
+        det = "_det" if self.deterministic and self.family == "mma" else ""
+        return (f"bwd_{self.dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
+                f"w{self.num_warps}s{self.num_stages}{det}_{self.arch}")
+
+    def replace(self, **changes) -> "BwdSpec":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def kernel_names(self) -> tuple[str, str, str]:
+        """(preprocess, K/V-outer, dQ) kernel symbols; the dQ one converts the atomic accumulator,
+        or (deterministic) computes dQ itself."""
+        return (f"{self.name}_pre", f"{self.name}_dkdv", f"{self.name}_dq")
+
+    @property
+    def atomic_dq(self) -> bool:
+        return self.family == "mma" and not self.deterministic
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def d_split(self) -> int:
+        """Warps sharing 16 key rows (each takes part of the head dim)."""
+        return self.num_warps * 16 // self.block_n if self.family == "mma" else 1
+
+    @property
+    def split_col(self) -> int:
+        """With d_split 2: the first warp of a pair takes head-dim columns [0, split_col)."""
+        return 16 * ceil_div(self.head_dim, 32) if self.d_split == 2 else self.head_dim
+
+    @property
+    def smem_row_bytes(self) -> int:
+        """Padded row pitch of the Q, dO, K and V tiles: an odd number of 16-byte chunks."""
+        chunks = self.head_dim * 2 // _CHUNK
+        return (chunks if chunks % 2 else chunks + 1) * _CHUNK
+
+    @property
+    def chunks_per_row(self) -> int:
+        return self.head_dim * 2 // _CHUNK
+
+    @property
+    def ds_pitch(self) -> int:
+        chunks = self.block_m * 2 // _CHUNK
+        return (chunks if chunks % 2 else chunks + 1) * _CHUNK
+
+    @functools.cached_property
+    def smem_layout(self) -> dict[str, int]:
+        """Byte offsets of the K/V-outer kernel's shared-memory regions, and its total."""
+        if self.family == "simt":
+            return {"total": (2 * self.block_m * self.head_dim + 2 * self.block_m) * 4}
+        kv = self.block_n * self.smem_row_bytes
+        q = self.block_m * self.smem_row_bytes
+        layout, offset = {}, 0
+        for region, size in (("k", kv), ("v", kv), ("q", self.num_stages * q), ("do", self.num_stages * q),
+                             ("lse2", self.num_stages * self.block_m * 4), ("delta", self.num_stages * self.block_m * 4),
+                             ("ds", self.block_n * self.ds_pitch if self.atomic_dq else 0),
+                             ("exchange", self.num_warps * (self.block_m // 8) * 32 * 16 if self.d_split == 2 else 0)):
+            layout[region] = offset
+            offset += size
+        layout["total"] = offset
+        return layout
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.smem_layout["total"]
+
+    # The deterministic dQ kernel (Q-outer): dq_block_m query rows (16 per warp), key tiles of
+    # dq_block_n rows through a 2-deep ring.
+    @property
+    def dq_tiles(self) -> tuple[int, int]:
+        """(query rows per block, key rows per step) of the dQ kernel."""
+        if self.family == "simt":
+            return (self.block_n, self.block_m)
+        options = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16)) if self.head_dim <= 128 else \
+            ((64, 32), (32, 32), (32, 16), (16, 16))
+        for bm, bn in options:
+            if self._dq_smem(bm, bn) <= SMEM_LIMIT[self.arch]:
+                return (bm, bn)
+        return options[-1]
+
+    dq_stages = 2
+
+    def _dq_smem(self, bm: int, bn: int) -> int:
+        if self.family == "simt":
+            return 2 * bn * self.head_dim * 4
+        return 2 * bm * self.smem_row_bytes + 2 * bm * 4 + 2 * self.dq_stages * bn * self.smem_row_bytes
+
+    @property
+    def dq_smem_bytes(self) -> int:
+        if self.atomic_dq:
+            return 0
+        return self._dq_smem(*self.dq_tiles)
+
+    @property
+    def dq_warps(self) -> int:
+        return self.num_warps if self.family == "simt" else self.dq_tiles[0] // 16
+
+
+#: Candidate tiles of the tensor-core backward, best first: (largest head_dim, block_m, block_n,
+#: num_warps, num_stages). Head dims over 128 split the head dim between two warps.
+BWD_CANDIDATES = (
+    (128, 64, 128, 8, 2), (128, 64, 64, 4, 2), (128, 32, 64, 4, 2), (128, 16, 32, 2, 2),
+    (256, 32, 64, 8, 2), (256, 16, 64, 8, 2), (256, 16, 32, 4, 2), (256, 16, 16, 2, 2),
+)
+
+#: Tiles of the float32 backward: (block_m, block_n, num_warps).
+BWD_SIMT_TILES = (32, 32, 8)
+
+
+def default_bwd_spec(head_dim: int, dtype: str, causal: bool, arch: str, deterministic: bool = False) -> BwdSpec:
+    """The backward specialization cuflash runs for a problem: the first candidate whose shared
+    memory fits the target (float32: always deterministic)."""
+    entry = dtypes.from_tag(dtype)
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim} is not supported (multiples of 8 from 8 to 256)")
+    if arch not in SMEM_LIMIT:
+        raise ValueError(f"arch={arch!r} is not supported (one of {list(SMEM_LIMIT)})")
+    if not entry.tensor_core:
+        bm, bn, w = BWD_SIMT_TILES
+        return BwdSpec(head_dim, entry.tag, causal, bm, bn, w, 1, arch, deterministic=True)
+    for max_d, bm, bn, w, s in BWD_CANDIDATES:
+        if head_dim > max_d:
+            continue
+        spec = _fits_bwd(dict(head_dim=head_dim, dtype=entry.tag, causal=causal, block_m=bm, block_n=bn,
+                              num_warps=w, num_stages=s, arch=arch, deterministic=deterministic))
+        if spec:
+            return spec
+    raise ValueError(f"no backward kernel for head_dim={head_dim}, dtype={dtype} fits the shared memory of {arch}")
+
+
+def _fits_bwd(kwargs) -> BwdSpec | None:
+    try:
+        return BwdSpec(**kwargs)
+    except ValueError:
+        return None
+
+
+def all_default_bwd_specs(arch: str, dtype_tags=None, causal=(False, True), deterministic=(False, True)) -> list[BwdSpec]:
+    """Every default backward specialization of a target (the set the tests warm up)."""
+    tags = dtype_tags or list(dtypes.DTYPES)
+    return list(dict.fromkeys(default_bwd_spec(d, t, c, arch, det) for t in tags for d in HEAD_DIMS
+                              for c in causal for det in deterministic))
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["KernelSpec", "HEAD_DIMS", "ARCHS", "default_spec", "all_default_specs",
+__all__ = ["KernelSpec", "BwdSpec", "default_bwd_spec", "all_default_bwd_specs", "HEAD_DIMS", "ARCHS", "default_spec", "all_default_specs",
            "arch_from_capability", "nvrtc_arch", "ceil_div"]
 
 
@@ -343,4 +559,21 @@ PARAM_FIELDS = (
     ("heads", "int", "i4"), ("group", "int", "i4"),          # query heads; query heads per kv head
     ("seqlen_q", "int", "i4"), ("seqlen_k", "int", "i4"),
     ("scale_log2", "float", "f4"), ("_pad", "int", "i4"),     # softmax scale * log2(e)
+)
+
+
+#: The backward kernels' parameter block (same conventions as PARAM_FIELDS). lse2 and delta hold
+#: ``rows_padded`` rows per head (seqlen_q rounded up to whole query tiles); so does the float32
+#: dq accumulator, [batch, heads, rows_padded, head_dim].
+BWD_PARAM_FIELDS = (
+    ("q", "const void*", "u8"), ("k", "const void*", "u8"), ("v", "const void*", "u8"),
+    ("o", "const void*", "u8"), ("dout", "const void*", "u8"), ("lse", "const float*", "u8"),
+    ("dq", "void*", "u8"), ("dk", "void*", "u8"), ("dv", "void*", "u8"),
+    ("dq_accum", "float*", "u8"), ("lse2", "float*", "u8"), ("delta", "float*", "u8"),
+) + tuple(
+    (f"{t}_{s}_stride", "long long", "i8") for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")
+    for s in ("batch", "head", "row")
+) + (
+    ("heads", "int", "i4"), ("group", "int", "i4"), ("seqlen_q", "int", "i4"), ("seqlen_k", "int", "i4"),
+    ("rows_padded", "int", "i4"), ("scale", "float", "f4"), ("scale_log2", "float", "f4"), ("_pad", "int", "i4"),
 )

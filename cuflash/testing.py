@@ -178,6 +178,23 @@ class AttentionProblem:
                                          causal=self.causal, scale=self.scale, layout=self.layout)
 
 
+    def make_dout(self, xp=np, seed: int | None = None):
+        """A random N(0, 1) output gradient shaped like q (contiguous, this problem's layout)."""
+        rng = np.random.default_rng(None if seed is None else seed + 1)
+        q_shape, _ = self.shapes()
+        return xp.asarray(rng.standard_normal(q_shape, dtype=np.float32).astype(self.numpy_dtype))
+
+    def backward_reference(self, dout, q, k, v):
+        """float64 ``(dq, dk, dv)`` of :func:`~cuflash.reference.attention_backward_reference`."""
+        return reference.attention_backward_reference(to_numpy(dout), to_numpy(q), to_numpy(k), to_numpy(v),
+                                                      causal=self.causal, scale=self.scale, layout=self.layout)
+
+    def backward_naive(self, dout, q, k, v):
+        """``(dq, dk, dv)`` of :func:`~cuflash.reference.attention_backward_naive`: the baseline."""
+        return reference.attention_backward_naive(to_numpy(dout), to_numpy(q), to_numpy(k), to_numpy(v),
+                                                  causal=self.causal, scale=self.scale, layout=self.layout)
+
+
 # -- accuracy rule --------------------------------------------------------------------------------
 
 def _as_float64(x) -> np.ndarray:
@@ -238,6 +255,17 @@ def assert_attention_close(out, ref, dtype, *, baseline=None, lse=None, ref_lse=
                    tol.lse_atol, tol.lse_rtol)
     elif (lse is None) != (ref_lse is None):
         raise ValueError("pass both lse and ref_lse, or neither")
+
+
+def assert_gradients_close(grads, ref_grads, dtype, *, baselines, atol: float | None = None) -> None:
+    """The accuracy rule for ``(dq, dk, dv)``: each against its float64 reference, within twice
+    the error of :func:`~cuflash.reference.attention_backward_naive`'s plus ``atol`` (the
+    dtype's ``atol`` by default), non-finite values at the same positions."""
+    entry = _dtype_entry(dtype)
+    tol = TOLERANCES[entry.tag]
+    for name, got, want, base in zip(("dq", "dk", "dv"), grads, ref_grads, baselines):
+        _check_one(name, _as_float64(got), _as_float64(want), entry.tag, _as_float64(base),
+                   tol.atol if atol is None else atol, tol.rtol)
 
 
 def _check_one(what, got, want, tag, baseline, atol, rtol) -> None:
@@ -363,5 +391,6 @@ def register_hypothesis_profiles(load: str | None = None) -> tuple[str, ...]:
 
 
 __all__ = ["AWKWARD_SEQLENS", "MAX_PROBLEM_WORK", "Tolerance", "TOLERANCES", "AttentionProblem",
+           "assert_gradients_close",
            "assert_attention_close", "to_numpy", "seqlens", "seqlen_pairs", "attention_problems",
            "register_hypothesis_profiles"]

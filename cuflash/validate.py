@@ -116,3 +116,41 @@ def aligned_for_async_copy(x) -> bool:
     """16-byte copies need a 16-byte aligned base and row/head/batch strides in whole 16-byte units."""
     s0, s1, s2, _ = x.strides
     return (x.data.ptr | s0 | s1 | s2) % 16 == 0
+
+
+@dataclass(slots=True)
+class BackwardProblem:
+    """A validated backward call: the forward's :class:`Problem` plus the strides of dout and out."""
+
+    forward: Problem
+    deterministic: bool
+    o_strides: tuple
+    do_strides: tuple
+
+
+def validate_backward(dout, q, k, v, out, lse, *, causal, scale, layout, deterministic) -> BackwardProblem:
+    """Check a backward call: q, k, v as for the forward; dout and out shaped like the forward's
+    output, in q's dtype and on its device; lse float32 [batch, heads, seqlen_q]."""
+    import cupy
+
+    problem = validate(q, k, v, causal=causal, scale=scale, layout=layout)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    for name, x in (("dout", dout), ("out", out), ("lse", lse)):
+        if not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__module__}.{type(x).__name__}")
+        if x.data.device_id != problem.device_id:
+            raise ValueError(f"{name} is on device {x.data.device_id}, q on device {problem.device_id}")
+    for name, x in (("dout", dout), ("out", out)):
+        if x.shape != problem.out_shape:
+            raise ValueError(f"{name}.shape={x.shape} must equal the output's shape {problem.out_shape} ({layout})")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype={x.dtype} must equal q.dtype={q.dtype}")
+        if x.size and x.strides[-1] != x.itemsize:
+            raise ValueError(f"{name} must be contiguous in its last dim; got {name}.strides={x.strides}")
+    lse_shape = (problem.batch, problem.heads, problem.seqlen_q)
+    if lse.shape != lse_shape or lse.dtype != cupy.float32:
+        raise ValueError(f"lse must be float32 {lse_shape} (the forward's return_lse), "
+                         f"got {lse.dtype} {lse.shape}")
+    return BackwardProblem(forward=problem, deterministic=deterministic,
+                           o_strides=_dims(out, layout)[1], do_strides=_dims(dout, layout)[1])

@@ -44,6 +44,17 @@ def warm_kernels():
     cuflash.warmup(all_default_specs(arch) + all_default_specs(arch, family="mma"), progress=False)
 
 
+@pytest.fixture(scope="session")
+def warm_bwd_kernels():
+    """Compile every default backward specialization of this GPU once, in parallel processes."""
+    import cuflash
+    from cuflash.compile import device_arch
+    from cuflash.spec import all_default_bwd_specs, all_default_specs
+
+    arch = device_arch()
+    cuflash.warmup(all_default_specs(arch) + all_default_bwd_specs(arch), progress=False)
+
+
 @pytest.fixture
 def poison():
     """``poison(nbytes)``: leave a freed, all-ones block of that size in CuPy's memory pool, so

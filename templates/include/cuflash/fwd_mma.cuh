@@ -18,34 +18,6 @@
 
 namespace cuflash {
 
-// Copy kRows rows of one head (kChunksPerRow 16-byte chunks each) into a padded shared tile.
-// Rows at or past rows_valid are zero-filled.
-template <class Cfg, int kRows>
-__device__ __forceinline__ void load_tile_async(u32 smem_tile, const unsigned short* gmem,
-                                                long long row_stride, int rows_valid, int tid) {
-    constexpr int kThreads = Cfg::kWarps * 32;
-    constexpr int kChunks = kRows * Cfg::kChunksPerRow;
-    if constexpr (kThreads % Cfg::kChunksPerRow == 0 && kChunks % kThreads == 0) {
-        // Each thread keeps one chunk column and steps down the tile kRowsPerStep rows at a time:
-        // one pointer add per copy.
-        constexpr int kRowsPerStep = kThreads / Cfg::kChunksPerRow;
-        const int row0 = tid / Cfg::kChunksPerRow;
-        const int chunk = tid % Cfg::kChunksPerRow;
-        const unsigned short* src = gmem + row0 * row_stride + chunk * 8;
-        const u32 dst = smem_tile + row0 * Cfg::kSmemRowBytes + chunk * 16;
-#pragma unroll
-        for (int it = 0; it < kChunks / kThreads; ++it) {
-            const int row = row0 + it * kRowsPerStep;
-            const bool valid = row < rows_valid;
-            cp_async_16(dst + it * kRowsPerStep * Cfg::kSmemRowBytes,
-                        valid ? src + it * kRowsPerStep * row_stride : gmem, valid);
-        }
-    } else {
-        auto padded = [](int row, int chunk) { return u32(row * Cfg::kSmemRowBytes + chunk * 16); };
-        copy_rows_async<kRows, Cfg::kChunksPerRow, kThreads>(padded, smem_tile, gmem, row_stride, rows_valid, tid);
-    }
-}
-
 template <class Cfg>
 __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
     constexpr int kD = Cfg::kHeadDim;

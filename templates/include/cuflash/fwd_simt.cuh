@@ -11,19 +11,6 @@
 
 namespace cuflash {
 
-template <int kWidth>
-__device__ __forceinline__ float group_max(float x) {
-#pragma unroll
-    for (int w = 1; w < kWidth; w *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, w));
-    return x;
-}
-template <int kWidth>
-__device__ __forceinline__ float group_sum(float x) {
-#pragma unroll
-    for (int w = 1; w < kWidth; w *= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
-    return x;
-}
-
 template <class Cfg>
 __device__ __forceinline__ void fwd_simt(const typename Cfg::Params& p) {
     constexpr int kD = Cfg::kHeadDim;

@@ -101,6 +101,18 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     return r;
 }
 
+// The inverse of pack2: one register of two 16-bit floats -> two floats (exact).
+template <bool kBF16>
+__device__ __forceinline__ void unpack2(u32 r, float& lo, float& hi) {
+    if constexpr (kBF16) {
+        lo = __uint_as_float(r << 16);
+        hi = __uint_as_float(r & 0xffff0000u);
+    } else {
+        asm("{ .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n }"
+            : "=f"(lo), "=f"(hi) : "r"(r));
+    }
+}
+
 // Butterfly reductions over the 4 lanes of a quad (lanes that share a row of an mma fragment).
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -109,6 +121,31 @@ __device__ __forceinline__ float quad_max(float x) {
 __device__ __forceinline__ float quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Two adjacent float32 additions into global memory (the backward's dQ accumulator). Hopper has
+// a vector reduction; older targets issue two.
+__device__ __forceinline__ void atomic_add2(float* addr, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(addr), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(addr, a);
+    atomicAdd(addr + 1, b);
+#endif
+}
+
+// Butterfly reductions over aligned groups of kWidth lanes (a power of two).
+template <int kWidth>
+__device__ __forceinline__ float group_max(float x) {
+#pragma unroll
+    for (int w = 1; w < kWidth; w *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, w));
+    return x;
+}
+template <int kWidth>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+    for (int w = 1; w < kWidth; w *= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
+    return x;
 }
 
 }  // namespace cuflash

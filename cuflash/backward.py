@@ -1,0 +1,98 @@
+"""The backward pass: validate -> spec -> (render, compile: cached) -> launch, as for the forward.
+
+Gradients are recomputed tile by tile from the forward's output and log-sum-exp; nothing of
+size seqlen_q x seqlen_k is ever stored. Extra device memory is O(seqlen * head_dim): two float32
+vectors per query row (delta and the base-2 LSE) and, unless ``deterministic``, a float32 dQ
+accumulator shaped like q.
+"""
+from __future__ import annotations
+
+import functools
+
+from . import compile as _compile
+from .api import _arch, _on_device, _out_strides, attention
+from .launch import launch_backward, rows_padded
+from .spec import BwdSpec, default_bwd_spec
+from .validate import aligned_for_async_copy, validate_backward
+
+
+@functools.lru_cache(maxsize=1024)
+def _default(head_dim: int, dtype: str, causal: bool, device_id: int, deterministic: bool) -> BwdSpec:
+    return default_bwd_spec(head_dim, dtype, causal, _arch(device_id), deterministic)
+
+
+def select_bwd_spec(bp) -> BwdSpec:
+    """The backward specialization cuflash runs for a validated backward problem."""
+    p = bp.forward
+    return _default(p.head_dim, p.dtype.tag, p.causal, p.device_id, bp.deterministic)
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, layout="bhsd", deterministic=False):
+    """Gradients ``(dq, dk, dv)`` of :func:`cuflash.attention` with respect to q, k and v.
+
+    Args:
+        dout: gradient of the loss with respect to the output; shaped like ``out``.
+        q, k, v, causal, scale, layout: exactly as passed to the forward.
+        out, lse: the forward's output and its ``return_lse`` log-sum-exp (float32).
+        deterministic: compute dQ in a fixed reduction order (a separate kernel) instead of with
+            float32 atomics, so that two runs give identical bits. float32 inputs are always
+            deterministic.
+
+    Returns:
+        ``(dq, dk, dv)`` with the shapes, dtype and layout of q, k and v (contiguous). With
+        grouped-query attention dk and dv sum the query heads that share a kv head. Rows that
+        attend nothing contribute no gradient (zeros, never NaN). Runs on the current CuPy stream.
+    """
+    import cupy
+
+    bp = validate_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
+                           deterministic=deterministic)
+    problem = bp.forward
+    with _on_device(problem.device_id):
+        dq = cupy.empty(q.shape, dtype=q.dtype)
+        dk = cupy.empty(k.shape, dtype=k.dtype)
+        dv = cupy.empty(v.shape, dtype=v.dtype)
+        if problem.empty or problem.seqlen_k == 0 or problem.heads_k == 0:
+            for x in (dq, dk, dv):
+                x.fill(0)
+            return dq, dk, dv
+        spec = select_bwd_spec(bp)
+        if spec.family == "mma" and not all(aligned_for_async_copy(x) for x in (q, k, v, dout)):
+            # 16-byte copies need aligned rows; a misaligned view is copied once.
+            q, k, v, dout = (x if aligned_for_async_copy(x) else cupy.ascontiguousarray(x) for x in (q, k, v, dout))
+            bp = validate_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
+                                   deterministic=deterministic)
+            problem = bp.forward
+        if not lse.flags.c_contiguous:
+            lse = cupy.ascontiguousarray(lse)
+        padded = rows_padded(spec, problem.seqlen_q)
+        stats = cupy.empty((2, problem.batch * problem.heads * padded), dtype=cupy.float32)
+        accum = (cupy.empty((problem.batch, problem.heads, padded, problem.head_dim), dtype=cupy.float32)
+                 if spec.atomic_dq else stats)
+        tensors = dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv,
+                       dq_accum=accum, lse2=stats[0], delta=stats[1])
+        strides = dict(q=problem.q_strides, k=problem.k_strides, v=problem.v_strides,
+                       o=bp.o_strides, do=bp.do_strides, dq=_out_strides(dq, layout), dk=_out_strides(dk, layout),
+                       dv=_out_strides(dv, layout))
+        kernels = _compile.get_kernel(spec, problem.device_id)
+        launch_backward(kernels, spec, bp, tensors, strides)
+    return dq, dk, dv
+
+
+def attention_with_grad(q, k, v, *, causal=False, scale=None, layout="bhsd", deterministic=False, family=None):
+    """The forward output and a function mapping ``dout`` to ``(dq, dk, dv)``, for training
+    without a framework::
+
+        out, backward = cuflash.attention_with_grad(q, k, v, causal=True)
+        dq, dk, dv = backward(dout)
+
+    The function keeps q, k, v, the output and its LSE alive until it is dropped.
+    """
+    out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, layout=layout, family=family)
+
+    def backward(dout):
+        return attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
+                                  deterministic=deterministic)
+
+    return out, backward
+

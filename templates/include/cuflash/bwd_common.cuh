@@ -1,0 +1,121 @@
+// The two small kernels around every backward pass, for any dtype, one warp per query row:
+//
+//   bwd_preprocess: delta = rowsum(dO * O) in float32, the LSE turned into the base-2 row offset
+//     the main kernels subtract (lse2 = lse * log2(e); +inf for a row that attends nothing, so
+//     its probabilities come out 0, never NaN), and (atomic dQ) the float32 dQ accumulator zeroed.
+//     lse2 and delta have `rows_padded` rows per head, the padding set to +inf and 0, so the main
+//     kernels copy whole tiles of them without bounds checks.
+//   bwd_convert_dq: dQ = scale * accumulator, in the input dtype and layout.
+//
+// Cfg provides kHeadDim, kDtype (kFp16, kBf16 or kFp32), kZeroAccum and the Params struct.
+#pragma once
+#include "cuflash/ptx.cuh"
+
+namespace cuflash {
+
+enum DtypeKind { kFp16 = 0, kBf16 = 1, kFp32 = 2 };
+
+template <int kKind>
+__device__ __forceinline__ float load_as_float(const void* base, long long idx) {
+    if constexpr (kKind == kFp32) {
+        return static_cast<const float*>(base)[idx];
+    } else {
+        const unsigned short bits = static_cast<const unsigned short*>(base)[idx];
+        if constexpr (kKind == kBf16) {
+            return __uint_as_float(static_cast<u32>(bits) << 16);
+        } else {
+            float f;
+            asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
+            return f;
+        }
+    }
+}
+
+template <int kKind>
+__device__ __forceinline__ void store_from_float(void* base, long long idx, float x) {
+    if constexpr (kKind == kFp32) {
+        static_cast<float*>(base)[idx] = x;
+    } else {
+        unsigned short bits;
+        if constexpr (kKind == kBf16) {
+            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(x));
+        } else {
+            asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(x));
+        }
+        static_cast<unsigned short*>(base)[idx] = bits;
+    }
+}
+
+// What one block of a K/V-outer kernel works on: a key tile of kBN rows of one kv head, and
+// every query tile of kBM rows that can see one of its keys, for each query head of the group.
+struct DkdvWork {
+    int n0, head_k, batch, causal_offset;
+    int m_begin;    // first query row that sees a key of the tile (rounded down to a tile)
+    int m_tiles;    // query tiles per query head
+    int steps;      // m_tiles * query heads per kv head
+};
+
+template <int kBM, int kBN, bool kCausal, class Params>
+__device__ __forceinline__ DkdvWork dkdv_work(const Params& p) {
+    DkdvWork w;
+    // Key tiles in order: with a causal mask the first ones see the most queries, so the grid
+    // starts with its heaviest blocks.
+    w.n0 = blockIdx.x * kBN;
+    w.head_k = blockIdx.y;
+    w.batch = blockIdx.z;
+    w.causal_offset = p.seqlen_k - p.seqlen_q;
+    w.m_begin = 0;
+    if constexpr (kCausal) {
+        const int first = w.n0 - w.causal_offset;  // first query row that sees key n0
+        w.m_begin = first <= 0 ? 0 : first / kBM * kBM;
+    }
+    w.m_tiles = w.m_begin < p.seqlen_q ? (p.seqlen_q - w.m_begin + kBM - 1) / kBM : 0;
+    w.steps = w.m_tiles * p.group;
+    return w;
+}
+
+constexpr int kRowsPerAuxBlock = 8;  // warps (= rows) per block of the two kernels below
+
+template <class Cfg>
+__device__ __forceinline__ void bwd_preprocess(const typename Cfg::Params& p) {
+    constexpr float kLog2e = 1.4426950408889634f;
+    const int lane = threadIdx.x % 32;
+    const int row = blockIdx.x * kRowsPerAuxBlock + threadIdx.x / 32;
+    const int head = blockIdx.y, batch = blockIdx.z;
+    if (row >= p.rows_padded) return;
+    const long long bh = static_cast<long long>(batch) * p.heads + head;
+    float delta = 0.f, lse2 = __int_as_float(0x7f800000);  // +inf: the row attends nothing
+    if (row < p.seqlen_q) {
+        const long long o_row = batch * p.o_batch_stride + head * p.o_head_stride + row * p.o_row_stride;
+        const long long do_row = batch * p.do_batch_stride + head * p.do_head_stride + row * p.do_row_stride;
+        for (int d = lane; d < Cfg::kHeadDim; d += 32)
+            delta += load_as_float<Cfg::kDtype>(p.dout, do_row + d) * load_as_float<Cfg::kDtype>(p.o, o_row + d);
+#pragma unroll
+        for (int w = 16; w >= 1; w /= 2) delta += __shfl_xor_sync(0xffffffffu, delta, w);
+        const float lse = p.lse[bh * p.seqlen_q + row];
+        if (lse != neg_inf()) lse2 = lse * kLog2e;
+    }
+    if (lane == 0) {
+        p.delta[bh * p.rows_padded + row] = delta;
+        p.lse2[bh * p.rows_padded + row] = lse2;
+    }
+    if constexpr (Cfg::kZeroAccum) {
+        float* accum = p.dq_accum + (bh * p.rows_padded + row) * Cfg::kHeadDim;
+        for (int d = lane; d < Cfg::kHeadDim; d += 32) accum[d] = 0.f;
+    }
+}
+
+template <class Cfg>
+__device__ __forceinline__ void bwd_convert_dq(const typename Cfg::Params& p) {
+    const int lane = threadIdx.x % 32;
+    const int row = blockIdx.x * kRowsPerAuxBlock + threadIdx.x / 32;
+    const int head = blockIdx.y, batch = blockIdx.z;
+    if (row >= p.seqlen_q) return;
+    const long long bh = static_cast<long long>(batch) * p.heads + head;
+    const float* accum = p.dq_accum + (bh * p.rows_padded + row) * Cfg::kHeadDim;
+    const long long dq_row = batch * p.dq_batch_stride + head * p.dq_head_stride + row * p.dq_row_stride;
+    for (int d = lane; d < Cfg::kHeadDim; d += 32)
+        store_from_float<Cfg::kDtype>(p.dq, dq_row + d, accum[d] * p.scale);
+}
+
+}  // namespace cuflash

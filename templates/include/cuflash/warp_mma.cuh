@@ -1,0 +1,108 @@
+// Warp-level matrix products on mma.sync m16n8k16 for the backward kernels: one warp computes a
+// 16-row block of a product whose operands sit in padded shared-memory tiles (row pitches of an
+// odd number of 16-byte chunks, so every ldmatrix phase is conflict-free) or, for A, in
+// registers. Accumulators use the C-fragment layout of online_softmax.cuh: float[kNT][4], tile nt
+// holding rows lane/4 (+8) and columns 8*nt + 2*(lane%4) (+1).
+#pragma once
+#include "cuflash/ptx.cuh"
+
+namespace cuflash {
+
+// acc[16 x 8*kNT] += A[16 x kK] * B[8*kNT x kK]^T, both operands row-major in shared memory:
+// `a` addresses A's element (0, 0), `b` B's element (0, 0); kK is a multiple of 8 (a k=8 step
+// closes a head dim that is 8 mod 16). kNT is even: B rows are loaded 16 at a time.
+template <bool kBF16, int kK, int kNT, int kAPitch, int kBPitch>
+__device__ __forceinline__ void warp_gemm_nt(float (&acc)[kNT][4], u32 a, u32 b, int lane) {
+    static_assert(kNT % 2 == 0 && kK % 8 == 0, "16-row B blocks and 8-column k steps");
+    // ldmatrix.x4 lane addresses: A as (rows 0-7 | 8-15) x (k 0-7 | 8-15); B as (n 0-7, k lo),
+    // (n 0-7, k hi), (n 8-15, k lo), (n 8-15, k hi). x2 (the k=8 step): lanes 0-15 -> rows 0-15.
+    const u32 a_lane = a + (lane % 8 + ((lane / 8) % 2) * 8) * kAPitch + (lane / 16) * 16;
+    const u32 b_lane = b + (lane % 8 + (lane / 16) * 8) * kBPitch + ((lane / 8) % 2) * 16;
+#pragma unroll
+    for (int ks = 0; ks < kK / 16; ++ks) {
+        u32 fa[4];
+        ldmatrix_x4(fa, a_lane + ks * 32);
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {
+            u32 fb[4];
+            ldmatrix_x4(fb, b_lane + np * 16 * kBPitch + ks * 32);
+            mma_16816<kBF16>(acc[2 * np], fa, fb[0], fb[1]);
+            mma_16816<kBF16>(acc[2 * np + 1], fa, fb[2], fb[3]);
+        }
+    }
+    if constexpr (kK % 16) {
+        const u32 x2_row = (lane % 8 + ((lane / 8) % 2) * 8);
+        u32 fa[2];
+        ldmatrix_x2(fa, a + x2_row * kAPitch + (kK / 16) * 32);
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {
+            u32 fb[2];
+            ldmatrix_x2(fb, b + (x2_row + np * 16) * kBPitch + (kK / 16) * 32);
+            mma_1688<kBF16>(acc[2 * np], fa[0], fa[1], fb[0]);
+            mma_1688<kBF16>(acc[2 * np + 1], fa[0], fa[1], fb[1]);
+        }
+    }
+}
+
+// acc[16 x 8*kNT] += A[16 x 16*kKT] * B[16*kKT x 8*kNT], A in registers (k=16 fragments), B
+// row-major [k][n] in shared memory, read transposed: `b` addresses B's element (0, 0).
+template <bool kBF16, int kKT, int kNT, int kBPitch>
+__device__ __forceinline__ void warp_gemm_rn(float (&acc)[kNT][4], const u32 (&fa)[kKT][4], u32 b, int lane) {
+    // x4.trans: (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15).
+    const u32 b_lane = b + (lane % 8 + ((lane / 8) % 2) * 8) * kBPitch + (lane / 16) * 16;
+    const u32 x2_lane = b + (lane % 8 + ((lane / 8) % 2) * 8) * kBPitch;
+#pragma unroll
+    for (int kk = 0; kk < kKT; ++kk) {
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {
+            u32 fb[4];
+            ldmatrix_x4_trans(fb, b_lane + kk * 16 * kBPitch + np * 32);
+            mma_16816<kBF16>(acc[2 * np], fa[kk], fb[0], fb[1]);
+            mma_16816<kBF16>(acc[2 * np + 1], fa[kk], fb[2], fb[3]);
+        }
+        if constexpr (kNT % 2) {
+            u32 fb[2];
+            ldmatrix_x2_trans(fb, x2_lane + kk * 16 * kBPitch + (kNT - 1) * 16);
+            mma_16816<kBF16>(acc[kNT - 1], fa[kk], fb[0], fb[1]);
+        }
+    }
+}
+
+// C fragments (fp32) -> A fragments (16-bit) of the product that contracts over their columns.
+template <bool kBF16, int kNT>
+__device__ __forceinline__ void fragments_to_operand(u32 (&fa)[kNT / 2][4], const float (&c)[kNT][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kNT / 2; ++kk) {
+        fa[kk][0] = pack2<kBF16>(c[2 * kk][0], c[2 * kk][1]);
+        fa[kk][1] = pack2<kBF16>(c[2 * kk][2], c[2 * kk][3]);
+        fa[kk][2] = pack2<kBF16>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+        fa[kk][3] = pack2<kBF16>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+    }
+}
+
+template <int kNT>
+__device__ __forceinline__ void zero_fragments(float (&c)[kNT][4]) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[nt][e] = 0.f;
+}
+
+// Store a warp's 16 x 8*kNT fp32 block, times `scale`, as 16-bit values into rows `row0 + ...`
+// of a global tile (rows at or past rows_valid are skipped).
+template <bool kBF16, int kNT>
+__device__ __forceinline__ void store_fragments(const float (&c)[kNT][4], unsigned short* out,
+                                                long long row_stride, int row0, int rows_valid,
+                                                int lane, float scale) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + lane / 4 + r * 8;
+        if (row >= rows_valid) continue;
+        u32* dst = reinterpret_cast<u32*>(out + row * row_stride) + lane % 4;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+            dst[nt * 4] = pack2<kBF16>(c[nt][2 * r] * scale, c[nt][2 * r + 1] * scale);
+    }
+}
+
+}  // namespace cuflash
