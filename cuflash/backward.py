@@ -27,7 +27,8 @@ def select_bwd_spec(bp) -> BwdSpec:
     return _default(p.head_dim, p.dtype.tag, p.causal, p.device_id, bp.deterministic)
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, layout="bhsd", deterministic=False):
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, layout="bhsd", deterministic=False,
+                       spec=None):
     """Gradients ``(dq, dk, dv)`` of :func:`cuflash.attention` with respect to q, k and v.
 
     Args:
@@ -37,6 +38,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, lay
         deterministic: compute dQ in a fixed reduction order (a separate kernel) instead of with
             float32 atomics, so that two runs give identical bits. float32 inputs are always
             deterministic.
+        spec: force a :class:`cuflash.BwdSpec` (for tuning and comparisons); it must match the
+            problem's head_dim, dtype, causality and ``deterministic``, and the device's target.
 
     Returns:
         ``(dq, dk, dv)`` with the shapes, dtype and layout of q, k and v (contiguous). With
@@ -56,7 +59,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, lay
             for x in (dq, dk, dv):
                 x.fill(0)
             return dq, dk, dv
-        spec = select_bwd_spec(bp)
+        spec = select_bwd_spec(bp) if spec is None else _check_forced_spec(spec, bp)
         if spec.family == "mma" and not all(aligned_for_async_copy(x) for x in (q, k, v, dout)):
             # 16-byte copies need aligned rows; a misaligned view is copied once.
             q, k, v, dout = (x if aligned_for_async_copy(x) else cupy.ascontiguousarray(x) for x in (q, k, v, dout))
@@ -77,6 +80,19 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, lay
         kernels = _compile.get_kernel(spec, problem.device_id)
         launch_backward(kernels, spec, bp, tensors, strides)
     return dq, dk, dv
+
+
+def _check_forced_spec(spec, bp) -> BwdSpec:
+    if not isinstance(spec, BwdSpec):
+        raise TypeError(f"spec must be a cuflash.BwdSpec, got {type(spec).__name__}")
+    p = bp.forward
+    wanted = (p.head_dim, p.dtype.tag, p.causal, bp.deterministic or p.dtype.tag == "fp32")
+    if (spec.head_dim, spec.dtype, spec.causal, spec.deterministic) != wanted:
+        raise ValueError(f"spec {spec.name} does not match the problem (head_dim={p.head_dim}, dtype={p.dtype.tag}, "
+                         f"causal={p.causal}, deterministic={bp.deterministic})")
+    if spec.arch != _arch(p.device_id):
+        raise ValueError(f"spec {spec.name} targets {spec.arch} but device {p.device_id} is {_arch(p.device_id)}")
+    return spec
 
 
 def attention_with_grad(q, k, v, *, causal=False, scale=None, layout="bhsd", deterministic=False, family=None):

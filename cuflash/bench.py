@@ -1,4 +1,6 @@
-"""Forward benchmark on the FlashAttention papers' grid, against torch SDPA when it is installed.
+"""Benchmark on the FlashAttention papers' grid, against torch SDPA when it is installed: the
+forward (``mode="fwd"``), the backward (``"bwd"``, FLOPs 2.5x the forward's) or both in one timed
+call (``"fwdbwd"``, 3.5x).
 
 Grid: ``total_tokens`` tokens in all (batch = total_tokens // seqlen), hidden size ``hidden``
 (heads = hidden // head_dim), seqlen_q = seqlen_k, layout bhsd, random normal inputs. FLOPs come
@@ -32,6 +34,9 @@ TORCH_BACKENDS = {
 
 _L2_FLUSH_BYTES = 256 * 2**20
 _SPEC_OVERRIDE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "overlap")
+MODES = ("fwd", "bwd", "fwdbwd")
+#: FLOPs of a mode in units of the forward's.
+_MODE_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 
 
 # -- configuration ----------------------------------------------------------------------------
@@ -43,11 +48,12 @@ class BenchConfig:
     batch: int
     heads: int
     dtype: str
+    mode: str = "fwd"
 
     @property
     def label(self) -> str:
         causal = "causal" if self.causal else "non-causal"
-        return f"fwd {self.dtype} hd{self.head_dim} {causal} N={self.seqlen} b={self.batch} h={self.heads}"
+        return f"{self.mode} {self.dtype} hd{self.head_dim} {causal} N={self.seqlen} b={self.batch} h={self.heads}"
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -55,7 +61,7 @@ class BenchConfig:
 
 
 def paper_grid(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(False, True),
-               dtype="bf16", total_tokens=16384, hidden=2048) -> list[BenchConfig]:
+               dtype="bf16", total_tokens=16384, hidden=2048, mode="fwd") -> list[BenchConfig]:
     """The FlashAttention papers' configurations, in print order (head_dim, causal, seqlen)."""
     configs = []
     for head_dim in head_dims:
@@ -65,7 +71,7 @@ def paper_grid(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(Fal
         for is_causal in causal:
             for seqlen in seqlens:
                 batch = max(1, total_tokens // seqlen)
-                configs.append(BenchConfig(head_dim, seqlen, is_causal, batch, heads, dtype))
+                configs.append(BenchConfig(head_dim, seqlen, is_causal, batch, heads, dtype, mode))
     return configs
 
 
@@ -195,23 +201,75 @@ def to_torch(array):
         return torch.from_dlpack(array.view(cupy.uint16)).view(torch.bfloat16)
 
 
-def _torch_sdpa(torch, backend_key, q, k, v, causal):
+def _torch_sdpa(torch, backend_key, q, k, v, causal, mode="fwd", dout=None):
+    """A call of torch SDPA on one backend: the forward, the backward of a retained forward
+    (returning the three gradients), or both."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backend = getattr(SDPBackend, TORCH_BACKENDS[backend_key][0])
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def call():
+    def forward():
         with sdpa_kernel(backend):
             return sdpa(q, k, v, is_causal=causal)
-    return call
+    if mode == "fwd":
+        return forward
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    if mode == "fwdbwd":
+        return lambda: torch.autograd.grad(forward(), (q, k, v), dout)
+    out = forward()
+    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+
+class _PeakMemory:
+    """Peak bytes held in CuPy's memory pool above its level at entry (a CuPy memory hook)."""
+
+    def __init__(self):
+        import cupy
+        self._hook = type("_Hook", (cupy.cuda.MemoryHook,), dict(
+            name="cuflash-peak", malloc_postprocess=self._malloc, free_postprocess=self._free))()
+        self.current = self.peak = 0
+
+    def _malloc(self, hook, device_id, size, mem_size, mem_ptr, pmem_id):
+        self.current += mem_size
+        self.peak = max(self.peak, self.current)
+
+    def _free(self, hook, device_id, mem_size, mem_ptr, pmem_id):
+        self.current -= mem_size
+
+    def __enter__(self):
+        self._hook.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hook.__exit__(*exc)
+
+
+def backward_extra_bytes(q, k, v, out, lse, dout, causal) -> int:
+    """Peak device bytes one cuflash backward allocates beyond its outputs (dq, dk, dv)."""
+    import cupy
+
+    import cuflash
+    _synchronize_all()
+    with _PeakMemory() as peak:
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        _synchronize_all()
+    outputs = sum(int(g.nbytes) for g in grads)
+    del grads
+    cupy.get_default_memory_pool().free_all_blocks()
+    return peak.peak - outputs
 
 
 # -- one configuration ------------------------------------------------------------------------
 def _spec_for(config: BenchConfig, arch: str, overrides: dict):
-    from .spec import default_spec
+    from .spec import default_bwd_spec, default_spec
     overrides = dict(overrides)
     family = overrides.pop("family", None)
-    spec = default_spec(config.head_dim, config.dtype, config.causal, arch, family)
+    deterministic = overrides.pop("deterministic", False)
+    if config.mode == "bwd":
+        overrides.pop("overlap", None)
+        spec = default_bwd_spec(config.head_dim, config.dtype, config.causal, arch, deterministic)
+    else:
+        spec = default_spec(config.head_dim, config.dtype, config.causal, arch, family)
     return spec.replace(**overrides) if overrides else spec
 
 
@@ -223,34 +281,52 @@ def bench_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=None,
     import cuflash
     from .reference import attention_flops
 
-    flops = attention_flops(config.batch, config.heads, config.seqlen, config.seqlen,
-                            config.head_dim, config.causal)
-    result = dict(asdict(config), direction="fwd", flops=flops, spec=None, ms=None, tflops=None,
-                  error=None, peers={})
+    flops = int(_MODE_FLOPS[config.mode] * attention_flops(config.batch, config.heads, config.seqlen, config.seqlen,
+                                                           config.head_dim, config.causal))
+    result = dict(asdict(config), direction=config.mode, flops=flops, spec=None, ms=None, tflops=None,
+                  error=None, peers={}, extra_bytes=None)
+    overrides = dict(overrides or {})
+    deterministic = bool(overrides.get("deterministic", False))
     try:
-        spec = _spec_for(config, arch, overrides or {})
+        spec = _spec_for(config, arch, overrides)
     except (ValueError, TypeError) as exc:
         result["error"] = str(exc)
         return result
     result["spec"] = spec.name
-    forced = spec if overrides else None
+    forced = spec if set(overrides) - {"deterministic"} else None
 
     q, k, v = random_inputs(config.shape, config.dtype)
+    dout = random_inputs(config.shape, config.dtype, seed=1)[0] if config.mode != "fwd" else None
+    if config.mode == "fwd":
+        def ours_call():
+            return cuflash.attention(q, k, v, causal=config.causal, spec=forced)
+    elif config.mode == "bwd":
+        fwd_out, fwd_lse = cuflash.attention(q, k, v, causal=config.causal, return_lse=True)
+
+        def ours_call():
+            return cuflash.attention_backward(dout, q, k, v, fwd_out, fwd_lse, causal=config.causal,
+                                              deterministic=deterministic, spec=forced)
+    else:
+        def ours_call():
+            out, backward = cuflash.attention_with_grad(q, k, v, causal=config.causal, deterministic=deterministic)
+            return out, backward(dout)
     try:
-        ms = cuda_event_median_ms(lambda: cuflash.attention(q, k, v, causal=config.causal, spec=forced),
-                                  reps=reps, flush_l2=flush_l2)
+        ms = cuda_event_median_ms(ours_call, reps=reps, flush_l2=flush_l2)
         result.update(ms=ms, tflops=flops / ms / 1e9)
-        ours = cuflash.attention(q, k, v, causal=config.causal, spec=forced)
+        ours = ours_call() if config.mode == "fwd" else None
+        if config.mode == "bwd":
+            result["extra_bytes"] = backward_extra_bytes(q, k, v, fwd_out, fwd_lse, dout, config.causal)
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         ours = None
 
     if torch is not None:
         qt, kt, vt = (to_torch(x) for x in (q, k, v))
+        dt = to_torch(dout) if dout is not None else None
         for key in TORCH_BACKENDS:
             peer = dict(ms=None, tflops=None, ratio=None, max_abs_diff=None, error=None)
             try:
-                call = _torch_sdpa(torch, key, qt, kt, vt, config.causal)
+                call = _torch_sdpa(torch, key, qt, kt, vt, config.causal, config.mode, dt)
                 peer["ms"] = torch_event_median_ms(call, reps=reps, flush_l2=flush_l2)
                 peer["tflops"] = flops / peer["ms"] / 1e9
                 if result["tflops"]:
@@ -264,18 +340,21 @@ def bench_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=None,
                 peer["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 peer["ms"] = peer["tflops"] = peer["ratio"] = None
             result["peers"][key] = peer
-        del qt, kt, vt
+        del qt, kt, vt, dt
     del q, k, v, ours
     cupy.get_default_memory_pool().free_all_blocks()
     return result
 
 
 def format_line(result: dict) -> str:
-    config = BenchConfig(**{f: result[f] for f in BenchConfig.__dataclass_fields__})
+    config = BenchConfig(**{f: result[f] for f in BenchConfig.__dataclass_fields__ if f in result})
     if result["ms"] is None:
         line = f"{config.label}: error: {result['error']}"
     else:
         line = f"{config.label}: {result['ms']:.3f} ms, {result['tflops']:.1f} TFLOP/s"
+        if result.get("extra_bytes") is not None:
+            qkv = config.batch * config.heads * config.seqlen * config.head_dim * 2
+            line += f", extra memory {result['extra_bytes'] / 2**20:.1f} MiB ({result['extra_bytes'] / qkv:.2f}x q's bytes)"
     for key, peer in result["peers"].items():
         if peer["tflops"] is None:
             line += f" | {key} n/a"
@@ -298,13 +377,14 @@ def markdown_tables(report: dict) -> str:
     lines = []
     groups = []
     for r in results:
-        key = (r["dtype"], r["head_dim"], r["causal"])
+        key = (r.get("mode", "fwd"), r["dtype"], r["head_dim"], r["causal"])
         if key not in groups:
             groups.append(key)
-    for dtype, head_dim, causal in groups:
-        rows = [r for r in results if (r["dtype"], r["head_dim"], r["causal"]) == (dtype, head_dim, causal)]
+    for mode, dtype, head_dim, causal in groups:
+        rows = [r for r in results if (r.get("mode", "fwd"), r["dtype"], r["head_dim"], r["causal"])
+                == (mode, dtype, head_dim, causal)]
         seqlens = [r["seqlen"] for r in rows]
-        lines.append(f"**fwd {dtype} head_dim={head_dim} {'causal' if causal else 'non-causal'}** "
+        lines.append(f"**{mode} {dtype} head_dim={head_dim} {'causal' if causal else 'non-causal'}** "
                      f"(TFLOP/s, {gpu})")
         lines.append("")
         lines.append("| impl | " + " | ".join(str(s) for s in seqlens) + " |")
@@ -359,7 +439,8 @@ def write_plot(report: dict, path: str) -> bool:
             ax.set_ylabel("TFLOP/s")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
-    fig.suptitle(f"fwd {results[0]['dtype'] if results else ''} on {report['environment'].get('gpu')}")
+    title = f"{results[0].get('mode', 'fwd')} {results[0]['dtype']}" if results else ""
+    fig.suptitle(f"{title} on {report['environment'].get('gpu')}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -386,7 +467,7 @@ def measure_overhead(torch=None, calls: int = 2000) -> dict:
 # -- driver -----------------------------------------------------------------------------------
 def run_benchmark(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(False, True),
                   dtype="bf16", total_tokens=16384, hidden=2048, reps=30, use_torch=True,
-                  spec_override=None, overhead=False, grid=True, flush_l2=True, echo=print) -> dict:
+                  spec_override=None, overhead=False, grid=True, flush_l2=True, mode="fwd", echo=print) -> dict:
     """Run the benchmark and return its report (the ``--json`` content); ``echo`` gets each line."""
     from .cli import environment
     from .compile import device_arch
@@ -401,7 +482,7 @@ def run_benchmark(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(
     report = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         environment=env,
-        settings=dict(dtype=dtype, total_tokens=total_tokens, hidden=hidden, reps=reps,
+        settings=dict(mode=mode, dtype=dtype, total_tokens=total_tokens, hidden=hidden, reps=reps,
                       spec_override=overrides or None, arch=arch, flush_l2=flush_l2,
                       timing="median of CUDA event pairs, L2 flushed before each" if flush_l2
                       else "median of CUDA event pairs"),
@@ -411,7 +492,7 @@ def run_benchmark(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(
     if use_torch and torch is None:
         echo("torch with CUDA is not importable: timing cuflash alone")
     if grid:
-        for config in paper_grid(head_dims, seqlens, causal, dtype, total_tokens, hidden):
+        for config in paper_grid(head_dims, seqlens, causal, dtype, total_tokens, hidden, mode):
             result = bench_config(config, arch=arch, reps=reps, torch=torch, overrides=overrides,
                                   flush_l2=flush_l2)
             report["results"].append(result)
@@ -424,6 +505,9 @@ def run_benchmark(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(
 
 
 def add_arguments(parser):
+    parser.add_argument("--mode", choices=MODES, default="fwd",
+                        help="fwd, bwd (FLOPs 2.5x the forward) or fwdbwd (3.5x); default fwd")
+    parser.add_argument("--deterministic", action="store_true", help="bwd/fwdbwd: the deterministic backward")
     parser.add_argument("--head-dims", type=int, nargs="+", default=list(DEFAULT_HEAD_DIMS))
     parser.add_argument("--seqlens", type=int, nargs="+", default=list(DEFAULT_SEQLENS))
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
@@ -458,13 +542,16 @@ def run(args) -> int:
         spec_override = parse_spec_override(args.spec_override)
         if args.family:
             spec_override["family"] = args.family
+        if args.deterministic:
+            spec_override["deterministic"] = True
     except ValueError as exc:
         print(f"cuflash bench: error: {exc}", file=sys.stderr)
         return 2
     report = run_benchmark(head_dims=args.head_dims, seqlens=args.seqlens, causal=causal_modes(args.causal),
                            dtype=dtype, total_tokens=args.total_tokens, hidden=args.hidden, reps=args.reps,
                            use_torch=not args.no_torch, spec_override=spec_override,
-                           overhead=args.overhead, grid=not args.no_grid, flush_l2=not args.no_flush_l2)
+                           overhead=args.overhead, grid=not args.no_grid, flush_l2=not args.no_flush_l2,
+                           mode=args.mode)
     tables = markdown_tables(report)
     print()
     print(tables)

@@ -399,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run, check and time one attention call (offline compile without a GPU)")
     demo.set_defaults(handler=cmd_demo)
 
-    bench_parser = sub.add_parser("bench", help="forward benchmark on the FlashAttention papers' grid")
+    bench_parser = sub.add_parser("bench", help="forward / backward benchmark on the FlashAttention papers' grid")
     add_bench_arguments(bench_parser)
     bench_parser.set_defaults(handler=cmd_bench)
 

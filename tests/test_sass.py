@@ -58,3 +58,13 @@ def test_portable_kernels_use_mma_sync_ldmatrix_and_cp_async(head_dim, arch, tmp
     code = sass(default_spec(head_dim, "fp16", True, arch, family="mma"), tmp_path)
     assert "HMMA.16816.F32" in code and "LDSM.16.M88.4" in code and "LDSM.16.MT88" in code
     assert "LDGSTS" in code and "HGMMA" not in code
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90a"])
+@pytest.mark.parametrize("head_dim,deterministic", [(64, False), (128, True), (256, False)])
+def test_backward_kernels_use_mma_sync_ldmatrix_and_cp_async(head_dim, deterministic, arch, tmp_path):
+    from cuflash.spec import default_bwd_spec
+    code = sass(default_bwd_spec(head_dim, "bf16", True, arch, deterministic), tmp_path)
+    assert "HMMA.16816.F32.BF16" in code and "LDSM.16.M88.4" in code and "LDSM.16.MT88.4" in code
+    assert "LDGSTS" in code
+    assert ("RED" in code) != deterministic  # dQ by atomics unless deterministic

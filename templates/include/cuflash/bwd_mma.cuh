@@ -121,8 +121,11 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
     const float* s_lse2_all = reinterpret_cast<const float*>(smem + Cfg::kSmemLse2);
     const float* s_delta_all = reinterpret_cast<const float*>(smem + Cfg::kSmemDelta);
 
+    // Query tiles from the last to the first: every block of a head starts on the same tile and
+    // moves in step with the others, so they share the tile's Q, dO and dQ lines in L2 (with a
+    // causal mask too; the diagonal tiles, which need masking, come last).
     auto step_head = [&](int t) { return w.head_k * p.group + t / w.m_tiles; };
-    auto step_m0 = [&](int t) { return w.m_begin + (t % w.m_tiles) * kBM; };
+    auto step_m0 = [&](int t) { return w.m_begin + (w.m_tiles - 1 - t % w.m_tiles) * kBM; };
     auto load_step = [&](int t, int slot) {
         const int head = step_head(t), m0 = step_m0(t);
         const unsigned short* q = static_cast<const unsigned short*>(p.q) + w.batch * p.q_batch_stride
@@ -204,7 +207,7 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
                 }
             }
             __syncthreads();
-            // Warp -> (16 query rows, every kDqSplit-th n=8 column tile of dQ).
+            // Warp -> (16 query rows, every kDqSplit-th pair of n=8 column tiles of dQ).
             constexpr int kQM = kBM / 16;
             constexpr int kDqSplit = Cfg::kWarps / kQM;
             const int mt = warp % kQM;
@@ -215,18 +218,37 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
                                            + (mt * 16 + ((lane / 8) % 2) * 8) * 2);
             float* accum = p.dq_accum + ((static_cast<long long>(w.batch) * p.heads + head) * p.rows_padded
                                          + m0 + mt * 16 + lane / 4) * kD + 2 * (lane % 4);
-            const u32 k_lane = sK + (lane % 8 + ((lane / 8) % 2) * 8) * kP;
-#pragma unroll 2
-            for (int nt = warp / kQM; nt < kD / 8; nt += kDqSplit) {
-                float c[4] = {0.f, 0.f, 0.f, 0.f};
+            // K read transposed: (keys 0-7 | 8-15) x (columns 0-7 | 8-15) of a 16-column pair.
+            const u32 k_lane = sK + (lane % 8 + ((lane / 8) % 2) * 8) * kP + (lane / 16) * 16;
+            const u32 k_lane_x2 = sK + (lane % 8 + ((lane / 8) % 2) * 8) * kP;
+#pragma unroll 1
+            for (int np = warp / kQM; np < kD / 16; np += kDqSplit) {
+                float c[2][4] = {};
 #pragma unroll
                 for (int kk = 0; kk < kBN / 16; ++kk) {
-                    u32 fb[2];
-                    ldmatrix_x2_trans(fb, k_lane + kk * 16 * kP + nt * 16);
-                    mma_16816<kBF16>(c, fds[kk], fb[0], fb[1]);
+                    u32 fb[4];
+                    ldmatrix_x4_trans(fb, k_lane + kk * 16 * kP + np * 32);
+                    mma_16816<kBF16>(c[0], fds[kk], fb[0], fb[1]);
+                    mma_16816<kBF16>(c[1], fds[kk], fb[2], fb[3]);
                 }
-                atomic_add2(accum + nt * 8, c[0], c[1]);
-                atomic_add2(accum + 8 * kD + nt * 8, c[2], c[3]);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    atomic_add2(accum + np * 16 + h * 8, c[h][0], c[h][1]);
+                    atomic_add2(accum + 8 * kD + np * 16 + h * 8, c[h][2], c[h][3]);
+                }
+            }
+            if constexpr (kD % 16) {  // the last 8 columns (head dims that are 8 mod 16)
+                if (warp / kQM == (kD / 16) % kDqSplit) {
+                    float c[4] = {};
+#pragma unroll
+                    for (int kk = 0; kk < kBN / 16; ++kk) {
+                        u32 fb[2];
+                        ldmatrix_x2_trans(fb, k_lane_x2 + kk * 16 * kP + (kD / 16) * 32);
+                        mma_16816<kBF16>(c, fds[kk], fb[0], fb[1]);
+                    }
+                    atomic_add2(accum + kD - 8, c[0], c[1]);
+                    atomic_add2(accum + 8 * kD + kD - 8, c[2], c[3]);
+                }
             }
         }
     }

@@ -18,7 +18,7 @@ __device__ __forceinline__ void warp_gemm_nt(float (&acc)[kNT][4], u32 a, u32 b,
     // (n 0-7, k hi), (n 8-15, k lo), (n 8-15, k hi). x2 (the k=8 step): lanes 0-15 -> rows 0-15.
     const u32 a_lane = a + (lane % 8 + ((lane / 8) % 2) * 8) * kAPitch + (lane / 16) * 16;
     const u32 b_lane = b + (lane % 8 + (lane / 16) * 8) * kBPitch + ((lane / 8) % 2) * 16;
-#pragma unroll
+#pragma unroll 2
     for (int ks = 0; ks < kK / 16; ++ks) {
         u32 fa[4];
         ldmatrix_x4(fa, a_lane + ks * 32);

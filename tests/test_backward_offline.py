@@ -1,0 +1,96 @@
+"""Backward specs, rendering and NVRTC compile checks, and the same-precision gradient baseline:
+no GPU needed (these run in CI)."""
+import re
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.compile import compile_offline
+from cuflash.reference import attention_backward_naive, attention_backward_reference
+from cuflash.spec import ARCHS, HEAD_DIMS, BwdSpec, all_default_bwd_specs, default_bwd_spec
+
+
+def test_names_and_kernel_symbols():
+    spec = default_bwd_spec(128, "bf16", True, "sm90a")
+    assert spec.name == "bwd_bf16_hd128_causal_m64n128w8s2_sm90a"
+    assert spec.kernel_names == (spec.name + "_pre", spec.name + "_dkdv", spec.name + "_dq")
+    assert default_bwd_spec(128, "bf16", True, "sm90a", deterministic=True).name.endswith("_det_sm90a")
+    assert default_bwd_spec(64, "fp32", False, "sm80").deterministic  # float32 is always deterministic
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_default_backward_spec_renders_and_fits(arch):
+    specs = all_default_bwd_specs(arch)
+    assert {(s.head_dim, s.dtype, s.causal) for s in specs} == {
+        (d, t, c) for d in HEAD_DIMS for t in ("fp16", "bf16", "fp32") for c in (False, True)}
+    for spec in specs:
+        source = cuflash.generate(spec)
+        for name in spec.kernel_names:
+            assert f"{name}(const BwdParams params)" in source
+        assert spec.smem_bytes <= 232448 and spec.dq_smem_bytes <= 232448
+
+
+def test_head_dims_over_128_split_between_two_warps():
+    wide = default_bwd_spec(256, "fp16", False, "sm90a")
+    assert wide.d_split == 2 and wide.split_col == 128
+    assert default_bwd_spec(136, "fp16", False, "sm90a").split_col == 80
+    assert default_bwd_spec(128, "fp16", False, "sm90a").d_split == 1
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(head_dim=12), "head_dim=12"),
+    (dict(block_m=24), "block_m=24"),
+    (dict(block_n=96), "block_n=96"),
+    (dict(num_stages=1), "num_stages=1"),
+    (dict(dtype="fp32", family="mma"), "family='mma' does not take dtype=fp32"),
+    (dict(dtype="fp32", block_m=32, block_n=32), "always deterministic"),
+    (dict(block_m=128, num_warps=4, block_n=64), "num_warps=4 must be a multiple of block_m/16=8"),
+    (dict(head_dim=256, block_m=128, num_stages=4), "shared memory"),
+])
+def test_invalid_backward_specs_are_named(kwargs, match):
+    base = dict(head_dim=128, dtype="bf16", causal=False, block_m=64, block_n=128, num_warps=8,
+                num_stages=2, arch="sm90a")
+    with pytest.raises(ValueError, match=re.escape(match)):
+        BwdSpec(**{**base, **kwargs})
+
+
+OFFLINE = [(d, t, c, det) for d in (8, 64, 72, 128, 136, 256) for t in ("bf16", "fp16") for c in (False, True)
+           for det in (False, True) if not (t == "fp16" and c)] + \
+          [(d, "fp32", c, True) for d in (64, 256) for c in (False, True)]
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90a"])
+@pytest.mark.parametrize("head_dim,dtype,causal,deterministic", OFFLINE)
+def test_backward_compiles_without_spills(head_dim, dtype, causal, deterministic, arch):
+    pytest.importorskip("cupy")
+    report = compile_offline(default_bwd_spec(head_dim, dtype, causal, arch, deterministic))
+    assert report.log.count("Compiling entry function") == 3
+    assert not report.spills, f"{report.spec.name}: {report.log}"
+
+
+def _problem(rng, dtype, b=1, h=2, hk=1, sq=37, sk=50, d=16):
+    """(dout, q, k, v) with grouped-query heads."""
+    return [rng.standard_normal(shape).astype(dtype) for shape in
+            ((b, h, sq, d), (b, h, sq, d), (b, hk, sk, d), (b, hk, sk, d))]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_naive_backward_in_float32_is_close_to_the_reference(causal):
+    dout, q, k, v = _problem(np.random.default_rng(1), np.float32)
+    ours = attention_backward_naive(dout, q, k, v, causal=causal)
+    ref = attention_backward_reference(dout, q, k, v, causal=causal)
+    for a, r in zip(ours, ref):
+        assert a.dtype == np.float32 and a.shape == r.shape
+        np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-4)
+
+
+def test_naive_backward_in_half_precision_errs_like_half_precision():
+    import ml_dtypes
+    for dtype, lo, hi in ((np.float16, 1e-5, 1e-2), (ml_dtypes.bfloat16, 1e-4, 1e-1)):
+        dout, q, k, v = _problem(np.random.default_rng(2), dtype)
+        ours = attention_backward_naive(dout, q, k, v, causal=True)
+        ref = attention_backward_reference(dout, q, k, v, causal=True)
+        for a, r in zip(ours, ref):
+            assert a.dtype == np.dtype(dtype)
+            assert lo < np.abs(a.astype(np.float64) - r).max() < hi
