@@ -229,12 +229,12 @@ class _PeakMemory:
             name="cuflash-peak", malloc_postprocess=self._malloc, free_postprocess=self._free))()
         self.current = self.peak = 0
 
-    def _malloc(self, hook, device_id, size, mem_size, mem_ptr, pmem_id):
-        self.current += mem_size
+    def _malloc(self, **kwargs):
+        self.current += kwargs["mem_size"]
         self.peak = max(self.peak, self.current)
 
-    def _free(self, hook, device_id, mem_size, mem_ptr, pmem_id):
-        self.current -= mem_size
+    def _free(self, **kwargs):
+        self.current -= kwargs["mem_size"]
 
     def __enter__(self):
         self._hook.__enter__()
