@@ -328,9 +328,10 @@ class BwdSpec:
     """Every compile-time parameter of one backward specialization: the kernels that compute
     (dq, dk, dv) of one (head_dim, dtype, causal) on one target.
 
-    Tensor cores (fp16/bf16, the ``mma`` family): a K/V-outer kernel whose ``num_warps`` warps own
-    16 key rows each (two warps per 16 rows, splitting the head dim, when ``num_warps * 16 ==
-    2 * block_n``), walking query tiles of ``block_m`` rows through a ``num_stages``-deep ring.
+    Tensor cores (fp16/bf16, the ``mma`` family): a K/V-outer kernel over key tiles of ``block_n``
+    rows, walking query tiles of ``block_m`` rows through a ``num_stages``-deep ring; its
+    ``num_warps`` warps split S and dP into :attr:`score_tile` tiles and dK / dV into
+    :attr:`keys_per_warp` rows (by :attr:`d_split` column ranges).
     float32 (``simt``): the same loops on CUDA cores. ``deterministic`` computes dQ in its own
     Q-outer kernel instead of by atomics (always so for float32).
     """
@@ -358,15 +359,28 @@ class BwdSpec:
             problems.append(f"arch={self.arch!r} (supported: {list(SMEM_LIMIT)})")
         if problems:
             raise ValueError("invalid backward spec: " + "; ".join(problems))
-        if self.family not in ("mma", "simt") or (self.family == "mma") != dtypes.DTYPES[self.dtype].tensor_core:
-            problems.append(f"family={self.family!r} does not take dtype={self.dtype} (mma: fp16/bf16, simt: fp32)")
+        if self.family not in FAMILIES or (self.family != "simt") != dtypes.DTYPES[self.dtype].tensor_core:
+            problems.append(f"family={self.family!r} does not take dtype={self.dtype} (mma, wgmma: fp16/bf16; simt: fp32)")
+        elif self.family == "wgmma":
+            if self.arch != "sm90a" or self.head_dim not in BWD_WGMMA_HEAD_DIMS:
+                problems.append(f"the wgmma backward covers head dims {BWD_WGMMA_HEAD_DIMS} on sm90a "
+                                f"(got head_dim={self.head_dim}, arch={self.arch})")
+            if (self.block_m, self.block_n, self.num_warps) != (64, 128, 8) or self.num_stages < 2:
+                problems.append(f"the wgmma backward takes block_m=64, block_n=128, num_warps=8 and at least "
+                                f"2 stages (got {self.block_m}, {self.block_n}, {self.num_warps}, {self.num_stages})")
         elif self.family == "mma":
             if self.block_m % 16 or not 16 <= self.block_m <= 128:
                 problems.append(f"block_m={self.block_m} must be a multiple of 16 up to 128")
-            if self.num_warps not in (2, 4, 8) or 16 * self.num_warps not in (self.block_n, 2 * self.block_n):
-                problems.append(f"block_n={self.block_n} must be 16 key rows per warp, or per pair of warps "
-                                f"(num_warps={self.num_warps})")
-            elif not self.deterministic and self.num_warps % max(self.block_m // 16, 1):
+            if self.num_warps not in (2, 4, 8) or self.block_n % 16 or not 16 <= self.block_n <= 256:
+                problems.append(f"num_warps={self.num_warps} (2, 4 or 8) and block_n={self.block_n} "
+                                "(a multiple of 16 up to 256)")
+            elif self.score_tile is None:
+                problems.append(f"block_m={self.block_m} x block_n={self.block_n} does not split into "
+                                f"{self.num_warps} warp tiles of 16 or 32 rows and a multiple of 16 columns")
+            elif self.keys_per_warp % 16:
+                problems.append(f"block_n={self.block_n} gives {self.keys_per_warp} key rows per warp "
+                                f"(num_warps={self.num_warps}, d_split={self.d_split}); it must be a multiple of 16")
+            if not self.deterministic and self.num_warps % max(self.block_m // 16, 1):
                 problems.append(f"num_warps={self.num_warps} must be a multiple of block_m/16={self.block_m // 16} "
                                 "(warps share the dq tile by rows)")
             if self.num_stages < 2:
@@ -392,9 +406,10 @@ class BwdSpec:
     @functools.cached_property
     def name(self) -> str:
         causal = "_causal" if self.causal else ""
-        det = "_det" if self.deterministic and self.family == "mma" else ""
+        det = "_det" if self.deterministic and self.family != "simt" else ""
+        family = "_wgmma" if self.family == "wgmma" else ""
         return (f"bwd_{self.dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
-                f"w{self.num_warps}s{self.num_stages}{det}_{self.arch}")
+                f"w{self.num_warps}s{self.num_stages}{det}{family}_{self.arch}")
 
     def replace(self, **changes) -> "BwdSpec":
         return dataclasses.replace(self, **changes)
@@ -407,7 +422,7 @@ class BwdSpec:
 
     @property
     def atomic_dq(self) -> bool:
-        return self.family == "mma" and not self.deterministic
+        return self.family != "simt" and not self.deterministic
 
     @property
     def threads(self) -> int:
@@ -415,13 +430,38 @@ class BwdSpec:
 
     @property
     def d_split(self) -> int:
-        """Warps sharing 16 key rows (each takes part of the head dim)."""
-        return self.num_warps * 16 // self.block_n if self.family == "mma" else 1
+        """mma: warps of the dK/dV phase sharing key rows, each taking part of the head dim: two when
+        the halves are whole 16-column blocks or the head dim is too wide for one warp's registers."""
+        if self.family != "mma":
+            return 1
+        return 2 if self.head_dim % 32 == 0 or self.head_dim > 128 else 1
 
     @property
     def split_col(self) -> int:
         """With d_split 2: the first warp of a pair takes head-dim columns [0, split_col)."""
         return 16 * ceil_div(self.head_dim, 32) if self.d_split == 2 else self.head_dim
+
+    @property
+    def keys_per_warp(self) -> int:
+        """Key rows of dK/dV each warp accumulates."""
+        return self.block_n * self.d_split // self.num_warps
+
+    @functools.cached_property
+    def score_tile(self) -> tuple[int, int] | None:
+        """(rows, columns) of each warp's tile of S and dP: 32 query rows where that leaves
+        columns in multiples of 16, else 16 rows; None when the block does not split."""
+        for rows in (32, 16):
+            warps_m = self.block_m // rows
+            if self.block_m % rows or warps_m == 0 or self.num_warps % warps_m:
+                continue
+            cols = self.block_n // (self.num_warps // warps_m)
+            if self.block_n % (self.num_warps // warps_m) == 0 and cols % 16 == 0:
+                return rows, cols
+        return None
+
+    @property
+    def warps_n(self) -> int:
+        return self.block_n // self.score_tile[1]
 
     @property
     def smem_row_bytes(self) -> int:
@@ -434,8 +474,9 @@ class BwdSpec:
         return self.head_dim * 2 // _CHUNK
 
     @property
-    def ds_pitch(self) -> int:
-        chunks = self.block_m * 2 // _CHUNK
+    def score_pitch(self) -> int:
+        """Padded row pitch of the P and dS tiles ([query][key], 16-bit)."""
+        chunks = self.block_n * 2 // _CHUNK
         return (chunks if chunks % 2 else chunks + 1) * _CHUNK
 
     @functools.cached_property
@@ -443,13 +484,24 @@ class BwdSpec:
         """Byte offsets of the K/V-outer kernel's shared-memory regions, and its total."""
         if self.family == "simt":
             return {"total": (2 * self.block_m * self.head_dim + 2 * self.block_m) * 4}
+        if self.family == "wgmma":  # unpadded swizzled tiles at 1024-byte boundaries, slack to align the base
+            kv = self.block_n * self.head_dim * 2
+            q = self.block_m * self.head_dim * 2
+            layout, offset = {}, 0
+            for region, size in (("k", kv), ("v", kv), ("q", self.num_stages * q), ("do", self.num_stages * q),
+                                 ("ds", self.block_n * self.block_m * 2), ("lse2", self.num_stages * self.block_m * 4),
+                                 ("delta", self.num_stages * self.block_m * 4)):
+                layout[region] = offset
+                offset += size
+            layout["total"] = offset + 1024
+            return layout
         kv = self.block_n * self.smem_row_bytes
         q = self.block_m * self.smem_row_bytes
         layout, offset = {}, 0
+        scores = self.block_m * self.score_pitch
         for region, size in (("k", kv), ("v", kv), ("q", self.num_stages * q), ("do", self.num_stages * q),
                              ("lse2", self.num_stages * self.block_m * 4), ("delta", self.num_stages * self.block_m * 4),
-                             ("ds", self.block_n * self.ds_pitch if self.atomic_dq else 0),
-                             ("exchange", self.num_warps * (self.block_m // 8) * 32 * 16 if self.d_split == 2 else 0)):
+                             ("p", scores), ("ds", scores)):
             layout[region] = offset
             offset += size
         layout["total"] = offset
@@ -495,24 +547,37 @@ class BwdSpec:
 #: num_warps, num_stages). Head dims over 128 split the head dim between two warps.
 BWD_CANDIDATES = (
     (128, 64, 128, 8, 2), (128, 64, 64, 4, 2), (128, 32, 64, 4, 2), (128, 16, 32, 2, 2),
-    (256, 32, 64, 8, 2), (256, 16, 64, 8, 2), (256, 16, 32, 4, 2), (256, 16, 16, 2, 2),
+    (256, 64, 64, 8, 2), (256, 32, 64, 8, 2), (256, 16, 64, 8, 2), (256, 16, 32, 4, 2), (256, 16, 32, 2, 2),
 )
+
+#: Head dims of the Hopper (wgmma) backward: two warpgroups of 64 key rows keep dK and dV in
+#: registers, which leaves room for head dims up to 128.
+BWD_WGMMA_HEAD_DIMS = (64, 128)
 
 #: Tiles of the float32 backward: (block_m, block_n, num_warps).
 BWD_SIMT_TILES = (32, 32, 8)
 
 
-def default_bwd_spec(head_dim: int, dtype: str, causal: bool, arch: str, deterministic: bool = False) -> BwdSpec:
-    """The backward specialization cuflash runs for a problem: the first candidate whose shared
-    memory fits the target (float32: always deterministic)."""
+def default_bwd_spec(head_dim: int, dtype: str, causal: bool, arch: str, deterministic: bool = False,
+                     family: str | None = None) -> BwdSpec:
+    """The backward specialization cuflash runs for a problem: wgmma on Hopper where it applies,
+    else the first mma candidate whose shared memory fits the target (float32: simt, always
+    deterministic). ``family`` forces one."""
     entry = dtypes.from_tag(dtype)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} is not supported (multiples of 8 from 8 to 256)")
     if arch not in SMEM_LIMIT:
         raise ValueError(f"arch={arch!r} is not supported (one of {list(SMEM_LIMIT)})")
-    if not entry.tensor_core:
+    if family is None:
+        family = "simt" if not entry.tensor_core else \
+            "wgmma" if arch == "sm90a" and head_dim in BWD_WGMMA_HEAD_DIMS else "mma"
+    if family not in FAMILIES or (family == "simt") == entry.tensor_core:
+        raise ValueError(f"family={family!r} does not take dtype={entry.tag} (mma, wgmma: fp16/bf16; simt: fp32)")
+    if family == "simt":
         bm, bn, w = BWD_SIMT_TILES
         return BwdSpec(head_dim, entry.tag, causal, bm, bn, w, 1, arch, deterministic=True)
+    if family == "wgmma":
+        return BwdSpec(head_dim, entry.tag, causal, 64, 128, 8, 2, arch, deterministic, family="wgmma")
     for max_d, bm, bn, w, s in BWD_CANDIDATES:
         if head_dim > max_d:
             continue

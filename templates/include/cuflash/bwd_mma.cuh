@@ -7,15 +7,11 @@
 // bwd_dkdv_mma: one block per (key tile of kBlockN rows, kv head, batch). K and V stay in shared
 // memory; Q, dO and the per-row lse2 / delta of each query tile stream through a kStages-deep
 // cp.async ring. The block walks every query tile that can see its keys, for every query head of
-// its kv head (grouped-query attention sums there, in a fixed order). Warps own 16 key rows each
-// and compute the transposed products S^T = K Q^T and dP^T = V dO^T directly, so P^T and dS^T
-// land in registers in the layout of an A operand: dV += P^T dO and dK += dS^T Q never leave the
-// warp. With kDSplit = 2 (head dims over 128) two warps share 16 key rows and split the head dim:
-// each computes half of the contraction of S^T and dP^T, the halves are summed through shared
-// memory, and each keeps its half of the dK / dV columns.
-//   dQ (unless kDeterministic): dS^T goes to shared memory, and the warps compute the block's
-// share of dQ = dS K and add it into a float32 accumulator with atomics; bwd_convert_dq scales
-// and converts it afterwards.
+// its kv head (grouped-query attention sums there, in a fixed order). Each step computes P and dS
+// in square-ish warp tiles, passes them through shared memory in 16 bits, and accumulates dK and
+// dV in registers, each warp owning some key rows and (kDSplit = 2) half of the head dim.
+//   dQ (unless kDeterministic): the warps compute the block's share of dQ = dS K and add it into a
+// float32 accumulator with atomics; bwd_convert_dq scales and converts it afterwards.
 //
 // bwd_dq_mma (kDeterministic): one block per (query tile, head, batch) walks the key tiles in a
 // fixed order and accumulates dQ in registers (the forward's shape, no atomics), so two runs give
@@ -38,10 +34,6 @@ __device__ __forceinline__ void load_row_stats_async(u32 s_lse2, u32 s_delta, co
         if (i < kChunks) cp_async_16(s_lse2 + i * 16, lse2 + i * 4, true);
         else cp_async_16(s_delta + (i - kChunks) * 16, delta + (i - kChunks) * 4, true);
     }
-}
-
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
 }
 
 // P = exp2(S * scale_log2 - lse2) in place on one warp's C fragments, 0 where masked.
@@ -83,25 +75,14 @@ __device__ __forceinline__ void recompute_dscores(float (&dp)[kNT][4], const u32
     }
 }
 
-// Head dims split over a pair of warps: sum the two halves of a contraction. Each warp publishes
-// its partial fragments and adds its partner's (a + b == b + a: both warps hold identical sums).
-// The next write to the buffer comes after the block barrier of the next step.
-template <class Cfg, int kNT>
-__device__ __forceinline__ void pair_sum(float (&c)[kNT][4], unsigned char* smem, int warp, int lane) {
-    float4* mine = reinterpret_cast<float4*>(smem + Cfg::kSmemExchange) + warp * kNT * 32 + lane;
-    const float4* theirs = reinterpret_cast<const float4*>(smem + Cfg::kSmemExchange) + (warp ^ 1) * kNT * 32 + lane;
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) mine[nt * 32] = make_float4(c[nt][0], c[nt][1], c[nt][2], c[nt][3]);
-    named_barrier_sync(1 + warp / 2, 64);
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-        const float4 o = theirs[nt * 32];
-        c[nt][0] += o.x; c[nt][1] += o.y; c[nt][2] += o.z; c[nt][3] += o.w;
-    }
-    named_barrier_sync(1 + warp / 2, 64);
-}
-
-// The K/V-outer loop of one warp, which owns head-dim columns [kC0, kC0 + kNC) of dK and dV.
+// The K/V-outer loop of one warp. Each step has three phases with their own warp layouts:
+//   1. S = Q K^T and dP = dO V^T: a kWarpsM x kWarpsN grid of kTileM x kTileN tiles (the full
+//      head dim contracted per warp); P and dS = P * (dP - delta) go to shared memory in 16 bits.
+//   2. dV += P^T dO and dK += dS^T Q: warps own kKeysPerWarp key rows and head-dim columns
+//      [kC0, kC0 + kNC) (two column ranges, one per warp of a pair, when kDSplit = 2); the
+//      accumulators stay in registers for the whole loop.
+//   3. (atomic dQ) dQ += dS K: warps own 16 query rows and every kDqSplit-th pair of n=8 columns,
+//      added into the float32 accumulator.
 template <class Cfg, int kC0, int kNC>
 __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const DkdvWork& w,
                                           unsigned char* smem, int tid) {
@@ -109,15 +90,22 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
     constexpr int kD = Cfg::kHeadDim;
     constexpr int kBM = Cfg::kBlockM;
     constexpr int kBN = Cfg::kBlockN;
-    constexpr int kP = Cfg::kSmemRowBytes;
-    constexpr int kQT = kBM / 8;   // n=8 tiles of S^T (query columns)
-    constexpr int kCT = kNC / 8;   // n=8 tiles of this warp's dK / dV columns
+    constexpr int kP = Cfg::kSmemRowBytes;   // pitch of the Q, dO, K, V tiles
+    constexpr int kSP = Cfg::kScorePitch;    // pitch of the P and dS tiles ([query][key])
+    constexpr int kWN = Cfg::kWarpsN;
+    constexpr int kTM = kBM / (Cfg::kWarps / kWN), kTN = kBN / kWN;
+    constexpr int kSMT = kTM / 16, kSNT = kTN / 8;
+    constexpr int kVK = Cfg::kKeysPerWarp;
+    constexpr int kVMT = kVK / 16, kCT = kNC / 8;
     const int lane = tid % 32;
     const int warp = tid / 32;
-    const int key_row0 = (warp / Cfg::kDSplit) * 16;  // this warp's first key row in the tile
+    const int s_row0 = (warp / kWN) * kTM;           // phase 1: query rows ...
+    const int s_col0 = (warp % kWN) * kTN;           // ... and keys of this warp's tile
+    const int v_key0 = (warp / Cfg::kDSplit) * kVK;  // phase 2: this warp's keys
     const u32 base = smem_addr(smem);
     const u32 sK = base + Cfg::kSmemK, sV = base + Cfg::kSmemV;
     const u32 sQ = base + Cfg::kSmemQ, sDO = base + Cfg::kSmemDO;
+    const u32 sP = base + Cfg::kSmemP, sDS = base + Cfg::kSmemDS;
     const float* s_lse2_all = reinterpret_cast<const float*>(smem + Cfg::kSmemLse2);
     const float* s_delta_all = reinterpret_cast<const float*>(smem + Cfg::kSmemDelta);
 
@@ -139,8 +127,22 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
                                                     base + Cfg::kSmemDelta + slot * kBM * 4,
                                                     p.lse2 + stats, p.delta + stats, tid);
     };
+    // A warp's C fragments -> 16-bit values in a [query][key] tile.
+    auto store_scores = [&](u32 tile, const u32 (&f)[kSMT][kSNT / 2][4]) {
+        unsigned char* at = smem + (tile - base) + (s_row0 + lane / 4) * kSP + (s_col0 + 2 * (lane % 4)) * 2;
+#pragma unroll
+        for (int mt = 0; mt < kSMT; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < kSNT / 2; ++kk) {
+                unsigned char* c = at + mt * 16 * kSP + kk * 32;
+                *reinterpret_cast<u32*>(c) = f[mt][kk][0];
+                *reinterpret_cast<u32*>(c + 8 * kSP) = f[mt][kk][1];
+                *reinterpret_cast<u32*>(c + 16) = f[mt][kk][2];
+                *reinterpret_cast<u32*>(c + 8 * kSP + 16) = f[mt][kk][3];
+            }
+    };
 
-    float acc_dk[kCT][4], acc_dv[kCT][4];
+    float acc_dk[kVMT][kCT][4], acc_dv[kVMT][kCT][4];
     zero_fragments(acc_dk);
     zero_fragments(acc_dv);
 
@@ -151,7 +153,7 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
     }
     for (int t = 0; t < w.steps; ++t) {
         // Step t's tiles (and, at t = 0, K and V) have landed for every thread, and every warp is
-        // done with step t-1, whose slot the next copy overwrites.
+        // done with step t-1: its ring slot and the P / dS tiles may be overwritten.
         cp_async_wait<Cfg::kStages - 2>();
         __syncthreads();
         if (t + Cfg::kStages - 1 < w.steps) load_step(t + Cfg::kStages - 1, (t + Cfg::kStages - 1) % Cfg::kStages);
@@ -160,62 +162,57 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
         const int slot = t % Cfg::kStages;
         const int head = step_head(t), m0 = step_m0(t);
         const u32 sQs = sQ + slot * Cfg::kQTileBytes, sDOs = sDO + slot * Cfg::kQTileBytes;
-        const float* s_lse2 = s_lse2_all + slot * kBM;
-        const float* s_delta = s_delta_all + slot * kBM;
+        const float* s_lse2 = s_lse2_all + slot * kBM + s_row0;
+        const float* s_delta = s_delta_all + slot * kBM + s_row0;
 
-        // S^T = K Q^T over this warp's head-dim columns, summed over the pair when split.
-        float st[kQT][4];
-        zero_fragments(st);
-        warp_gemm_nt<kBF16, kNC, kQT, kP, kP>(st, sK + key_row0 * kP + kC0 * 2, sQs + kC0 * 2, lane);
-        if constexpr (Cfg::kDSplit == 2) pair_sum<Cfg>(st, smem, warp, lane);
-
-        // P^T (masked only on the sequence tail and the causal diagonal), then dV += P^T dO.
-        const int key0 = w.n0 + key_row0;
-        bool masked = w.n0 + kBN > p.seqlen_k;
-        if constexpr (Cfg::kCausal) masked = masked || w.n0 + kBN - 1 > m0 + w.causal_offset;
-        auto allowed = [&](int row, int col) {
-            const int key = key0 + row;
-            return key < p.seqlen_k && (!Cfg::kCausal || key <= m0 + col + w.causal_offset);
-        };
-        recompute_probs<false>(st, s_lse2, p.scale_log2, lane, masked, allowed);
-        u32 fp[kQT / 2][4];
-        fragments_to_operand<kBF16>(fp, st);
-        warp_gemm_rn<kBF16, kQT / 2, kCT, kP>(acc_dv, fp, sDOs + kC0 * 2, lane);
-
-        // dP^T = V dO^T, dS^T = P^T * (dP^T - delta), then dK += dS^T Q.
-        float dpt[kQT][4];
-        zero_fragments(dpt);
-        warp_gemm_nt<kBF16, kNC, kQT, kP, kP>(dpt, sV + key_row0 * kP + kC0 * 2, sDOs + kC0 * 2, lane);
-        if constexpr (Cfg::kDSplit == 2) pair_sum<Cfg>(dpt, smem, warp, lane);
-        recompute_dscores<kBF16, false>(dpt, fp, s_delta, lane);
-        u32 fa[kQT / 2][4];
-        fragments_to_operand<kBF16>(fa, dpt);
-        warp_gemm_rn<kBF16, kQT / 2, kCT, kP>(acc_dk, fa, sQs + kC0 * 2, lane);
-
-        if constexpr (!Cfg::kDeterministic) {
-            // dS^T -> shared memory (one warp per key row block), then dQ += dS K by atomics.
-            constexpr int kDSP = Cfg::kDSPitch;
-            const u32 sDS = base + Cfg::kSmemDS;
-            if (warp % Cfg::kDSplit == 0) {
-                unsigned char* row_lo = smem + Cfg::kSmemDS + (key_row0 + lane / 4) * kDSP + (lane % 4) * 4;
+        // -- phase 1: P and dS of this warp's tile --
+        u32 fp[kSMT][kSNT / 2][4];
+        {
+            float sc[kSMT][kSNT][4];
+            zero_fragments(sc);
+            warp_gemm_nt<kBF16, kSMT, kSNT, kD, kP, kP>(sc, sQs + s_row0 * kP, sK + s_col0 * kP, lane);
+            const int key0 = w.n0 + s_col0, query0 = m0 + s_row0;
+            bool masked = w.n0 + kBN > p.seqlen_k;
+            if constexpr (Cfg::kCausal) masked = masked || w.n0 + kBN - 1 > m0 + w.causal_offset;
+            auto allowed = [&](int row, int col) {
+                const int key = key0 + col;
+                return key < p.seqlen_k && (!Cfg::kCausal || key <= query0 + row + w.causal_offset);
+            };
 #pragma unroll
-                for (int kk = 0; kk < kQT / 2; ++kk) {
-                    *reinterpret_cast<u32*>(row_lo + kk * 32) = fa[kk][0];
-                    *reinterpret_cast<u32*>(row_lo + 8 * kDSP + kk * 32) = fa[kk][1];
-                    *reinterpret_cast<u32*>(row_lo + kk * 32 + 16) = fa[kk][2];
-                    *reinterpret_cast<u32*>(row_lo + 8 * kDSP + kk * 32 + 16) = fa[kk][3];
-                }
+            for (int mt = 0; mt < kSMT; ++mt) {
+                auto allowed_mt = [&](int row, int col) { return allowed(mt * 16 + row, col); };
+                recompute_probs<true>(sc[mt], s_lse2 + mt * 16, p.scale_log2, lane, masked, allowed_mt);
+                fragments_to_operand<kBF16>(fp[mt], sc[mt]);
             }
-            __syncthreads();
-            // Warp -> (16 query rows, every kDqSplit-th pair of n=8 column tiles of dQ).
+        }
+        store_scores(sP, fp);
+        {
+            float dp[kSMT][kSNT][4];
+            zero_fragments(dp);
+            warp_gemm_nt<kBF16, kSMT, kSNT, kD, kP, kP>(dp, sDOs + s_row0 * kP, sV + s_col0 * kP, lane);
+            u32 fds[kSMT][kSNT / 2][4];
+#pragma unroll
+            for (int mt = 0; mt < kSMT; ++mt) {
+                recompute_dscores<kBF16, true>(dp[mt], fp[mt], s_delta + mt * 16, lane);
+                fragments_to_operand<kBF16>(fds[mt], dp[mt]);
+            }
+            store_scores(sDS, fds);
+        }
+        __syncthreads();
+
+        // -- phase 2: dV += P^T dO and dK += dS^T Q over the tile's query rows --
+        warp_gemm_tt<kBF16, kVMT, kCT, kBM, kSP, kP>(acc_dv, sP + v_key0 * 2, sDOs + kC0 * 2, lane);
+        warp_gemm_tt<kBF16, kVMT, kCT, kBM, kSP, kP>(acc_dk, sDS + v_key0 * 2, sQs + kC0 * 2, lane);
+
+        // -- phase 3: dQ += dS K by atomics --
+        if constexpr (!Cfg::kDeterministic) {
             constexpr int kQM = kBM / 16;
             constexpr int kDqSplit = Cfg::kWarps / kQM;
             const int mt = warp % kQM;
-            u32 fds[kBN / 16][4];  // dS rows (queries) x keys, read transposed from dS^T
+            u32 fa[kBN / 16][4];  // dS rows (queries) x keys
+            const u32 ds_lane = sDS + (mt * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kSP + (lane / 16) * 16;
 #pragma unroll
-            for (int kk = 0; kk < kBN / 16; ++kk)
-                ldmatrix_x4_trans(fds[kk], sDS + (kk * 16 + (lane / 16) * 8 + lane % 8) * kDSP
-                                           + (mt * 16 + ((lane / 8) % 2) * 8) * 2);
+            for (int kk = 0; kk < kBN / 16; ++kk) ldmatrix_x4(fa[kk], ds_lane + kk * 32);
             float* accum = p.dq_accum + ((static_cast<long long>(w.batch) * p.heads + head) * p.rows_padded
                                          + m0 + mt * 16 + lane / 4) * kD + 2 * (lane % 4);
             // K read transposed: (keys 0-7 | 8-15) x (columns 0-7 | 8-15) of a 16-column pair.
@@ -228,8 +225,8 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
                 for (int kk = 0; kk < kBN / 16; ++kk) {
                     u32 fb[4];
                     ldmatrix_x4_trans(fb, k_lane + kk * 16 * kP + np * 32);
-                    mma_16816<kBF16>(c[0], fds[kk], fb[0], fb[1]);
-                    mma_16816<kBF16>(c[1], fds[kk], fb[2], fb[3]);
+                    mma_16816<kBF16>(c[0], fa[kk], fb[0], fb[1]);
+                    mma_16816<kBF16>(c[1], fa[kk], fb[2], fb[3]);
                 }
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
@@ -244,7 +241,7 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
                     for (int kk = 0; kk < kBN / 16; ++kk) {
                         u32 fb[2];
                         ldmatrix_x2_trans(fb, k_lane_x2 + kk * 16 * kP + (kD / 16) * 32);
-                        mma_16816<kBF16>(c, fds[kk], fb[0], fb[1]);
+                        mma_16816<kBF16>(c, fa[kk], fb[0], fb[1]);
                     }
                     atomic_add2(accum + kD - 8, c[0], c[1]);
                     atomic_add2(accum + 8 * kD + kD - 8, c[2], c[3]);
@@ -255,13 +252,16 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
     cp_async_wait<0>();
 
     // dK = scale * dS^T Q and dV, in the input dtype.
-    const int rows_valid = p.seqlen_k - w.n0 - key_row0;
-    unsigned short* dk = static_cast<unsigned short*>(p.dk) + w.batch * p.dk_batch_stride
-                         + w.head_k * p.dk_head_stride + (w.n0 + key_row0) * p.dk_row_stride + kC0;
-    unsigned short* dv = static_cast<unsigned short*>(p.dv) + w.batch * p.dv_batch_stride
-                         + w.head_k * p.dv_head_stride + (w.n0 + key_row0) * p.dv_row_stride + kC0;
-    store_fragments<kBF16>(acc_dk, dk, p.dk_row_stride, 0, rows_valid, lane, p.scale);
-    store_fragments<kBF16>(acc_dv, dv, p.dv_row_stride, 0, rows_valid, lane, 1.f);
+#pragma unroll
+    for (int mt = 0; mt < kVMT; ++mt) {
+        const int key = w.n0 + v_key0 + mt * 16;
+        unsigned short* dk = static_cast<unsigned short*>(p.dk) + w.batch * p.dk_batch_stride
+                             + w.head_k * p.dk_head_stride + key * p.dk_row_stride + kC0;
+        unsigned short* dv = static_cast<unsigned short*>(p.dv) + w.batch * p.dv_batch_stride
+                             + w.head_k * p.dv_head_stride + key * p.dv_row_stride + kC0;
+        store_fragments<kBF16>(acc_dk[mt], dk, p.dk_row_stride, 0, p.seqlen_k - key, lane, p.scale);
+        store_fragments<kBF16>(acc_dv[mt], dv, p.dv_row_stride, 0, p.seqlen_k - key, lane, 1.f);
+    }
 }
 
 template <class Cfg>

@@ -8,11 +8,11 @@
 
 namespace cuflash {
 
-// acc[16 x 8*kNT] += A[16 x kK] * B[8*kNT x kK]^T, both operands row-major in shared memory:
-// `a` addresses A's element (0, 0), `b` B's element (0, 0); kK is a multiple of 8 (a k=8 step
-// closes a head dim that is 8 mod 16). kNT is even: B rows are loaded 16 at a time.
-template <bool kBF16, int kK, int kNT, int kAPitch, int kBPitch>
-__device__ __forceinline__ void warp_gemm_nt(float (&acc)[kNT][4], u32 a, u32 b, int lane) {
+// acc[16*kMT x 8*kNT] += A[16*kMT x kK] * B[8*kNT x kK]^T, both operands row-major in shared
+// memory: `a` addresses A's element (0, 0), `b` B's element (0, 0); kK is a multiple of 8 (a k=8
+// step closes a head dim that is 8 mod 16). kNT is even: B rows are loaded 16 at a time.
+template <bool kBF16, int kMT, int kNT, int kK, int kAPitch, int kBPitch>
+__device__ __forceinline__ void warp_gemm_nt(float (&acc)[kMT][kNT][4], u32 a, u32 b, int lane) {
     static_assert(kNT % 2 == 0 && kK % 8 == 0, "16-row B blocks and 8-column k steps");
     // ldmatrix.x4 lane addresses: A as (rows 0-7 | 8-15) x (k 0-7 | 8-15); B as (n 0-7, k lo),
     // (n 0-7, k hi), (n 8-15, k lo), (n 8-15, k hi). x2 (the k=8 step): lanes 0-15 -> rows 0-15.
@@ -20,26 +20,75 @@ __device__ __forceinline__ void warp_gemm_nt(float (&acc)[kNT][4], u32 a, u32 b,
     const u32 b_lane = b + (lane % 8 + (lane / 16) * 8) * kBPitch + ((lane / 8) % 2) * 16;
 #pragma unroll 2
     for (int ks = 0; ks < kK / 16; ++ks) {
-        u32 fa[4];
-        ldmatrix_x4(fa, a_lane + ks * 32);
+        u32 fa[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(fa[mt], a_lane + mt * 16 * kAPitch + ks * 32);
 #pragma unroll
         for (int np = 0; np < kNT / 2; ++np) {
             u32 fb[4];
             ldmatrix_x4(fb, b_lane + np * 16 * kBPitch + ks * 32);
-            mma_16816<kBF16>(acc[2 * np], fa, fb[0], fb[1]);
-            mma_16816<kBF16>(acc[2 * np + 1], fa, fb[2], fb[3]);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                mma_16816<kBF16>(acc[mt][2 * np], fa[mt], fb[0], fb[1]);
+                mma_16816<kBF16>(acc[mt][2 * np + 1], fa[mt], fb[2], fb[3]);
+            }
         }
     }
     if constexpr (kK % 16) {
         const u32 x2_row = (lane % 8 + ((lane / 8) % 2) * 8);
-        u32 fa[2];
-        ldmatrix_x2(fa, a + x2_row * kAPitch + (kK / 16) * 32);
+        u32 fa[kMT][2];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) ldmatrix_x2(fa[mt], a + (x2_row + mt * 16) * kAPitch + (kK / 16) * 32);
 #pragma unroll
         for (int np = 0; np < kNT / 2; ++np) {
             u32 fb[2];
             ldmatrix_x2(fb, b + (x2_row + np * 16) * kBPitch + (kK / 16) * 32);
-            mma_1688<kBF16>(acc[2 * np], fa[0], fa[1], fb[0]);
-            mma_1688<kBF16>(acc[2 * np + 1], fa[0], fa[1], fb[1]);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                mma_1688<kBF16>(acc[mt][2 * np], fa[mt][0], fa[mt][1], fb[0]);
+                mma_1688<kBF16>(acc[mt][2 * np + 1], fa[mt][0], fa[mt][1], fb[1]);
+            }
+        }
+    }
+}
+
+// The same product for one 16-row tile.
+template <bool kBF16, int kK, int kNT, int kAPitch, int kBPitch>
+__device__ __forceinline__ void warp_gemm_nt(float (&acc)[kNT][4], u32 a, u32 b, int lane) {
+    warp_gemm_nt<kBF16, 1, kNT, kK, kAPitch, kBPitch>(reinterpret_cast<float (&)[1][kNT][4]>(acc), a, b, lane);
+}
+
+// acc[16*kMT x 8*kNT] += A[16*kMT x kK] * B[kK x 8*kNT] with both operands stored k-major in
+// shared memory (A as [k][m], B as [k][n]) and read transposed: `a` addresses A's element
+// (m=0, k=0), `b` B's element (k=0, n=0). kK is a multiple of 16; kNT may be odd.
+template <bool kBF16, int kMT, int kNT, int kK, int kAPitch, int kBPitch>
+__device__ __forceinline__ void warp_gemm_tt(float (&acc)[kMT][kNT][4], u32 a, u32 b, int lane) {
+    static_assert(kK % 16 == 0, "k=16 steps");
+    // x4.trans of A: (m 0-7, k lo), (m 8-15, k lo), (m 0-7, k hi), (m 8-15, k hi).
+    const u32 a_lane = a + ((lane / 16) * 8 + lane % 8) * kAPitch + ((lane / 8) % 2) * 16;
+    // x4.trans of B: (k lo, n 0-7), (k hi, n 0-7), (k lo, n 8-15), (k hi, n 8-15).
+    const u32 b_lane = b + (lane % 8 + ((lane / 8) % 2) * 8) * kBPitch + (lane / 16) * 16;
+    const u32 b_x2 = b + (lane % 8 + ((lane / 8) % 2) * 8) * kBPitch;
+#pragma unroll 2
+    for (int kk = 0; kk < kK / 16; ++kk) {
+        u32 fa[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4_trans(fa[mt], a_lane + kk * 16 * kAPitch + mt * 32);
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {
+            u32 fb[4];
+            ldmatrix_x4_trans(fb, b_lane + kk * 16 * kBPitch + np * 32);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                mma_16816<kBF16>(acc[mt][2 * np], fa[mt], fb[0], fb[1]);
+                mma_16816<kBF16>(acc[mt][2 * np + 1], fa[mt], fb[2], fb[3]);
+            }
+        }
+        if constexpr (kNT % 2) {
+            u32 fb[2];
+            ldmatrix_x2_trans(fb, b_x2 + kk * 16 * kBPitch + (kNT - 1) * 16);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) mma_16816<kBF16>(acc[mt][kNT - 1], fa[mt], fb[0], fb[1]);
         }
     }
 }
@@ -78,6 +127,16 @@ __device__ __forceinline__ void fragments_to_operand(u32 (&fa)[kNT / 2][4], cons
         fa[kk][2] = pack2<kBF16>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
         fa[kk][3] = pack2<kBF16>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
     }
+}
+
+template <int kMT, int kNT>
+__device__ __forceinline__ void zero_fragments(float (&c)[kMT][kNT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) c[mt][nt][e] = 0.f;
 }
 
 template <int kNT>
