@@ -41,6 +41,9 @@ class CompileError(RuntimeError):
             f"  source: {source_path}\n--- NVRTC log ---\n{log.strip()}"
         )
 
+    def __reduce__(self):  # picklable, so warmup's worker processes can report it
+        return (type(self), (self.spec_name, self.options, self.log, self.source_path))
+
 
 def compile_options(spec) -> tuple[str, ...]:
     return (

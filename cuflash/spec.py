@@ -434,12 +434,15 @@ class BwdSpec:
         the halves are whole 16-column blocks or the head dim is too wide for one warp's registers."""
         if self.family != "mma":
             return 1
+        if self.head_dim > 128 and self.head_dim % 32 == 0 and self.num_warps >= 4:
+            return 4
         return 2 if self.head_dim % 32 == 0 or self.head_dim > 128 else 1
 
     @property
     def split_col(self) -> int:
-        """With d_split 2: the first warp of a pair takes head-dim columns [0, split_col)."""
-        return 16 * ceil_div(self.head_dim, 32) if self.d_split == 2 else self.head_dim
+        """Head-dim columns of the first warp of a pair when the head dim does not split into
+        equal whole n=8 tiles (8 mod 16): [0, split_col) and the rest."""
+        return 16 * ceil_div(self.head_dim, 32) if self.d_split == 2 else self.head_dim // self.d_split
 
     @property
     def keys_per_warp(self) -> int:
@@ -449,13 +452,14 @@ class BwdSpec:
     @functools.cached_property
     def score_tile(self) -> tuple[int, int] | None:
         """(rows, columns) of each warp's tile of S and dP: 32 query rows where that leaves
-        columns in multiples of 16, else 16 rows; None when the block does not split."""
-        for rows in (32, 16):
+        columns in multiples of 16, else 16 rows (columns in multiples of 8); None when the block
+        does not split."""
+        for rows, unit in ((32, 16), (16, 16), (16, 8)):
             warps_m = self.block_m // rows
             if self.block_m % rows or warps_m == 0 or self.num_warps % warps_m:
                 continue
             cols = self.block_n // (self.num_warps // warps_m)
-            if self.block_n % (self.num_warps // warps_m) == 0 and cols % 16 == 0:
+            if self.block_n % (self.num_warps // warps_m) == 0 and cols and cols % unit == 0:
                 return rows, cols
         return None
 
@@ -547,7 +551,7 @@ class BwdSpec:
 #: num_warps, num_stages). Head dims over 128 split the head dim between two warps.
 BWD_CANDIDATES = (
     (128, 64, 128, 8, 2), (128, 64, 64, 4, 2), (128, 32, 64, 4, 2), (128, 16, 32, 2, 2),
-    (256, 64, 64, 8, 2), (256, 32, 64, 8, 2), (256, 16, 64, 8, 2), (256, 16, 32, 4, 2), (256, 16, 32, 2, 2),
+    (256, 64, 64, 8, 2), (256, 32, 64, 8, 2), (256, 16, 64, 8, 2), (256, 16, 32, 4, 2),
 )
 
 #: Head dims of the Hopper (wgmma) backward: two warpgroups of 64 key rows keep dK and dV in

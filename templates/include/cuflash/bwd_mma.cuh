@@ -54,17 +54,17 @@ __device__ __forceinline__ void recompute_probs(float (&s)[kNT][4], const float*
     }
 }
 
-// dS = P * (dP - delta) in place on dP's fragments, P taken from its 16-bit A operand (the value
-// the P^T dO / P V products used). Where P is 0 (masked, or a row that attends nothing) dS is 0
-// even if dP is not finite, so a NaN in V or dO reaches no gradient it does not belong to.
+// dS = P * (dP - delta) in place on dP's fragments, P taken from its packed 16-bit form (the
+// value the P^T dO / P V products used). Where P is 0 (masked, or a row that attends nothing) dS
+// is 0 even if dP is not finite, so a NaN in V or dO reaches no gradient it does not belong to.
 template <bool kBF16, bool kRowStats, int kNT>
-__device__ __forceinline__ void recompute_dscores(float (&dp)[kNT][4], const u32 (&probs)[kNT / 2][4],
+__device__ __forceinline__ void recompute_dscores(float (&dp)[kNT][4], const u32 (&probs)[kNT][2],
                                                   const float* s_delta, int lane) {
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
         float prob[4];
-        unpack2<kBF16>(probs[nt / 2][(nt % 2) * 2], prob[0], prob[1]);
-        unpack2<kBF16>(probs[nt / 2][(nt % 2) * 2 + 1], prob[2], prob[3]);
+        unpack2<kBF16>(probs[nt][0], prob[0], prob[1]);
+        unpack2<kBF16>(probs[nt][1], prob[2], prob[3]);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int row = lane / 4 + (e >> 1) * 8;
@@ -78,14 +78,14 @@ __device__ __forceinline__ void recompute_dscores(float (&dp)[kNT][4], const u32
 // The K/V-outer loop of one warp. Each step has three phases with their own warp layouts:
 //   1. S = Q K^T and dP = dO V^T: a kWarpsM x kWarpsN grid of kTileM x kTileN tiles (the full
 //      head dim contracted per warp); P and dS = P * (dP - delta) go to shared memory in 16 bits.
-//   2. dV += P^T dO and dK += dS^T Q: warps own kKeysPerWarp key rows and head-dim columns
-//      [kC0, kC0 + kNC) (two column ranges, one per warp of a pair, when kDSplit = 2); the
+//   2. dV += P^T dO and dK += dS^T Q: warps own kKeysPerWarp key rows and kNC head-dim columns
+//      from c0 (kDSplit warps share the key rows, each with its own column range); the
 //      accumulators stay in registers for the whole loop.
 //   3. (atomic dQ) dQ += dS K: warps own 16 query rows and every kDqSplit-th pair of n=8 columns,
 //      added into the float32 accumulator.
-template <class Cfg, int kC0, int kNC>
+template <class Cfg, int kNC>
 __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const DkdvWork& w,
-                                          unsigned char* smem, int tid) {
+                                          unsigned char* smem, int tid, int c0) {
     constexpr bool kBF16 = Cfg::kBF16;
     constexpr int kD = Cfg::kHeadDim;
     constexpr int kBM = Cfg::kBlockM;
@@ -127,18 +127,16 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
                                                     base + Cfg::kSmemDelta + slot * kBM * 4,
                                                     p.lse2 + stats, p.delta + stats, tid);
     };
-    // A warp's C fragments -> 16-bit values in a [query][key] tile.
-    auto store_scores = [&](u32 tile, const u32 (&f)[kSMT][kSNT / 2][4]) {
+    // A warp's packed fragments -> its part of a [query][key] tile.
+    auto store_scores = [&](u32 tile, const u32 (&f)[kSMT][kSNT][2]) {
         unsigned char* at = smem + (tile - base) + (s_row0 + lane / 4) * kSP + (s_col0 + 2 * (lane % 4)) * 2;
 #pragma unroll
         for (int mt = 0; mt < kSMT; ++mt)
 #pragma unroll
-            for (int kk = 0; kk < kSNT / 2; ++kk) {
-                unsigned char* c = at + mt * 16 * kSP + kk * 32;
-                *reinterpret_cast<u32*>(c) = f[mt][kk][0];
-                *reinterpret_cast<u32*>(c + 8 * kSP) = f[mt][kk][1];
-                *reinterpret_cast<u32*>(c + 16) = f[mt][kk][2];
-                *reinterpret_cast<u32*>(c + 8 * kSP + 16) = f[mt][kk][3];
+            for (int nt = 0; nt < kSNT; ++nt) {
+                unsigned char* c = at + mt * 16 * kSP + nt * 16;
+                *reinterpret_cast<u32*>(c) = f[mt][nt][0];
+                *reinterpret_cast<u32*>(c + 8 * kSP) = f[mt][nt][1];
             }
     };
 
@@ -166,7 +164,7 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
         const float* s_delta = s_delta_all + slot * kBM + s_row0;
 
         // -- phase 1: P and dS of this warp's tile --
-        u32 fp[kSMT][kSNT / 2][4];
+        u32 fp[kSMT][kSNT][2];
         {
             float sc[kSMT][kSNT][4];
             zero_fragments(sc);
@@ -182,7 +180,7 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
             for (int mt = 0; mt < kSMT; ++mt) {
                 auto allowed_mt = [&](int row, int col) { return allowed(mt * 16 + row, col); };
                 recompute_probs<true>(sc[mt], s_lse2 + mt * 16, p.scale_log2, lane, masked, allowed_mt);
-                fragments_to_operand<kBF16>(fp[mt], sc[mt]);
+                pack_fragments<kBF16>(fp[mt], sc[mt]);
             }
         }
         store_scores(sP, fp);
@@ -190,19 +188,19 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
             float dp[kSMT][kSNT][4];
             zero_fragments(dp);
             warp_gemm_nt<kBF16, kSMT, kSNT, kD, kP, kP>(dp, sDOs + s_row0 * kP, sV + s_col0 * kP, lane);
-            u32 fds[kSMT][kSNT / 2][4];
+            u32 fds[kSMT][kSNT][2];
 #pragma unroll
             for (int mt = 0; mt < kSMT; ++mt) {
                 recompute_dscores<kBF16, true>(dp[mt], fp[mt], s_delta + mt * 16, lane);
-                fragments_to_operand<kBF16>(fds[mt], dp[mt]);
+                pack_fragments<kBF16>(fds[mt], dp[mt]);
             }
             store_scores(sDS, fds);
         }
         __syncthreads();
 
         // -- phase 2: dV += P^T dO and dK += dS^T Q over the tile's query rows --
-        warp_gemm_tt<kBF16, kVMT, kCT, kBM, kSP, kP>(acc_dv, sP + v_key0 * 2, sDOs + kC0 * 2, lane);
-        warp_gemm_tt<kBF16, kVMT, kCT, kBM, kSP, kP>(acc_dk, sDS + v_key0 * 2, sQs + kC0 * 2, lane);
+        warp_gemm_tt<kBF16, kVMT, kCT, kBM, kSP, kP>(acc_dv, sP + v_key0 * 2, sDOs + c0 * 2, lane);
+        warp_gemm_tt<kBF16, kVMT, kCT, kBM, kSP, kP>(acc_dk, sDS + v_key0 * 2, sQs + c0 * 2, lane);
 
         // -- phase 3: dQ += dS K by atomics --
         if constexpr (!Cfg::kDeterministic) {
@@ -256,9 +254,9 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
     for (int mt = 0; mt < kVMT; ++mt) {
         const int key = w.n0 + v_key0 + mt * 16;
         unsigned short* dk = static_cast<unsigned short*>(p.dk) + w.batch * p.dk_batch_stride
-                             + w.head_k * p.dk_head_stride + key * p.dk_row_stride + kC0;
+                             + w.head_k * p.dk_head_stride + key * p.dk_row_stride + c0;
         unsigned short* dv = static_cast<unsigned short*>(p.dv) + w.batch * p.dv_batch_stride
-                             + w.head_k * p.dv_head_stride + key * p.dv_row_stride + kC0;
+                             + w.head_k * p.dv_head_stride + key * p.dv_row_stride + c0;
         store_fragments<kBF16>(acc_dk[mt], dk, p.dk_row_stride, 0, p.seqlen_k - key, lane, p.scale);
         store_fragments<kBF16>(acc_dv[mt], dv, p.dv_row_stride, 0, p.seqlen_k - key, lane, 1.f);
     }
@@ -280,11 +278,16 @@ __device__ __forceinline__ void bwd_dkdv_mma(const typename Cfg::Params& p) {
     load_tile_async<Cfg, kBN>(base + Cfg::kSmemV, v, p.v_row_stride, p.seqlen_k - w.n0, tid);
     cp_async_commit();
 
-    if constexpr (Cfg::kDSplit == 1) {
-        dkdv_warp<Cfg, 0, Cfg::kHeadDim>(p, w, smem, tid);
+    // Column ranges of dK / dV: equal ones where they are whole n=8 tiles, else (two warps, a
+    // head dim that is 8 mod 16) kSplitCol columns and the rest.
+    const int role = (tid / 32) % Cfg::kDSplit;
+    if constexpr (Cfg::kHeadDim % (8 * Cfg::kDSplit) == 0) {
+        constexpr int kNC = Cfg::kHeadDim / Cfg::kDSplit;
+        dkdv_warp<Cfg, kNC>(p, w, smem, tid, role * kNC);
     } else {
-        if ((tid / 32) % 2 == 0) dkdv_warp<Cfg, 0, Cfg::kSplitCol>(p, w, smem, tid);
-        else dkdv_warp<Cfg, Cfg::kSplitCol, Cfg::kHeadDim - Cfg::kSplitCol>(p, w, smem, tid);
+        static_assert(Cfg::kDSplit == 2, "uneven column ranges come in pairs");
+        if (role == 0) dkdv_warp<Cfg, Cfg::kSplitCol>(p, w, smem, tid, 0);
+        else dkdv_warp<Cfg, Cfg::kHeadDim - Cfg::kSplitCol>(p, w, smem, tid, Cfg::kSplitCol);
     }
 }
 
@@ -353,15 +356,15 @@ __device__ __forceinline__ void bwd_dq_mma(const typename Cfg::Params& p) {
             return key < p.seqlen_k && (!Cfg::kCausal || key <= m0 + row0 + row + causal_offset);
         };
         recompute_probs<true>(s, s_lse2, p.scale_log2, lane, masked, allowed);
-        u32 fp[kST / 2][4];
-        fragments_to_operand<kBF16>(fp, s);
+        u32 fp[kST][2];
+        pack_fragments<kBF16>(fp, s);
         float dp[kST][4];
         zero_fragments(dp);
         warp_gemm_nt<kBF16, kD, kST, kP, kP>(dp, sDO + row0 * kP, sVs, lane);
         recompute_dscores<kBF16, true>(dp, fp, s_delta, lane);
-        u32 fa[kST / 2][4];
-        fragments_to_operand<kBF16>(fa, dp);
-        warp_gemm_rn<kBF16, kST / 2, kD / 8, kP>(acc_dq, fa, sKs, lane);
+        u32 fds[kST][2];
+        pack_fragments<kBF16>(fds, dp);
+        warp_gemm_rn<kBF16, kST / 2, kD / 8, kP>(acc_dq, as_operand(fds), sKs, lane);
     }
     cp_async_wait<0>();
     unsigned short* dq = static_cast<unsigned short*>(p.dq) + batch * p.dq_batch_stride

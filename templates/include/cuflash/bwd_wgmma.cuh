@@ -127,13 +127,15 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
             return key < p.seqlen_k && (!Cfg::kCausal || key <= m0 + col + w.causal_offset);
         };
         recompute_probs<false>(st, s_lse2, p.scale_log2, lane, masked, allowed);
-        u32 fp[kQT / 2][4];
-        fragments_to_operand<kBF16>(fp, st);
+        u32 fp_tiles[kQT][2];
+        pack_fragments<kBF16>(fp_tiles, st);
         wgmma_wait<0>();
         fence_operands(dpt);
-        recompute_dscores<kBF16, false>(dpt, fp, s_delta, lane);
-        u32 fds[kQT / 2][4];
-        fragments_to_operand<kBF16>(fds, dpt);
+        recompute_dscores<kBF16, false>(dpt, fp_tiles, s_delta, lane);
+        u32 fds_tiles[kQT][2];
+        pack_fragments<kBF16>(fds_tiles, dpt);
+        const auto& fp = as_operand(fp_tiles);
+        const auto& fds = as_operand(fds_tiles);
 
         if constexpr (!Cfg::kDeterministic) {
             // dS^T -> shared memory ([key][query], swizzled) for the dQ product.

@@ -46,6 +46,9 @@ __device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
+__device__ __forceinline__ void ldmatrix_x1(u32& r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r) : "r"(addr));
+}
 __device__ __forceinline__ void ldmatrix_x2_trans(u32 (&r)[2], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(addr));

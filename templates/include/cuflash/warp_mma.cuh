@@ -10,10 +10,12 @@ namespace cuflash {
 
 // acc[16*kMT x 8*kNT] += A[16*kMT x kK] * B[8*kNT x kK]^T, both operands row-major in shared
 // memory: `a` addresses A's element (0, 0), `b` B's element (0, 0); kK is a multiple of 8 (a k=8
-// step closes a head dim that is 8 mod 16). kNT is even: B rows are loaded 16 at a time.
+// step closes a head dim that is 8 mod 16). B rows are loaded 16 at a time, an odd last 8 apart.
 template <bool kBF16, int kMT, int kNT, int kK, int kAPitch, int kBPitch>
 __device__ __forceinline__ void warp_gemm_nt(float (&acc)[kMT][kNT][4], u32 a, u32 b, int lane) {
-    static_assert(kNT % 2 == 0 && kK % 8 == 0, "16-row B blocks and 8-column k steps");
+    static_assert(kK % 8 == 0, "8-column k steps");
+    // The odd last n=8 tile: x2 as (n 0-7, k lo), (n 0-7, k hi); x1 (k=8 step): rows n 0-7.
+    const u32 b_last = b + (lane % 8 + (kNT - 1) * 8) * kBPitch;
     // ldmatrix.x4 lane addresses: A as (rows 0-7 | 8-15) x (k 0-7 | 8-15); B as (n 0-7, k lo),
     // (n 0-7, k hi), (n 8-15, k lo), (n 8-15, k hi). x2 (the k=8 step): lanes 0-15 -> rows 0-15.
     const u32 a_lane = a + (lane % 8 + ((lane / 8) % 2) * 8) * kAPitch + (lane / 16) * 16;
@@ -33,6 +35,12 @@ __device__ __forceinline__ void warp_gemm_nt(float (&acc)[kMT][kNT][4], u32 a, u
                 mma_16816<kBF16>(acc[mt][2 * np + 1], fa[mt], fb[2], fb[3]);
             }
         }
+        if constexpr (kNT % 2) {
+            u32 fb[2];
+            ldmatrix_x2(fb, b_last + ((lane / 8) % 2) * 16 + ks * 32);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) mma_16816<kBF16>(acc[mt][kNT - 1], fa[mt], fb[0], fb[1]);
+        }
     }
     if constexpr (kK % 16) {
         const u32 x2_row = (lane % 8 + ((lane / 8) % 2) * 8);
@@ -48,6 +56,12 @@ __device__ __forceinline__ void warp_gemm_nt(float (&acc)[kMT][kNT][4], u32 a, u
                 mma_1688<kBF16>(acc[mt][2 * np], fa[mt][0], fa[mt][1], fb[0]);
                 mma_1688<kBF16>(acc[mt][2 * np + 1], fa[mt][0], fa[mt][1], fb[1]);
             }
+        }
+        if constexpr (kNT % 2) {
+            u32 fb;
+            ldmatrix_x1(fb, b_last + (kK / 16) * 32);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) mma_1688<kBF16>(acc[mt][kNT - 1], fa[mt][0], fa[mt][1], fb);
         }
     }
 }
@@ -117,16 +131,22 @@ __device__ __forceinline__ void warp_gemm_rn(float (&acc)[kNT][4], const u32 (&f
     }
 }
 
-// C fragments (fp32) -> A fragments (16-bit) of the product that contracts over their columns.
+// C fragments (fp32) -> 16-bit pairs, per n=8 tile: [nt][0] holds row lane/4, [nt][1] row
+// lane/4 + 8. Two adjacent tiles are, register for register, an A fragment (see as_operand).
 template <bool kBF16, int kNT>
-__device__ __forceinline__ void fragments_to_operand(u32 (&fa)[kNT / 2][4], const float (&c)[kNT][4]) {
+__device__ __forceinline__ void pack_fragments(u32 (&packed)[kNT][2], const float (&c)[kNT][4]) {
 #pragma unroll
-    for (int kk = 0; kk < kNT / 2; ++kk) {
-        fa[kk][0] = pack2<kBF16>(c[2 * kk][0], c[2 * kk][1]);
-        fa[kk][1] = pack2<kBF16>(c[2 * kk][2], c[2 * kk][3]);
-        fa[kk][2] = pack2<kBF16>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-        fa[kk][3] = pack2<kBF16>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+    for (int nt = 0; nt < kNT; ++nt) {
+        packed[nt][0] = pack2<kBF16>(c[nt][0], c[nt][1]);
+        packed[nt][1] = pack2<kBF16>(c[nt][2], c[nt][3]);
     }
+}
+
+// Packed tiles viewed as the A operands (k=16 fragments) of the product that contracts over them.
+template <int kNT>
+__device__ __forceinline__ const u32 (&as_operand(const u32 (&packed)[kNT][2]))[kNT / 2][4] {
+    static_assert(kNT % 2 == 0, "k=16 fragments take two n=8 tiles");
+    return reinterpret_cast<const u32 (&)[kNT / 2][4]>(packed);
 }
 
 template <int kMT, int kNT>
