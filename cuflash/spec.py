@@ -365,9 +365,11 @@ class BwdSpec:
             if self.arch != "sm90a" or self.head_dim not in BWD_WGMMA_HEAD_DIMS:
                 problems.append(f"the wgmma backward covers head dims {BWD_WGMMA_HEAD_DIMS} on sm90a "
                                 f"(got head_dim={self.head_dim}, arch={self.arch})")
-            if (self.block_m, self.block_n, self.num_warps) != (64, 128, 8) or self.num_stages < 2:
-                problems.append(f"the wgmma backward takes block_m=64, block_n=128, num_warps=8 and at least "
-                                f"2 stages (got {self.block_m}, {self.block_n}, {self.num_warps}, {self.num_stages})")
+            block_n = 64 if self.head_dim > 128 else 128
+            if (self.block_m, self.block_n, self.num_warps) != (64, block_n, 8) or self.num_stages < 2:
+                problems.append(f"the wgmma backward at head_dim={self.head_dim} takes block_m=64, block_n={block_n}, "
+                                f"num_warps=8 and at least 2 stages (got {self.block_m}, {self.block_n}, "
+                                f"{self.num_warps}, {self.num_stages})")
         elif self.family == "mma":
             if self.block_m % 16 or not 16 <= self.block_m <= 128:
                 problems.append(f"block_m={self.block_m} must be a multiple of 16 up to 128")
@@ -427,6 +429,12 @@ class BwdSpec:
     @property
     def threads(self) -> int:
         return 32 * self.num_warps
+
+    @property
+    def split_head_dim(self) -> bool:
+        """wgmma, head dims over 128: both warpgroups share the key rows, each with half of the
+        head dim of dK and dV."""
+        return self.family == "wgmma" and self.head_dim > 128
 
     @property
     def d_split(self) -> int:
@@ -492,8 +500,10 @@ class BwdSpec:
             kv = self.block_n * self.head_dim * 2
             q = self.block_m * self.head_dim * 2
             layout, offset = {}, 0
+            scores = self.block_n * self.block_m * 2
             for region, size in (("k", kv), ("v", kv), ("q", self.num_stages * q), ("do", self.num_stages * q),
-                                 ("ds", self.block_n * self.block_m * 2), ("lse2", self.num_stages * self.block_m * 4),
+                                 ("ds", scores), ("p", scores if self.split_head_dim else 0),
+                                 ("lse2", self.num_stages * self.block_m * 4),
                                  ("delta", self.num_stages * self.block_m * 4)):
                 layout[region] = offset
                 offset += size
@@ -554,9 +564,9 @@ BWD_CANDIDATES = (
     (256, 64, 64, 8, 2), (256, 32, 64, 8, 2), (256, 16, 64, 8, 2), (256, 16, 32, 4, 2),
 )
 
-#: Head dims of the Hopper (wgmma) backward: two warpgroups of 64 key rows keep dK and dV in
-#: registers, which leaves room for head dims up to 128.
-BWD_WGMMA_HEAD_DIMS = (64, 128)
+#: Head dims of the Hopper (wgmma) backward. Up to 128, two warpgroups of 64 key rows keep dK
+#: and dV in registers; wider ones split the head dim between the warpgroups (see split_head_dim).
+BWD_WGMMA_HEAD_DIMS = (64, 128, 192, 256)
 
 #: Tiles of the float32 backward: (block_m, block_n, num_warps).
 BWD_SIMT_TILES = (32, 32, 8)
@@ -581,7 +591,8 @@ def default_bwd_spec(head_dim: int, dtype: str, causal: bool, arch: str, determi
         bm, bn, w = BWD_SIMT_TILES
         return BwdSpec(head_dim, entry.tag, causal, bm, bn, w, 1, arch, deterministic=True)
     if family == "wgmma":
-        return BwdSpec(head_dim, entry.tag, causal, 64, 128, 8, 2, arch, deterministic, family="wgmma")
+        return BwdSpec(head_dim, entry.tag, causal, 64, 64 if head_dim > 128 else 128, 8, 2, arch, deterministic,
+                       family="wgmma")
     for max_d, bm, bn, w, s in BWD_CANDIDATES:
         if head_dim > max_d:
             continue

@@ -1,20 +1,26 @@
 // Attention backward on Hopper tensor cores (wgmma, sm_90a): the K/V-outer kernel.
 //
-// One thread block per (key tile of kBlockN = 128 rows, kv head, batch) with two warpgroups,
-// each owning 64 key rows and their dK / dV accumulators (registers, for the whole loop). K, V
-// and a kStages-deep cp.async ring of query tiles (Q, dO, lse2, delta) sit in shared memory in
-// wgmma's 128-byte swizzled layout (cuflash/wgmma.cuh). Per query tile of kBlockM rows:
+// One thread block per (key tile, kv head, batch) with two warpgroups. K, V and a kStages-deep
+// cp.async ring of query tiles (Q, dO, lse2, delta) sit in shared memory in wgmma's 128-byte
+// swizzled layout (cuflash/wgmma.cuh). Head dims up to 128: the key tile has 128 rows and each
+// warpgroup owns 64 of them with their dK / dV accumulators (registers, for the whole loop).
+// Per query tile of kBlockM rows:
 //   S^T = K Q^T and dP^T = V dO^T     both operands from shared memory (K-major);
 //   P^T, dS^T = P^T * (dP^T - delta)  in registers, in the accumulators' m16n8 fragment layout;
 //   dV += P^T dO and dK += dS^T Q     A from registers, B read transposed by its descriptor;
 //   dQ += dS K (unless deterministic) dS^T goes to shared memory and is read back transposed as
 //                                     the A operand; each warpgroup takes half of dQ's columns
 //                                     and adds them into the float32 accumulator with atomics.
+// Wider head dims (kSplitD): the key tile has 64 rows, and both warpgroups own all of them with
+// half of the head dim each. Warpgroup 0 computes S^T and P^T, warpgroup 1 dP^T and dS^T, trading
+// P^T and dS^T through shared memory (swizzled, K-major), from where both read them as the A
+// operands of their halves of dV += P^T dO and dK += dS^T Q.
 // The masking, the probabilities and the epilogue are those of the mma.sync backward.
 //
 // The generated kernel provides Cfg with kHeadDim, kBlockM, kBlockN, kStages, kCausal, kBF16,
-// kDeterministic, kChunksPerRow, kSmemK, kSmemV, kSmemQ, kSmemDO, kQTileBytes, kSmemLse2,
-// kSmemDelta, kSmemDS, the Params struct and the wgmma_scores / wgmma_grad / wgmma_dq wrappers.
+// kDeterministic, kSplitD, kChunksPerRow, kSmemK, kSmemV, kSmemQ, kSmemDO, kQTileBytes, kSmemLse2,
+// kSmemDelta, kSmemDS, kSmemP, the Params struct and the wgmma_scores / wgmma_grad (or
+// wgmma_grad_ss) / wgmma_dq wrappers.
 #pragma once
 #include "cuflash/bwd_mma.cuh"
 #include "cuflash/wgmma.cuh"
@@ -28,10 +34,12 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
     constexpr int kBM = Cfg::kBlockM;
     constexpr int kBN = Cfg::kBlockN;
     constexpr int kQT = kBM / 8;          // n=8 tiles of S^T (query columns)
-    constexpr int kOT = kD / 8;           // n=8 tiles of dK / dV
     constexpr int kColBlocks = kD / 64;   // 128-byte column blocks of a swizzled Q/K/V tile
     constexpr int kThreads = 256;
-    static_assert(kBN == 128 && kBM == 64 && kD % 64 == 0, "two warpgroups of 64 keys, 64-query steps");
+    constexpr bool kSplitD = Cfg::kSplitD;
+    constexpr int kGradCols = kSplitD ? kD / 2 : kD;  // dK / dV columns of one warpgroup
+    constexpr int kGT = kGradCols / 8;
+    static_assert(kBN == (kSplitD ? 64 : 128) && kBM == 64 && kD % 64 == 0, "warpgroups of 64 keys, 64-query steps");
 
     extern __shared__ unsigned char smem_raw[];
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
@@ -43,7 +51,8 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int wg = warp / 4;
-    const int key_row0 = wg * 64 + (warp % 4) * 16;  // first key row (in the tile) of this warp
+    const int key_row0 = (kSplitD ? 0 : wg * 64) + (warp % 4) * 16;  // first key row (in the tile) of this warp
+    const int grad_col0 = kSplitD ? wg * kGradCols : 0;             // first dK / dV column of this warpgroup
     const DkdvWork w = dkdv_work<kBM, kBN, Cfg::kCausal>(p);
 
     auto q_layout = [](int row, int chunk) { return swizzled_offset(row, chunk, kBM); };
@@ -76,7 +85,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
                                             p.lse2 + stats, p.delta + stats, tid);
     };
 
-    float acc_dk[kOT][4], acc_dv[kOT][4];
+    float acc_dk[kGT][4], acc_dv[kGT][4];
     zero_fragments(acc_dk);
     zero_fragments(acc_dv);
 
@@ -85,7 +94,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
         if (s < w.steps) load_step(s, s);
         cp_async_commit();
     }
-    const u32 k_rows = sK + wg * 64 * 128, v_rows = sV + wg * 64 * 128;  // this warpgroup's keys
+    const u32 k_rows = sK + (kSplitD ? 0 : wg * 64 * 128), v_rows = sV + (kSplitD ? 0 : wg * 64 * 128);
     for (int t = 0; t < w.steps; ++t) {
         cp_async_wait<Cfg::kStages - 2>();
         fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
@@ -99,26 +108,6 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
         const float* s_lse2 = s_lse2_all + slot * kBM;
         const float* s_delta = s_delta_all + slot * kBM;
 
-        // S^T and dP^T, in two commit groups so the probabilities overlap the second product.
-        float st[kQT][4], dpt[kQT][4];
-        wgmma_fence();
-#pragma unroll
-        for (int cb = 0; cb < kColBlocks; ++cb)
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks)
-                Cfg::wgmma_scores(st, smem_desc(k_rows + cb * kBN * 128 + ks * 32, 16, 1024),
-                                  smem_desc(sQs + cb * kBM * 128 + ks * 32, 16, 1024), cb + ks);
-        wgmma_commit();
-#pragma unroll
-        for (int cb = 0; cb < kColBlocks; ++cb)
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks)
-                Cfg::wgmma_scores(dpt, smem_desc(v_rows + cb * kBN * 128 + ks * 32, 16, 1024),
-                                  smem_desc(sDOs + cb * kBM * 128 + ks * 32, 16, 1024), cb + ks);
-        wgmma_commit();
-        wgmma_wait<1>();
-        fence_operands(st);
-
         const int key0 = w.n0 + key_row0;
         bool masked = w.n0 + kBN > p.seqlen_k;
         if constexpr (Cfg::kCausal) masked = masked || w.n0 + kBN - 1 > m0 + w.causal_offset;
@@ -126,67 +115,133 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
             const int key = key0 + row;
             return key < p.seqlen_k && (!Cfg::kCausal || key <= m0 + col + w.causal_offset);
         };
-        recompute_probs<false>(st, s_lse2, p.scale_log2, lane, masked, allowed);
-        u32 fp_tiles[kQT][2];
-        pack_fragments<kBF16>(fp_tiles, st);
-        wgmma_wait<0>();
-        fence_operands(dpt);
-        recompute_dscores<kBF16, false>(dpt, fp_tiles, s_delta, lane);
-        u32 fds_tiles[kQT][2];
-        pack_fragments<kBF16>(fds_tiles, dpt);
-        const auto& fp = as_operand(fp_tiles);
-        const auto& fds = as_operand(fds_tiles);
+        // S^T (from K, Q) or dP^T (from V, dO) over the whole head dim, asynchronously.
+        auto issue_scores = [&](float (&acc)[kQT][4], u32 a_rows, u32 b_tile) {
+#pragma unroll
+            for (int cb = 0; cb < kColBlocks; ++cb)
+#pragma unroll
+                for (int ks = 0; ks < 4; ++ks)
+                    Cfg::wgmma_scores(acc, smem_desc(a_rows + cb * kBN * 128 + ks * 32, 16, 1024),
+                                      smem_desc(b_tile + cb * kBM * 128 + ks * 32, 16, 1024), cb + ks);
+            wgmma_commit();
+        };
+        // Packed 16-bit fragments <-> a [key][query] tile in shared memory (swizzled, one column
+        // block of kBM = 64 queries); the threads of both warpgroups hold the same coordinates.
+        auto tile_word = [&](int tile, int nt, int half) {
+            return reinterpret_cast<u32*>(smem + tile + swizzled_offset(key_row0 + lane / 4 + 8 * half, nt, kBN)
+                                          + (lane % 4) * 4);
+        };
+        auto store_tile = [&](int tile, const u32 (&f)[kQT][2]) {
+#pragma unroll
+            for (int nt = 0; nt < kQT; ++nt) {
+                *tile_word(tile, nt, 0) = f[nt][0];
+                *tile_word(tile, nt, 1) = f[nt][1];
+            }
+        };
 
-        if constexpr (!Cfg::kDeterministic) {
-            // dS^T -> shared memory ([key][query], swizzled) for the dQ product.
-            const int row = key_row0 + lane / 4;
+        u32 fp_tiles[kQT][2], fds_tiles[kQT][2];
+        if constexpr (!kSplitD) {
+            // S^T and dP^T in two commit groups, so the probabilities overlap the second product.
+            float st[kQT][4], dpt[kQT][4];
+            wgmma_fence();
+            issue_scores(st, k_rows, sQs);
+            issue_scores(dpt, v_rows, sDOs);
+            wgmma_wait<1>();
+            fence_operands(st);
+            recompute_probs<false>(st, s_lse2, p.scale_log2, lane, masked, allowed);
+            pack_fragments<kBF16>(fp_tiles, st);
+            wgmma_wait<0>();
+            fence_operands(dpt);
+            recompute_dscores<kBF16, false>(dpt, fp_tiles, s_delta, lane);
+            pack_fragments<kBF16>(fds_tiles, dpt);
+            if constexpr (!Cfg::kDeterministic) store_tile(Cfg::kSmemDS, fds_tiles);  // for dQ
+        } else {
+            float sc[kQT][4];
+            wgmma_fence();
+            issue_scores(sc, wg == 0 ? k_rows : v_rows, wg == 0 ? sQs : sDOs);
+            wgmma_wait<0>();
+            fence_operands(sc);
+            if (wg == 0) {
+                recompute_probs<false>(sc, s_lse2, p.scale_log2, lane, masked, allowed);
+                pack_fragments<kBF16>(fp_tiles, sc);
+                store_tile(Cfg::kSmemP, fp_tiles);
+            }
+            fence_proxy_async();
+            __syncthreads();  // P^T is in shared memory
+            if (wg == 1) {
 #pragma unroll
-            for (int kk = 0; kk < kQT / 2; ++kk)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {  // n=8 tile 2kk+h: chunk 2kk+h of rows row, row+8
-                    const int chunk = 2 * kk + h;
-                    *reinterpret_cast<u32*>(smem + Cfg::kSmemDS + swizzled_offset(row, chunk, kBN) + (lane % 4) * 4) =
-                        fds[kk][2 * h];
-                    *reinterpret_cast<u32*>(smem + Cfg::kSmemDS + swizzled_offset(row + 8, chunk, kBN) + (lane % 4) * 4) =
-                        fds[kk][2 * h + 1];
+                for (int nt = 0; nt < kQT; ++nt) {
+                    fp_tiles[nt][0] = *tile_word(Cfg::kSmemP, nt, 0);
+                    fp_tiles[nt][1] = *tile_word(Cfg::kSmemP, nt, 1);
                 }
+                recompute_dscores<kBF16, false>(sc, fp_tiles, s_delta, lane);
+                pack_fragments<kBF16>(fds_tiles, sc);
+                store_tile(Cfg::kSmemDS, fds_tiles);
+            }
+            fence_proxy_async();
+            __syncthreads();  // dS^T is in shared memory
         }
 
         // dV += P^T dO and dK += dS^T Q: 16 queries per k step, dO / Q read transposed.
         fence_operands(acc_dv);
         fence_operands(acc_dk);
         wgmma_fence();
+        if constexpr (!kSplitD) {
+            const auto& fp = as_operand(fp_tiles);
+            const auto& fds = as_operand(fds_tiles);
 #pragma unroll
-        for (int kk = 0; kk < kBM / 16; ++kk)
-            Cfg::wgmma_grad(acc_dv, fp[kk], smem_desc(sDOs + kk * 2048, kBM * 128, 1024), 1);
+            for (int kk = 0; kk < kBM / 16; ++kk)
+                Cfg::wgmma_grad(acc_dv, fp[kk], smem_desc(sDOs + kk * 2048, kBM * 128, 1024), 1);
 #pragma unroll
-        for (int kk = 0; kk < kBM / 16; ++kk)
-            Cfg::wgmma_grad(acc_dk, fds[kk], smem_desc(sQs + kk * 2048, kBM * 128, 1024), 1);
+            for (int kk = 0; kk < kBM / 16; ++kk)
+                Cfg::wgmma_grad(acc_dk, fds[kk], smem_desc(sQs + kk * 2048, kBM * 128, 1024), 1);
+        } else {
+            // P^T and dS^T (keys x queries, K-major) from shared memory; this warpgroup's half of
+            // the head dim starts grad_col0 columns into dO and Q.
+            const u32 col = (grad_col0 / 64) * kBM * 128 + (grad_col0 % 64) * 2;
+#pragma unroll
+            for (int kk = 0; kk < kBM / 16; ++kk)
+                Cfg::wgmma_grad_ss(acc_dv, smem_desc(base + Cfg::kSmemP + kk * 32, 16, 1024),
+                                   smem_desc(sDOs + col + kk * 2048, kBM * 128, 1024), 1);
+#pragma unroll
+            for (int kk = 0; kk < kBM / 16; ++kk)
+                Cfg::wgmma_grad_ss(acc_dk, smem_desc(sDS + kk * 32, 16, 1024),
+                                   smem_desc(sQs + col + kk * 2048, kBM * 128, 1024), 1);
+        }
         wgmma_commit();
 
         if constexpr (!Cfg::kDeterministic) {
-            fence_proxy_async();
-            __syncthreads();  // both warpgroups' halves of dS^T are in shared memory
-            // dQ[:, 64*wg ...] = dS K: A = dS (queries x keys) read transposed from dS^T, B = K
+            if constexpr (!kSplitD) {
+                fence_proxy_async();
+                __syncthreads();  // both warpgroups' halves of dS^T are in shared memory
+            }
+            // dQ[:, kQCols*wg ...] = dS K: A = dS (queries x keys) read transposed from dS^T, B = K
             // (keys x head dim) read transposed; 16 keys per k step.
+            // Columns in chunks of at most 64, to bound the accumulator's registers.
             constexpr int kQCols = kD / 2;
-            float dq[kQCols / 8][4];
+            constexpr int kChunks = kQCols > 64 ? 2 : 1;
+            constexpr int kChunkCols = kQCols / kChunks;
 #pragma unroll
-            for (int kk = 0; kk < kBN / 16; ++kk)
-                Cfg::wgmma_dq(dq, smem_desc(sDS + kk * 2048, kBN * 128, 1024),
-                              smem_desc(sK + (wg * kQCols / 64) * kBN * 128 + (wg * kQCols % 64) * 2 + kk * 2048,
-                                        kBN * 128, 1024), kk);
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_operands(dq);
-            fence_operands(acc_dv);
-            fence_operands(acc_dk);
-            float* accum = p.dq_accum + ((static_cast<long long>(w.batch) * p.heads + head) * p.rows_padded
-                                         + m0 + (warp % 4) * 16 + lane / 4) * kD + wg * kQCols + 2 * (lane % 4);
+            for (int c = 0; c < kChunks; ++c) {
+                const int col0 = wg * kQCols + c * kChunkCols;
+                float dq[kChunkCols / 8][4];
 #pragma unroll
-            for (int nt = 0; nt < kQCols / 8; ++nt) {
-                atomic_add2(accum + nt * 8, dq[nt][0], dq[nt][1]);
-                atomic_add2(accum + 8 * kD + nt * 8, dq[nt][2], dq[nt][3]);
+                for (int kk = 0; kk < kBN / 16; ++kk)
+                    Cfg::wgmma_dq(dq, smem_desc(sDS + kk * 2048, kBN * 128, 1024),
+                                  smem_desc(sK + (col0 / 64) * kBN * 128 + (col0 % 64) * 2 + kk * 2048, kBN * 128, 1024),
+                                  kk);
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_operands(dq);
+                fence_operands(acc_dv);
+                fence_operands(acc_dk);
+                float* accum = p.dq_accum + ((static_cast<long long>(w.batch) * p.heads + head) * p.rows_padded
+                                             + m0 + (warp % 4) * 16 + lane / 4) * kD + col0 + 2 * (lane % 4);
+#pragma unroll
+                for (int nt = 0; nt < kChunkCols / 8; ++nt) {
+                    atomic_add2(accum + nt * 8, dq[nt][0], dq[nt][1]);
+                    atomic_add2(accum + 8 * kD + nt * 8, dq[nt][2], dq[nt][3]);
+                }
             }
         } else {
             wgmma_wait<0>();
@@ -198,9 +253,9 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
 
     const int key = w.n0 + key_row0;
     unsigned short* dk = static_cast<unsigned short*>(p.dk) + w.batch * p.dk_batch_stride
-                         + w.head_k * p.dk_head_stride + key * p.dk_row_stride;
+                         + w.head_k * p.dk_head_stride + key * p.dk_row_stride + grad_col0;
     unsigned short* dv = static_cast<unsigned short*>(p.dv) + w.batch * p.dv_batch_stride
-                         + w.head_k * p.dv_head_stride + key * p.dv_row_stride;
+                         + w.head_k * p.dv_head_stride + key * p.dv_row_stride + grad_col0;
     store_fragments<kBF16>(acc_dk, dk, p.dk_row_stride, 0, p.seqlen_k - key, lane, p.scale);
     store_fragments<kBF16>(acc_dv, dv, p.dv_row_stride, 0, p.seqlen_k - key, lane, 1.f);
 }
