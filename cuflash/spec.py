@@ -565,8 +565,9 @@ BWD_CANDIDATES = (
 )
 
 #: Head dims of the Hopper (wgmma) backward. Up to 128, two warpgroups of 64 key rows keep dK
-#: and dV in registers; wider ones split the head dim between the warpgroups (see split_head_dim).
-BWD_WGMMA_HEAD_DIMS = (64, 128, 192, 256)
+#: and dV in registers; at 256 the warpgroups split the head dim (see split_head_dim) into
+#: halves of whole 64-column blocks, which transposed operands need.
+BWD_WGMMA_HEAD_DIMS = (64, 128, 256)
 
 #: Tiles of the float32 backward: (block_m, block_n, num_warps).
 BWD_SIMT_TILES = (32, 32, 8)

@@ -40,6 +40,8 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
     constexpr int kGradCols = kSplitD ? kD / 2 : kD;  // dK / dV columns of one warpgroup
     constexpr int kGT = kGradCols / 8;
     static_assert(kBN == (kSplitD ? 64 : 128) && kBM == 64 && kD % 64 == 0, "warpgroups of 64 keys, 64-query steps");
+    // A transposed (MN-major) operand may start inside a 64-column block only if it ends there.
+    static_assert(kGradCols % 64 == 0 && (kD / 2 <= 64 || kD % 256 == 0), "column ranges on 64-column blocks");
 
     extern __shared__ unsigned char smem_raw[];
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
@@ -225,6 +227,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
             for (int c = 0; c < kChunks; ++c) {
                 const int col0 = wg * kQCols + c * kChunkCols;
                 float dq[kChunkCols / 8][4];
+                wgmma_fence();  // the previous chunk's registers were read by ordinary instructions
 #pragma unroll
                 for (int kk = 0; kk < kBN / 16; ++kk)
                     Cfg::wgmma_dq(dq, smem_desc(sDS + kk * 2048, kBN * 128, 1024),
