@@ -1,4 +1,4 @@
-"""Command line: ``python -m cuflash {info,generate,warmup,demo,bench}``.
+"""Command line: ``python -m cuflash {info,generate,warmup,demo,bench,tune}``.
 
 Every subcommand imports what it needs inside its function, so ``--help``, ``info`` and
 ``generate`` work on a machine with no GPU, and ``info`` works even without CuPy.
@@ -153,6 +153,12 @@ def cmd_info(args) -> int:
             return 2
         rows.append(("kernel for the problem", f"{spec.name} (family {spec.family}, "
                                                 f"{spec.threads} threads, {spec.smem_bytes} bytes shared memory)"))
+        from .spec import default_bwd_spec
+        for deterministic in (False, True):
+            bwd = default_bwd_spec(args.head_dim, args.dtype, args.causal, args.arch or arch, deterministic)
+            label = "backward (deterministic)" if deterministic else "backward"
+            rows.append((label, f"{bwd.name} (family {bwd.family}, {bwd.threads} threads, "
+                                f"{bwd.smem_bytes} + {bwd.dq_smem_bytes} bytes shared memory)"))
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
@@ -187,13 +193,17 @@ def _default_arch() -> str:
 
 
 def cmd_generate(args) -> int:
-    from .spec import default_spec
+    from .spec import default_bwd_spec, default_spec
     arch = args.arch or _default_arch()
     overrides = {name: getattr(args, name) for name in _TILE_OPTIONS if getattr(args, name) is not None}
     if "overlap" in overrides:
         overrides["overlap"] = bool(overrides["overlap"])
     try:
-        spec = default_spec(args.head_dim, args.dtype, args.causal, arch)
+        if args.backward or args.deterministic:
+            overrides.pop("overlap", None)
+            spec = default_bwd_spec(args.head_dim, args.dtype, args.causal, arch, args.deterministic)
+        else:
+            spec = default_spec(args.head_dim, args.dtype, args.causal, arch)
         if overrides:
             spec = spec.replace(**overrides)
         from . import generate
@@ -220,6 +230,11 @@ def cmd_warmup(args) -> int:
     try:
         specs = [default_spec(d, t, c, arch)
                  for t in args.dtypes for d in args.head_dims for c in causal_modes(args.causal)]
+        if args.backward:
+            from .spec import default_bwd_spec
+            specs += [default_bwd_spec(d, t, c, arch, det) for t in args.dtypes for d in args.head_dims
+                      for c in causal_modes(args.causal) for det in (False, True)]
+            specs = list(dict.fromkeys(specs))
     except (ValueError, TypeError) as exc:
         return _fail("warmup", str(exc), 2)
     print(f"compiling {len(specs)} kernels for {arch} into {compiler.cache_dir()}")
@@ -385,6 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in _TILE_OPTIONS:
         gen.add_argument("--" + name.replace("_", "-"), dest=name, type=int,
                          help="override the default spec's " + name)
+    gen.add_argument("--backward", action="store_true", help="the backward kernels instead of the forward")
+    gen.add_argument("--deterministic", action="store_true", help="the deterministic backward (implies --backward)")
     gen.add_argument("-o", "--output", help="write the source to this file instead of stdout")
     gen.set_defaults(handler=cmd_generate)
 
@@ -394,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--dtypes", nargs="+", default=["fp16", "bf16", "fp32"])
     warm.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     warm.add_argument("--processes", type=int, default=None, help="parallel compile processes (default: CPU count)")
+    warm.add_argument("--backward", action="store_true", help="also the backward kernels (both dQ modes)")
     warm.set_defaults(handler=cmd_warmup)
 
     demo = sub.add_parser("demo", help="run, check and time one attention call (offline compile without a GPU)")

@@ -49,10 +49,12 @@ def warm_bwd_kernels():
     """Compile every default backward specialization of this GPU once, in parallel processes."""
     import cuflash
     from cuflash.compile import device_arch
-    from cuflash.spec import all_default_bwd_specs, all_default_specs
+    from cuflash.spec import all_default_bwd_specs, all_default_specs, default_bwd_spec
 
     arch = device_arch()
-    cuflash.warmup(all_default_specs(arch) + all_default_bwd_specs(arch), progress=False)
+    portable = [default_bwd_spec(d, t, c, arch, det, family="mma") for d in (64, 128, 256)
+                for t in ("fp16", "bf16") for c in (False, True) for det in (False, True)]
+    cuflash.warmup(all_default_specs(arch) + all_default_bwd_specs(arch) + portable, progress=False)
 
 
 @pytest.fixture

@@ -155,3 +155,35 @@ def test_rejects_bad_backward_inputs():
         cuflash.attention_backward(q, q, q, q, q, lse, deterministic="yes")
     with pytest.raises(TypeError, match="dout must be a cupy.ndarray"):
         cuflash.attention_backward(np.ones((1, 2, 5, 64)), q, q, q, q, lse)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_portable_backward_on_every_target(head_dim, causal, deterministic, warm_bwd_kernels, poison):
+    """Where the Hopper backward is the default, the portable one must stay right too."""
+    from cuflash.compile import device_arch
+    from cuflash.spec import default_bwd_spec
+
+    problem = AttentionProblem(batch=2, heads=4, heads_k=2, seqlen_q=200, seqlen_k=150, head_dim=head_dim,
+                               dtype="bf16", causal=causal)
+    spec = default_bwd_spec(head_dim, "bf16", causal, device_arch(), deterministic, family="mma")
+    q, k, v = problem.make_inputs(cupy)
+    dout = problem.make_dout(cupy)
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    poison(q.nbytes, k.nbytes, v.nbytes)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic, spec=spec)
+    assert_gradients_close(grads, problem.backward_reference(dout, q, k, v), "bf16",
+                           baselines=problem.backward_naive(dout, q, k, v))
+
+
+def test_forced_backward_spec_must_match(warm_bwd_kernels):
+    from cuflash.compile import device_arch
+    from cuflash.spec import default_bwd_spec
+
+    q = cupy.ones((1, 2, 5, 64), dtype=cupy.float16)
+    out, lse = cuflash.attention(q, q, q, return_lse=True)
+    with pytest.raises(ValueError, match="does not match"):
+        cuflash.attention_backward(q, q, q, q, out, lse, spec=default_bwd_spec(128, "fp16", False, device_arch()))
+    with pytest.raises(TypeError, match="BwdSpec"):
+        cuflash.attention_backward(q, q, q, q, out, lse, spec="fast")

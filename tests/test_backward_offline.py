@@ -12,11 +12,24 @@ from cuflash.spec import ARCHS, HEAD_DIMS, BwdSpec, all_default_bwd_specs, defau
 
 
 def test_names_and_kernel_symbols():
-    spec = default_bwd_spec(128, "bf16", True, "sm90a")
-    assert spec.name == "bwd_bf16_hd128_causal_m64n128w8s2_sm90a"
+    spec = default_bwd_spec(128, "bf16", True, "sm80")
+    assert spec.name == "bwd_bf16_hd128_causal_m64n64w4s2_sm80"
     assert spec.kernel_names == (spec.name + "_pre", spec.name + "_dkdv", spec.name + "_dq")
-    assert default_bwd_spec(128, "bf16", True, "sm90a", deterministic=True).name.endswith("_det_sm90a")
+    assert default_bwd_spec(128, "bf16", True, "sm80", deterministic=True).name.endswith("_det_sm80")
     assert default_bwd_spec(64, "fp32", False, "sm80").deterministic  # float32 is always deterministic
+
+
+def test_default_family_per_target():
+    assert default_bwd_spec(128, "bf16", True, "sm90a").name == "bwd_bf16_hd128_causal_m64n128w8s2_wgmma_sm90a"
+    assert default_bwd_spec(256, "fp16", False, "sm90a").split_head_dim
+    for head_dim in (96, 192):
+        assert default_bwd_spec(head_dim, "bf16", True, "sm90a").family == "mma"
+    assert default_bwd_spec(128, "bf16", True, "sm90a", family="mma").family == "mma"
+    assert default_bwd_spec(128, "fp32", True, "sm90a").family == "simt"
+    with pytest.raises(ValueError, match="wgmma"):
+        BwdSpec(128, "bf16", False, 64, 128, 8, 2, "sm80", family="wgmma")
+    with pytest.raises(ValueError, match="family='simt' does not take dtype=bf16"):
+        default_bwd_spec(128, "bf16", True, "sm90a", family="simt")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -31,11 +44,12 @@ def test_every_default_backward_spec_renders_and_fits(arch):
         assert spec.smem_bytes <= 232448 and spec.dq_smem_bytes <= 232448
 
 
-def test_head_dims_over_128_split_between_two_warps():
-    wide = default_bwd_spec(256, "fp16", False, "sm90a")
-    assert wide.d_split == 2 and wide.split_col == 128
-    assert default_bwd_spec(136, "fp16", False, "sm90a").split_col == 80
-    assert default_bwd_spec(128, "fp16", False, "sm90a").d_split == 1
+def test_warps_split_the_head_dim_of_dk_and_dv():
+    assert default_bwd_spec(256, "fp16", False, "sm80").d_split == 4
+    uneven = default_bwd_spec(136, "fp16", False, "sm80")
+    assert uneven.d_split == 2 and uneven.split_col == 80
+    assert default_bwd_spec(128, "fp16", False, "sm80").d_split == 2
+    assert default_bwd_spec(72, "fp16", False, "sm80").d_split == 1
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -44,13 +58,14 @@ def test_head_dims_over_128_split_between_two_warps():
     (dict(block_n=96), "block_n=96"),
     (dict(num_stages=1), "num_stages=1"),
     (dict(dtype="fp32", family="mma"), "family='mma' does not take dtype=fp32"),
-    (dict(dtype="fp32", block_m=32, block_n=32), "always deterministic"),
+    (dict(dtype="fp32", block_m=32, block_n=32, family="simt"), "always deterministic"),
     (dict(block_m=128, num_warps=4, block_n=64), "num_warps=4 must be a multiple of block_m/16=8"),
+    (dict(block_n=24), "block_n=24"),
     (dict(head_dim=256, block_m=128, num_stages=4), "shared memory"),
 ])
 def test_invalid_backward_specs_are_named(kwargs, match):
     base = dict(head_dim=128, dtype="bf16", causal=False, block_m=64, block_n=128, num_warps=8,
-                num_stages=2, arch="sm90a")
+                num_stages=2, arch="sm90a", family="mma")
     with pytest.raises(ValueError, match=re.escape(match)):
         BwdSpec(**{**base, **kwargs})
 
@@ -64,9 +79,21 @@ OFFLINE = [(d, t, c, det) for d in (8, 64, 72, 128, 136, 256) for t in ("bf16", 
 @pytest.mark.parametrize("head_dim,dtype,causal,deterministic", OFFLINE)
 def test_backward_compiles_without_spills(head_dim, dtype, causal, deterministic, arch):
     pytest.importorskip("cupy")
-    report = compile_offline(default_bwd_spec(head_dim, dtype, causal, arch, deterministic))
+    family = None if dtype == "fp32" else "mma"
+    report = compile_offline(default_bwd_spec(head_dim, dtype, causal, arch, deterministic, family=family))
     assert report.log.count("Compiling entry function") == 3
     assert not report.spills, f"{report.spec.name}: {report.log}"
+
+
+@pytest.mark.parametrize("head_dim,dtype,causal,deterministic",
+                         [(d, t, c, det) for d in (64, 128, 256) for t in ("bf16", "fp16") for c in (False, True)
+                          for det in (False, True) if t == "bf16" or not c])
+def test_hopper_backward_compiles_without_spills(head_dim, dtype, causal, deterministic):
+    pytest.importorskip("cupy")
+    spec = default_bwd_spec(head_dim, dtype, causal, "sm90a", deterministic)
+    assert spec.family == "wgmma"
+    report = compile_offline(spec)
+    assert not report.spills, f"{spec.name}: {report.log}"
 
 
 def _problem(rng, dtype, b=1, h=2, hk=1, sq=37, sk=50, d=16):
