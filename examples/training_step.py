@@ -25,7 +25,7 @@ def main() -> int:
                                dtype="bf16", causal=True)
     q, k, v = problem.make_inputs(cupy, seed=0)
     target = cupy.zeros(q.shape, dtype=ml_dtypes.bfloat16)
-    lr = 0.5
+    lr = 0.02
     for step in range(5):
         out, backward = cuflash.attention_with_grad(q, k, v, causal=True)
         dout = (out.astype(cupy.float32) - target.astype(cupy.float32)).astype(out.dtype)
