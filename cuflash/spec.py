@@ -591,9 +591,9 @@ def default_bwd_spec(head_dim: int, dtype: str, causal: bool, arch: str, determi
     if family == "simt":
         bm, bn, w = BWD_SIMT_TILES
         return BwdSpec(head_dim, entry.tag, causal, bm, bn, w, 1, arch, deterministic=True)
-    if family == "wgmma":
-        return BwdSpec(head_dim, entry.tag, causal, 64, 64 if head_dim > 128 else 128, 8, 2, arch, deterministic,
-                       family="wgmma")
+    if family == "wgmma":  # a third query tile in flight pays off where the tiles are small (H200)
+        return BwdSpec(head_dim, entry.tag, causal, 64, 64 if head_dim > 128 else 128, 8,
+                       3 if head_dim == 64 else 2, arch, deterministic, family="wgmma")
     for max_d, bm, bn, w, s in BWD_CANDIDATES:
         if head_dim > max_d:
             continue

@@ -21,6 +21,7 @@ def test_names_and_kernel_symbols():
 
 def test_default_family_per_target():
     assert default_bwd_spec(128, "bf16", True, "sm90a").name == "bwd_bf16_hd128_causal_m64n128w8s2_wgmma_sm90a"
+    assert default_bwd_spec(64, "bf16", True, "sm90a").num_stages == 3
     assert default_bwd_spec(256, "fp16", False, "sm90a").split_head_dim
     for head_dim in (96, 192):
         assert default_bwd_spec(head_dim, "bf16", True, "sm90a").family == "mma"
