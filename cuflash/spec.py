@@ -52,6 +52,18 @@ def nvrtc_arch(arch: str) -> str:
     return "sm_" + arch[2:]
 
 
+def _problem_fields(head_dim: int, dtype: str, arch: str) -> list[str]:
+    """What is wrong with the fields every spec shares (an empty list when nothing is)."""
+    problems = []
+    if head_dim not in HEAD_DIMS:
+        problems.append(f"head_dim={head_dim} (supported: multiples of 8 from 8 to 256)")
+    if dtype not in dtypes.DTYPES:
+        problems.append(f"dtype={dtype!r} (supported: {sorted(dtypes.DTYPES)})")
+    if arch not in SMEM_LIMIT:
+        problems.append(f"arch={arch!r} (supported: {list(SMEM_LIMIT)})")
+    return problems
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """Every compile-time parameter of one forward kernel."""
@@ -72,13 +84,7 @@ class KernelSpec:
         if not self.family:
             portable = "mma" if self.dtype in dtypes.DTYPES and dtypes.DTYPES[self.dtype].tensor_core else "simt"
             object.__setattr__(self, "family", portable)
-        problems = []
-        if self.head_dim not in HEAD_DIMS:
-            problems.append(f"head_dim={self.head_dim} (supported: multiples of 8 from 8 to 256)")
-        if self.dtype not in dtypes.DTYPES:
-            problems.append(f"dtype={self.dtype!r} (supported: {sorted(dtypes.DTYPES)})")
-        if self.arch not in SMEM_LIMIT:
-            problems.append(f"arch={self.arch!r} (supported: {list(SMEM_LIMIT)})")
+        problems = _problem_fields(self.head_dim, self.dtype, self.arch)
         if self.num_warps not in (1, 2, 4, 8, 12, 16):
             problems.append(f"num_warps={self.num_warps} (1, 2, 4, 8, 12 or 16)")
         if self.family not in FAMILIES:
@@ -350,13 +356,7 @@ class BwdSpec:
     def __post_init__(self):
         if self.dtype in dtypes.DTYPES and not self.family:
             object.__setattr__(self, "family", "mma" if dtypes.DTYPES[self.dtype].tensor_core else "simt")
-        problems = []
-        if self.head_dim not in HEAD_DIMS:
-            problems.append(f"head_dim={self.head_dim} (supported: multiples of 8 from 8 to 256)")
-        if self.dtype not in dtypes.DTYPES:
-            problems.append(f"dtype={self.dtype!r} (supported: {sorted(dtypes.DTYPES)})")
-        if self.arch not in SMEM_LIMIT:
-            problems.append(f"arch={self.arch!r} (supported: {list(SMEM_LIMIT)})")
+        problems = _problem_fields(self.head_dim, self.dtype, self.arch)
         if problems:
             raise ValueError("invalid backward spec: " + "; ".join(problems))
         if self.family not in FAMILIES or (self.family != "simt") != dtypes.DTYPES[self.dtype].tensor_core:
