@@ -9,7 +9,7 @@
 // cp.async ring. The block walks every query tile that can see its keys, for every query head of
 // its kv head (grouped-query attention sums there, in a fixed order). Each step computes P and dS
 // in square-ish warp tiles, passes them through shared memory in 16 bits, and accumulates dK and
-// dV in registers, each warp owning some key rows and (kDSplit = 2) half of the head dim.
+// dV in registers, each warp owning some key rows and (kDSplit > 1) a share of the head dim.
 //   dQ (unless kDeterministic): the warps compute the block's share of dQ = dS K and add it into a
 // float32 accumulator with atomics; bwd_convert_dq scales and converts it afterwards.
 //
@@ -56,7 +56,7 @@ __device__ __forceinline__ void recompute_probs(float (&s)[kNT][4], const float*
 
 // dS = P * (dP - delta) in place on dP's fragments, P taken from its packed 16-bit form (the
 // value the P^T dO / P V products used). Where P is 0 (masked, or a row that attends nothing) dS
-// is 0 even if dP is not finite, so a NaN in V or dO reaches no gradient it does not belong to.
+// is 0 even if dP is not finite, so a NaN in V reaches no gradient it does not belong to.
 template <bool kBF16, bool kRowStats, int kNT>
 __device__ __forceinline__ void recompute_dscores(float (&dp)[kNT][4], const u32 (&probs)[kNT][2],
                                                   const float* s_delta, int lane) {
@@ -76,8 +76,9 @@ __device__ __forceinline__ void recompute_dscores(float (&dp)[kNT][4], const u32
 }
 
 // The K/V-outer loop of one warp. Each step has three phases with their own warp layouts:
-//   1. S = Q K^T and dP = dO V^T: a kWarpsM x kWarpsN grid of kTileM x kTileN tiles (the full
-//      head dim contracted per warp); P and dS = P * (dP - delta) go to shared memory in 16 bits.
+//   1. S = Q K^T and dP = dO V^T: warps in a grid (kWarpsN of them along the keys), each with a
+//      kTM x kTN tile and the full head dim contracted; P and dS = P * (dP - delta) go to shared
+//      memory in 16 bits.
 //   2. dV += P^T dO and dK += dS^T Q: warps own kKeysPerWarp key rows and kNC head-dim columns
 //      from c0 (kDSplit warps share the key rows, each with its own column range); the
 //      accumulators stay in registers for the whole loop.
