@@ -81,8 +81,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             if problem.scale <= 0:
                 q, k, scale = _positive_scale(q, k, problem.scale)
                 problem = validate(q, k, v, causal=causal, scale=scale, layout=layout)
-            if spec.family == "mma" and not (aligned_for_async_copy(q) and aligned_for_async_copy(k)
-                                             and aligned_for_async_copy(v)):
+            if spec.async_copies and not (aligned_for_async_copy(q) and aligned_for_async_copy(k)
+                                          and aligned_for_async_copy(v)):
                 # 16-byte copies need aligned rows; a misaligned view is copied once.
                 q, k, v = (x if aligned_for_async_copy(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
                 problem = validate(q, k, v, causal=causal, scale=scale, layout=layout)

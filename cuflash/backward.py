@@ -60,7 +60,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, lay
                 x.fill(0)
             return dq, dk, dv
         spec = select_bwd_spec(bp) if spec is None else _check_forced_spec(spec, bp)
-        if spec.family == "mma" and not all(aligned_for_async_copy(x) for x in (q, k, v, dout)):
+        if spec.async_copies and not all(aligned_for_async_copy(x) for x in (q, k, v, dout)):
             # 16-byte copies need aligned rows; a misaligned view is copied once.
             q, k, v, dout = (x if aligned_for_async_copy(x) else cupy.ascontiguousarray(x) for x in (q, k, v, dout))
             bp = validate_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,

@@ -267,7 +267,7 @@ def _spec_for(config: BenchConfig, arch: str, overrides: dict):
     deterministic = overrides.pop("deterministic", False)
     if config.mode == "bwd":
         overrides.pop("overlap", None)
-        spec = default_bwd_spec(config.head_dim, config.dtype, config.causal, arch, deterministic)
+        spec = default_bwd_spec(config.head_dim, config.dtype, config.causal, arch, deterministic, family)
     else:
         spec = default_spec(config.head_dim, config.dtype, config.causal, arch, family)
     return spec.replace(**overrides) if overrides else spec
@@ -308,7 +308,8 @@ def bench_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=None,
                                               deterministic=deterministic, spec=forced)
     else:
         def ours_call():
-            out, backward = cuflash.attention_with_grad(q, k, v, causal=config.causal, deterministic=deterministic)
+            out, backward = cuflash.attention_with_grad(q, k, v, causal=config.causal, deterministic=deterministic,
+                                                        family=overrides.get("family"))
             return out, backward(dout)
     try:
         ms = cuda_event_median_ms(ours_call, reps=reps, flush_l2=flush_l2)

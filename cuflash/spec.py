@@ -145,6 +145,11 @@ class KernelSpec:
         return 32 * self.num_warps
 
     @property
+    def async_copies(self) -> bool:
+        """The kernel loads tiles with 16-byte cp.async copies, which need 16-byte aligned rows."""
+        return self.family != "simt"
+
+    @property
     def elem_bytes(self) -> int:
         return dtypes.DTYPES[self.dtype].itemsize
 
@@ -421,6 +426,11 @@ class BwdSpec:
         """(preprocess, K/V-outer, dQ) kernel symbols; the dQ one converts the atomic accumulator,
         or (deterministic) computes dQ itself."""
         return (f"{self.name}_pre", f"{self.name}_dkdv", f"{self.name}_dq")
+
+    @property
+    def async_copies(self) -> bool:
+        """The kernels load tiles with 16-byte cp.async copies, which need 16-byte aligned rows."""
+        return self.family != "simt"
 
     @property
     def atomic_dq(self) -> bool:

@@ -122,3 +122,21 @@ def test_naive_backward_in_half_precision_errs_like_half_precision():
         for a, r in zip(ours, ref):
             assert a.dtype == np.dtype(dtype)
             assert lo < np.abs(a.astype(np.float64) - r).max() < hi
+
+
+def test_every_tensor_core_kernel_needs_aligned_rows():
+    # Both tensor-core families load with 16-byte cp.async; a misaligned view must be copied first.
+    assert default_bwd_spec(128, "bf16", True, "sm90a").async_copies
+    assert default_bwd_spec(128, "bf16", True, "sm90a", family="mma").async_copies
+    assert not default_bwd_spec(128, "fp32", True, "sm90a").async_copies
+    from cuflash.spec import default_spec
+    assert default_spec(128, "bf16", True, "sm90a").async_copies
+    assert not default_spec(128, "fp32", True, "sm90a").async_copies
+
+
+def test_bench_picks_the_backward_family_it_is_asked_for():
+    from cuflash.bench import BenchConfig, _spec_for
+    config = BenchConfig(128, 4096, True, 4, 16, "bf16", mode="bwd")
+    assert _spec_for(config, "sm90a", {}).family == "wgmma"
+    assert _spec_for(config, "sm90a", {"family": "mma"}).family == "mma"
+    assert _spec_for(config, "sm90a", {"deterministic": True}).deterministic
