@@ -6,7 +6,7 @@ import functools
 from . import compile as _compile
 from .launch import launch
 from .spec import KernelSpec, default_spec
-from .validate import Problem, aligned_for_async_copy, validate
+from .validate import Problem, aligned_for_async_copy, readable_by_tma, validate
 
 _arch_of_device: dict[int, str] = {}
 
@@ -81,10 +81,10 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             if problem.scale <= 0:
                 q, k, scale = _positive_scale(q, k, problem.scale)
                 problem = validate(q, k, v, causal=causal, scale=scale, layout=layout)
-            if spec.async_copies and not (aligned_for_async_copy(q) and aligned_for_async_copy(k)
-                                          and aligned_for_async_copy(v)):
-                # 16-byte copies need aligned rows; a misaligned view is copied once.
-                q, k, v = (x if aligned_for_async_copy(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
+            readable = readable_by_tma if spec.warp_specialized else aligned_for_async_copy
+            if spec.async_copies and not (readable(q) and readable(k) and readable(v)):
+                # 16-byte copies (and TMA) need aligned rows; a view they cannot read is copied once.
+                q, k, v = (x if readable(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
                 problem = validate(q, k, v, causal=causal, scale=scale, layout=layout)
             kernel = _compile.get_kernel(spec, problem.device_id)
             out_strides = _out_strides(out, layout)

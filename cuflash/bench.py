@@ -33,7 +33,8 @@ TORCH_BACKENDS = {
 }
 
 _L2_FLUSH_BYTES = 256 * 2**20
-_SPEC_OVERRIDE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "overlap")
+_SPEC_OVERRIDE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "overlap", "warp_specialized", "pingpong")
+_BOOL_OVERRIDES = ("overlap", "warp_specialized", "pingpong")
 MODES = ("fwd", "bwd", "fwdbwd")
 #: FLOPs of a mode in units of the forward's.
 _MODE_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
@@ -87,7 +88,7 @@ def parse_spec_override(text: str | None) -> dict:
             raise ValueError(f"--spec-override item {item.strip()!r} must be KEY=INT with KEY one of "
                              f"{', '.join(_SPEC_OVERRIDE_KEYS)}")
         try:
-            overrides[key] = bool(int(value)) if key == "overlap" else int(value)
+            overrides[key] = bool(int(value)) if key in _BOOL_OVERRIDES else int(value)
         except ValueError:
             raise ValueError(f"--spec-override {key}={value.strip()!r} is not an integer") from None
     return overrides
@@ -266,7 +267,8 @@ def _spec_for(config: BenchConfig, arch: str, overrides: dict):
     family = overrides.pop("family", None)
     deterministic = overrides.pop("deterministic", False)
     if config.mode == "bwd":
-        overrides.pop("overlap", None)
+        for key in _BOOL_OVERRIDES:
+            overrides.pop(key, None)
         spec = default_bwd_spec(config.head_dim, config.dtype, config.causal, arch, deterministic, family)
     else:
         spec = default_spec(config.head_dim, config.dtype, config.causal, arch, family)

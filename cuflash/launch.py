@@ -42,8 +42,11 @@ def pack_params(problem: Problem, q, k, v, out, lse, out_strides) -> np.ndarray:
 
 def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides) -> None:
     """Launch on the current CuPy stream."""
-    params = pack_params(problem, q, k, v, out, lse, out_strides)
-    kernel(grid(spec, problem), (spec.threads, 1, 1), (params,), shared_mem=spec.smem_bytes)
+    args = (pack_params(problem, q, k, v, out, lse, out_strides),)
+    if spec.warp_specialized:
+        from .tma import forward_maps
+        args += (forward_maps(spec, problem, q, k, v),)
+    kernel(grid(spec, problem), (spec.threads, 1, 1), args, shared_mem=spec.smem_bytes)
 
 
 # -- backward -----------------------------------------------------------------------------------------

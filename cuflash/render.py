@@ -76,9 +76,9 @@ def generate(spec: KernelSpec | BwdSpec) -> str:
     return template.render(
         spec=spec,
         name=spec.name,
-        header=_HEADERS[spec.family],
+        header="fwd_wgmma_ws.cuh" if spec.warp_specialized else _HEADERS[spec.family],
         param_fields=PARAM_FIELDS,
         nvrtc_arch=nvrtc_arch(spec.arch),
         include_dir=include_dir(),
-        wgmma_ns=sorted({spec.block_n, spec.head_dim}),
+        wgmma_ns=sorted({spec.block_n, spec.padded_head_dim}),
     )

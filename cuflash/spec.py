@@ -78,7 +78,8 @@ class KernelSpec:
     arch: str                 # compile target tag, e.g. "sm80", "sm90a"
     overlap: bool = False     # issue S = Q K^T of the next tile before the softmax of this one
     family: str = ""          # kernel family; "" picks the portable one for the dtype (see FAMILIES)
-    warp_specialized: bool = False  # wgmma: a producer warpgroup feeds the ring through mbarriers
+    warp_specialized: bool = False  # wgmma: a TMA producer warpgroup feeds two consumer warpgroups
+    pingpong: bool = False    # warp-specialized: the consumers take turns on the tensor cores
 
     def __post_init__(self):
         if not self.family:
@@ -94,19 +95,26 @@ class KernelSpec:
         if self.family == "wgmma":
             if self.arch != "sm90a" or not dtypes.DTYPES[self.dtype].tensor_core:
                 problems.append(f"the wgmma family needs arch sm90a and fp16/bf16 (got {self.arch}, {self.dtype})")
-            if self.head_dim % 64:
-                problems.append(f"head_dim={self.head_dim} must be a multiple of 64 for wgmma")
-            if self.num_warps not in (4, 8, 12) or self.block_m != 64 * self.compute_warpgroups:
-                problems.append(f"block_m={self.block_m} must be 64 rows per compute warpgroup of 4 warps "
-                                f"(num_warps={self.num_warps}, warp_specialized={self.warp_specialized})")
+            if self.head_dim % (32 if self.warp_specialized else 64):
+                problems.append(f"head_dim={self.head_dim} must be a multiple of 64 for wgmma "
+                                f"(of 32 for the warp-specialized schedule, which pads it to 64)")
+            if self.warp_specialized:
+                if self.num_warps != 12 or self.block_m != 128:
+                    problems.append(f"the warp-specialized schedule takes block_m=128 and num_warps=12 (a producer and "
+                                    f"two consumer warpgroups); got block_m={self.block_m}, num_warps={self.num_warps}")
+                if not self.overlap:
+                    problems.append("the warp-specialized schedule always issues the next tile's QK^T before the "
+                                    "softmax: it takes overlap=True")
+                if self.num_stages < 2:
+                    problems.append(f"num_stages={self.num_stages} must be at least 2")
+            else:
+                if self.num_warps not in (4, 8) or self.block_m != 64 * self.compute_warpgroups:
+                    problems.append(f"block_m={self.block_m} must be 64 rows per warpgroup of 4 warps "
+                                    f"(num_warps={self.num_warps})")
+                if self.num_stages < 2 + self.overlap:
+                    problems.append(f"num_stages={self.num_stages} must be at least {2 + self.overlap}")
             if self.block_n % 16 or not 16 <= self.block_n <= 256:
                 problems.append(f"block_n={self.block_n} must be a multiple of 16 up to 256")
-            if self.num_stages < 2 + self.overlap:
-                problems.append(f"num_stages={self.num_stages} must be at least {2 + self.overlap}")
-            if self.warp_specialized and self.overlap:
-                problems.append("warp_specialized and overlap are separate schedules; pick one")
-        elif self.warp_specialized:
-            problems.append(f"warp_specialized applies to the wgmma family only (family={self.family!r})")
         elif self.family == "mma":
             if self.block_m % (16 * self.num_warps):
                 problems.append(f"block_m={self.block_m} must be a multiple of 16*num_warps={16 * self.num_warps}")
@@ -120,6 +128,10 @@ class KernelSpec:
                 problems.append(f"block_m={self.block_m}, block_n={self.block_n} do not divide {self.threads} threads evenly")
             if self.num_stages != 1 or self.overlap:
                 problems.append(f"num_stages={self.num_stages}, overlap={self.overlap}: the float32 kernel takes 1 stage, no overlap")
+        if self.warp_specialized and self.family != "wgmma":
+            problems.append(f"warp_specialized applies to the wgmma family only (family={self.family!r})")
+        if self.pingpong and not self.warp_specialized:
+            problems.append("pingpong applies to the warp-specialized schedule only")
         if not problems and self.smem_bytes > SMEM_LIMIT[self.arch]:
             problems.append(f"needs {self.smem_bytes} bytes of shared memory, {self.arch} allows {SMEM_LIMIT[self.arch]}")
         if problems:
@@ -132,7 +144,7 @@ class KernelSpec:
         overlap = "o" if self.overlap else ""
         family = "_wgmma" if self.family == "wgmma" else ""
         if self.warp_specialized:
-            family += "ws"
+            family += "ws" + ("p" if self.pingpong else "")
         return (f"fwd_{self.dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
                 f"w{self.num_warps}s{self.num_stages}{overlap}{family}_{self.arch}")
 
@@ -181,10 +193,18 @@ class KernelSpec:
     @property
     def smem_barriers_offset(self) -> int:
         """wgmma: byte offset of the mbarriers, after Q and the K/V ring."""
-        return (self.block_m + 2 * self.num_stages * self.block_n) * self.head_dim * 2
+        return (self.block_m + 2 * self.num_stages * self.block_n) * self.padded_head_dim * 2
 
-    #: wgmma, warp-specialized: registers each producer thread keeps after setmaxnreg.
-    producer_registers = 56
+    @property
+    def padded_head_dim(self) -> int:
+        """wgmma: head_dim rounded up to whole 64-column (128-byte) swizzle blocks. The
+        warp-specialized kernel computes on the padded width: TMA fills the missing columns with
+        zeros, which add nothing to QK^T, and the output's extra columns are not stored."""
+        return ceil_div(self.head_dim, 64) * 64 if self.family == "wgmma" else self.head_dim
+
+    #: wgmma, warp-specialized: registers each producer thread keeps after setmaxnreg (one
+    #: thread issues TMA copies; the rest of the warpgroup only waits).
+    producer_registers = 24
 
     @property
     def compute_registers(self) -> int:
@@ -237,7 +257,7 @@ class KernelSpec:
                       + self.block_m * (self.block_n + 1))
             return floats * 4
         if self.family == "wgmma":  # unpadded swizzled tiles, mbarriers, slack to align the base
-            return self.smem_barriers_offset + 8 * (1 + 2 * self.num_stages) + 1024
+            return self.smem_barriers_offset + 8 * (1 + 4 * self.num_stages) * self.warp_specialized + 1024
         return self.q_tile_bytes + 2 * self.num_stages * self.kv_tile_bytes
 
     @property
@@ -259,9 +279,10 @@ SIMT_DEFAULTS = (
 )
 
 
-#: Default tiles of the Hopper family: head_dim -> (block_m, block_n, num_warps, num_stages).
-#: Two warpgroups of 64 query rows; timed on the H200 (README).
-WGMMA_DEFAULTS = {64: (128, 64, 8, 2), 128: (128, 128, 8, 2), 192: (128, 64, 8, 2), 256: (128, 64, 8, 2)}
+#: Default tiles of the Hopper family: head_dim -> (block_n, num_stages) of the warp-specialized
+#: schedule (a TMA producer and two ping-pong consumer warpgroups of 64 query rows each, so
+#: block_m=128 and 12 warps). Timed on the H200 (README).
+WGMMA_DEFAULTS = {64: (128, 4), 96: (128, 2), 128: (128, 2), 192: (96, 2), 256: (80, 2)}
 
 
 def default_family(head_dim: int, dtype: str, arch: str) -> str:
@@ -291,8 +312,9 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
         if arch != "sm90a" or head_dim not in WGMMA_DEFAULTS or not entry.tensor_core:
             raise ValueError(f"the wgmma family covers fp16/bf16 head dims {sorted(WGMMA_DEFAULTS)} on sm90a; "
                              f"got head_dim={head_dim}, dtype={entry.tag}, arch={arch}")
-        bm, bn, w, s = WGMMA_DEFAULTS[head_dim]
-        return KernelSpec(head_dim, entry.tag, causal, bm, bn, w, s, arch, family="wgmma")
+        bn, stages = WGMMA_DEFAULTS[head_dim]
+        return KernelSpec(head_dim, entry.tag, causal, 128, bn, 12, stages, arch, overlap=True, family="wgmma",
+                          warp_specialized=True, pingpong=True)
     if (family == "mma") != entry.tensor_core:
         raise ValueError(f"family={family!r} does not take dtype={entry.tag}")
     if entry.tensor_core:

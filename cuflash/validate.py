@@ -118,6 +118,13 @@ def aligned_for_async_copy(x) -> bool:
     return (x.data.ptr | s0 | s1 | s2) % 16 == 0
 
 
+def readable_by_tma(x) -> bool:
+    """The copy engine (TMA) needs what 16-byte copies need, and batch, head and row strides that
+    are positive (a broadcast stride of 0 is not), except along extents of 1."""
+    return aligned_for_async_copy(x) and all(extent == 1 or stride > 0
+                                             for extent, stride in zip(x.shape[:3], x.strides[:3]))
+
+
 @dataclass(slots=True)
 class BackwardProblem:
     """A validated backward call: the forward's :class:`Problem` plus the strides of dout and out."""

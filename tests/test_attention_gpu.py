@@ -230,7 +230,7 @@ def test_rejects_strided_last_dim_layout_and_scale():
 
 
 def test_rejects_a_family_that_does_not_apply():
-    x = _half((1, 1, 8, 96))
+    x = _half((1, 1, 8, 80))
     with pytest.raises(ValueError, match="family"):
         cuflash.attention(x, x, x, family="wgmma")
     with pytest.raises(ValueError, match="family"):
@@ -276,17 +276,18 @@ def test_both_tensor_core_families(family, head_dim, dtype, causal, warm_kernels
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim,block_n", [(64, 64), (128, 96), (256, 48)])
-@pytest.mark.parametrize("schedule", ["overlap", "warp_specialized"])
+@pytest.mark.parametrize("schedule", ["overlap", "warp_specialized", "pingpong"])
 def test_wgmma_other_schedules(schedule, head_dim, block_n, causal, poison):
     """overlap: the next tile's QK^T is issued before this tile's softmax. warp_specialized: a
-    producer warpgroup feeds the ring through mbarriers."""
+    TMA producer feeds two consumer warpgroups through mbarriers; pingpong: the consumers take
+    turns on the tensor cores."""
     if not _hopper():
         pytest.skip("the wgmma family needs sm_90a")
     from cuflash.spec import KernelSpec
 
-    ws = schedule == "warp_specialized"
+    ws = schedule != "overlap"
     spec = KernelSpec(head_dim, "bf16", causal, 128, block_n, 12 if ws else 8, 3, "sm90a",
-                      overlap=not ws, family="wgmma", warp_specialized=ws)
+                      overlap=True, family="wgmma", warp_specialized=ws, pingpong=schedule == "pingpong")
     for sq, sk in ((239, 113), (113, 239), (300, 300), (1, 1)):
         problem = AttentionProblem(batch=2, heads=2, heads_k=1, seqlen_q=sq, seqlen_k=sk, head_dim=head_dim,
                                    dtype="bf16", causal=causal)

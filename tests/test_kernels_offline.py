@@ -41,14 +41,43 @@ def test_invalid_specs_are_named(kwargs, match):
         KernelSpec(**{**base, **kwargs})
 
 
+_WS = dict(head_dim=128, dtype="bf16", causal=False, block_m=128, block_n=128, num_warps=12, num_stages=2,
+           arch="sm90a", overlap=True, family="wgmma", warp_specialized=True, pingpong=True)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_warps=8), "block_m=128 and num_warps=12"),
+    (dict(block_m=64), "block_m=128 and num_warps=12"),
+    (dict(overlap=False), "takes overlap=True"),
+    (dict(num_stages=1), "num_stages=1 must be at least 2"),
+    (dict(head_dim=80), "of 32 for the warp-specialized schedule"),
+    (dict(warp_specialized=False, num_warps=8, overlap=False), "pingpong applies to the warp-specialized"),
+    (dict(family="mma", block_m=128, num_warps=8, pingpong=False), "warp_specialized applies to the wgmma family"),
+    (dict(block_n=176, num_stages=3), "shared memory"),
+])
+def test_invalid_warp_specialized_specs_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        KernelSpec(**{**_WS, **kwargs})
+
+
+def test_warp_specialized_pads_head_dims_to_whole_swizzle_blocks():
+    spec = KernelSpec(**{**_WS, "head_dim": 96})
+    assert spec.padded_head_dim == 128 and spec.smem_bytes == KernelSpec(**_WS).smem_bytes
+    source = cuflash.generate(spec)
+    assert "kHeadDim = 128;" in source and "kHeadDimStored = 96;" in source
+    assert KernelSpec(**{**_WS, "head_dim": 160, "block_n": 64}).padded_head_dim == 192
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_default_spec_renders_and_fits(arch):
     specs = all_default_specs(arch)
     assert len(specs) == len(HEAD_DIMS) * 3 * 2
     for spec in specs:
         source = cuflash.generate(spec)
-        assert f"{spec.name}(const FwdParams params)" in source
-        assert f"kHeadDim = {spec.head_dim};" in source
+        assert f"{spec.name}(const FwdParams params" in source
+        assert f"kHeadDim = {spec.padded_head_dim};" in source
+        if spec.warp_specialized:  # the tensor maps travel as a second, by-value parameter
+            assert "const __grid_constant__ cuflash::FwdTensorMaps maps)" in source
 
 
 #: A representative set: powers of two, head dims that are 8 mod 16, odd multiples of 8, and the
@@ -78,7 +107,8 @@ def test_wgmma_specs_compile_without_spills(spec):
 
 def test_default_family_per_target():
     assert default_spec(128, "bf16", True, "sm90a").family == "wgmma"
-    assert default_spec(96, "bf16", True, "sm90a").family == "mma"
+    assert default_spec(96, "bf16", True, "sm90a").family == "wgmma"  # padded to 128 columns
+    assert default_spec(80, "bf16", True, "sm90a").family == "mma"
     assert default_spec(128, "bf16", True, "sm80").family == "mma"
     assert default_spec(128, "fp32", True, "sm90a").family == "simt"
     with pytest.raises(ValueError, match="wgmma"):
@@ -96,3 +126,23 @@ def test_compile_error_carries_spec_options_log_and_source(monkeypatch, tmp_path
     err = info.value
     assert err.spec_name == spec.name and "-std=c++17" in err.options and err.log
     assert open(err.source_path).read() == "this is not CUDA;"
+
+
+class _View:
+    """Just what the copy checks read of an array: base address, shape, byte strides."""
+
+    def __init__(self, ptr, shape, strides):
+        self.data = type("Memory", (), {"ptr": ptr})()
+        self.shape, self.strides = shape, strides
+
+
+def test_tma_readability_of_views():
+    from cuflash.validate import aligned_for_async_copy, readable_by_tma
+    contiguous = _View(256, (2, 4, 100, 64), (4 * 100 * 128, 100 * 128, 128, 2))
+    assert aligned_for_async_copy(contiguous) and readable_by_tma(contiguous)
+    shifted = _View(258, (2, 4, 100, 64), contiguous.strides)  # starts 2 bytes into its buffer
+    assert not aligned_for_async_copy(shifted) and not readable_by_tma(shifted)
+    broadcast = _View(256, (2, 4, 100, 64), (100 * 128, 0, 128, 2))  # one k/v head seen by 4 heads
+    assert aligned_for_async_copy(broadcast) and not readable_by_tma(broadcast)
+    single = _View(256, (1, 1, 100, 64), (0, 0, 128, 2))  # an extent of 1 may carry any stride
+    assert readable_by_tma(single)

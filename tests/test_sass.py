@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cuflash.compile import compile_offline
-from cuflash.spec import all_default_specs, default_spec
+from cuflash.spec import KernelSpec, all_default_specs, default_spec
 
 
 def _tool_dir():
@@ -49,7 +49,19 @@ def sass(spec, tmp_path) -> str:
 def test_hopper_kernels_use_warpgroup_mma(spec, tmp_path):
     code = sass(spec, tmp_path)
     assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16", code)
-    assert "LDGSTS" in code and "HMMA" not in code
+    assert "HMMA" not in code
+    if spec.warp_specialized:  # TMA copies, registers moved from the producer to the consumers
+        assert "UTMALDG.4D" in code and "LDGSTS" not in code
+        assert "USETMAXREG.DEALLOC" in code and "USETMAXREG.TRY_ALLOC" in code
+    else:
+        assert "LDGSTS" in code
+
+
+def test_hopper_forward_without_warp_specialization(tmp_path):
+    """The cp.async wgmma schedule (no TMA) stays available through an explicit spec."""
+    spec = KernelSpec(128, "bf16", True, 128, 128, 8, 2, "sm90a", family="wgmma")
+    code = sass(spec, tmp_path)
+    assert re.search(r"HGMMA\.64x128x16\.F32\.BF16", code) and "LDGSTS" in code and "UTMALDG" not in code
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90a"])

@@ -27,17 +27,15 @@ __device__ __forceinline__ void mask_scores(float (&s)[kMT][kNT][4], int n0, int
 }
 
 // One step of the online softmax on raw scores (scale > 0, so the max commutes with scaling):
-// P = exp2(S * scale_log2 - max * scale_log2), one FFMA and one MUFU per score; the running sum
-// and the output accumulators are rescaled by exp2(old max - new max). row_max holds raw scores.
-// kSkipRescale: skip rescaling O when the max moved in no row of the warp (a warp-uniform branch;
-// it splits the basic block, so schedules that interleave MMAs with this code turn it off).
-template <bool kSkipRescale, int kMT, int kNT, int kOT>
-__device__ __forceinline__ void softmax_rescale(float (&s)[kMT][kNT][4], float (&o)[kMT][kOT][4],
-                                                float (&row_max)[kMT][2], float (&row_sum)[kMT][2],
-                                                float scale_log2) {
+// P = exp2(S * scale_log2 - max * scale_log2), one FFMA and one MUFU per score, written over S;
+// the running sum is rescaled by alpha = exp2(old max - new max), and alphas[mt][r] is left for
+// rescaling the output rows (rescale_output). row_max holds raw scores.
+template <int kMT, int kNT>
+__device__ __forceinline__ void softmax_step(float (&s)[kMT][kNT][4], float (&row_max)[kMT][2],
+                                             float (&row_sum)[kMT][2], float (&alphas)[kMT][2],
+                                             float scale_log2) {
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
-        float alphas[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float tile_max = neg_inf();
@@ -49,7 +47,7 @@ __device__ __forceinline__ void softmax_rescale(float (&s)[kMT][kNT][4], float (
             // A row with nothing unmasked yet keeps max -inf; using 0 as its base keeps
             // exp2(-inf - base) at 0 rather than NaN.
             const float base = new_max == neg_inf() ? 0.f : new_max * scale_log2;
-            alphas[r] = exp2_approx(row_max[mt][r] * scale_log2 - base);
+            alphas[mt][r] = exp2_approx(row_max[mt][r] * scale_log2 - base);
             row_max[mt][r] = new_max;
             float tile_sum = 0.f;
 #pragma unroll
@@ -60,18 +58,38 @@ __device__ __forceinline__ void softmax_rescale(float (&s)[kMT][kNT][4], float (
                     tile_sum += s[mt][nt][e];
                 }
             }
-            row_sum[mt][r] = row_sum[mt][r] * alphas[r] + tile_sum;
+            row_sum[mt][r] = row_sum[mt][r] * alphas[mt][r] + tile_sum;
         }
-        if (!kSkipRescale || __any_sync(0xffffffffu, alphas[0] != 1.f || alphas[1] != 1.f)) {
+    }
+}
+
+// Output rows times the alphas of softmax_step. kSkipUnmoved: skip it when the max moved in no
+// row of the warp (a warp-uniform branch; it splits the basic block, so schedules that
+// interleave MMAs with this code turn it off).
+template <bool kSkipUnmoved, int kMT, int kOT>
+__device__ __forceinline__ void rescale_output(float (&o)[kMT][kOT][4], const float (&alphas)[kMT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+        if (!kSkipUnmoved || __any_sync(0xffffffffu, alphas[mt][0] != 1.f || alphas[mt][1] != 1.f)) {
 #pragma unroll
             for (int nt = 0; nt < kOT; ++nt) {
-                o[mt][nt][0] *= alphas[0];
-                o[mt][nt][1] *= alphas[0];
-                o[mt][nt][2] *= alphas[1];
-                o[mt][nt][3] *= alphas[1];
+                o[mt][nt][0] *= alphas[mt][0];
+                o[mt][nt][1] *= alphas[mt][0];
+                o[mt][nt][2] *= alphas[mt][1];
+                o[mt][nt][3] *= alphas[mt][1];
             }
         }
     }
+}
+
+// Both at once, for schedules where the output is not in flight on the tensor cores.
+template <bool kSkipRescale, int kMT, int kNT, int kOT>
+__device__ __forceinline__ void softmax_rescale(float (&s)[kMT][kNT][4], float (&o)[kMT][kOT][4],
+                                                float (&row_max)[kMT][2], float (&row_sum)[kMT][2],
+                                                float scale_log2) {
+    float alphas[kMT][2];
+    softmax_step(s, row_max, row_sum, alphas, scale_log2);
+    rescale_output<kSkipRescale>(o, alphas);
 }
 
 // P of key columns 16*kk .. 16*kk+15 as the A operand (m16n8k16 / wgmma register layout) of
@@ -84,9 +102,10 @@ __device__ __forceinline__ void probs_operand(u32 (&a)[4], const float (&s)[kNT]
     a[3] = pack2<kBF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 }
 
-// Normalize and store a warp's output rows (16-bit dtype) and the natural-log LSE.
+// Normalize and store a warp's output rows (16-bit dtype) and the natural-log LSE: the first
+// kStoredTiles n=8 column tiles (all of them when 0; fewer when the head dim was padded).
 // A row whose sum is 0 saw no key: O = 0, LSE = -inf. A NaN sum stays NaN.
-template <bool kBF16, int kMT, int kOT>
+template <bool kBF16, int kStoredTiles = 0, int kMT, int kOT>
 __device__ __forceinline__ void store_output(const float (&o)[kMT][kOT][4], const float (&row_max)[kMT][2],
                                              const float (&row_sum)[kMT][2], unsigned short* out,
                                              long long out_row_stride, float* lse_rows, int row0,
@@ -102,7 +121,7 @@ __device__ __forceinline__ void store_output(const float (&o)[kMT][kOT][4], cons
             const float inv = sum == 0.f ? 0.f : 1.f / sum;
             u32* o_row = reinterpret_cast<u32*>(out + row * out_row_stride) + lane % 4;
 #pragma unroll
-            for (int nt = 0; nt < kOT; ++nt)
+            for (int nt = 0; nt < (kStoredTiles ? kStoredTiles : kOT); ++nt)
                 o_row[nt * 4] = pack2<kBF16>(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv);
             if (lane % 4 == 0)
                 lse_rows[row] = sum == 0.f ? neg_inf() : row_max[mt][r] * scale_log2 * kLn2 + logf(sum);

@@ -1,0 +1,71 @@
+"""Tensor maps for the Hopper copy engine (TMA), encoded through the CUDA driver (cuda-bindings).
+
+A tensor map describes one device array to the copy engine: its base address, extents, byte
+strides, the box copied per instruction and the shared-memory swizzle. The warp-specialized
+forward kernel takes the maps of q, k and v by value; this module builds them from a validated
+:class:`cuflash.validate.Problem`. Encoding costs a driver call, so maps are memoized by
+everything they encode.
+"""
+from __future__ import annotations
+
+import functools
+import struct
+
+import numpy as np
+
+from .spec import KernelSpec
+from .validate import Problem
+
+#: Bytes of one encoded map (CUtensorMap), as the kernel's TensorMap struct holds it.
+MAP_BYTES = 128
+_MAPS = np.dtype((np.void, 3 * MAP_BYTES))
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:  # pragma: no cover - installed with the cuda extras
+        raise ImportError("the warp-specialized Hopper kernel needs cuda-bindings "
+                          "(pip install 'cuflash[cuda13]' or 'cuflash[cuda12]')") from exc
+    return driver
+
+
+@functools.lru_cache(maxsize=4096)
+def _encode(ptr: int, dims: tuple, strides: tuple, box_rows: int, bf16: bool) -> bytes:
+    """One map of a (head_dim, seqlen, heads, batch) tensor of 16-bit floats, read in boxes of
+    64 columns (128 bytes, the swizzle's span) by box_rows rows, 128-byte swizzle, zeros out of
+    bounds."""
+    driver = _driver()
+    dtype = (driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if bf16
+             else driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+    err, tensor_map = driver.cuTensorMapEncodeTiled(
+        dtype, 4, ptr,
+        [driver.cuuint64_t(d) for d in dims],
+        [driver.cuuint64_t(s) for s in strides],
+        [driver.cuuint32_t(b) for b in (64, box_rows, 1, 1)],
+        [driver.cuuint32_t(1)] * 4,
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    )
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err.name}) for dims={dims}, byte strides={strides}, "
+                           f"box=(64, {box_rows})")
+    return struct.pack("<16Q", *(int(word) for word in tensor_map.opaque))
+
+
+def _map(x, problem: Problem, heads: int, seqlen: int, strides: tuple, box_rows: int) -> bytes:
+    extents = (problem.batch, heads, seqlen)
+    # An extent of 1 may carry any stride (validate.readable_by_tma); give the driver one it accepts.
+    batch_s, head_s, row_s = (s * x.itemsize if e > 1 else 16 for e, s in zip(extents, strides))
+    return _encode(x.data.ptr, (problem.head_dim, seqlen, heads, problem.batch), (row_s, head_s, batch_s),
+                   box_rows, problem.dtype.tag == "bf16")
+
+
+def forward_maps(spec: KernelSpec, problem: Problem, q, k, v) -> np.ndarray:
+    """The FwdTensorMaps kernel parameter (maps of q, k, v) as a one-element void array."""
+    raw = (_map(q, problem, problem.heads, problem.seqlen_q, problem.q_strides, spec.block_m)
+           + _map(k, problem, problem.heads_k, problem.seqlen_k, problem.k_strides, spec.block_n)
+           + _map(v, problem, problem.heads_k, problem.seqlen_k, problem.v_strides, spec.block_n))
+    return np.frombuffer(raw, dtype=_MAPS)
