@@ -275,6 +275,24 @@ def test_both_tensor_core_families(family, head_dim, dtype, causal, warm_kernels
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_hopper_blocks_walking_many_tiles(head_dim, causal, poison):
+    """More work tiles than multiprocessors: persistent blocks (non-causal) take several tiles
+    each, the ring and the turn-taking run on across tiles; causal rows of the first query tiles
+    attend nothing (seqlen_q > seqlen_k)."""
+    if not _hopper():
+        pytest.skip("the warp-specialized kernel needs sm_90a")
+    for sq, sk in ((300, 257), (1000, 300)):
+        problem = AttentionProblem(batch=3, heads=40, heads_k=8, seqlen_q=sq, seqlen_k=sk, head_dim=head_dim,
+                                   dtype="bf16", causal=causal)
+        q, k, v = problem.make_inputs(cupy)
+        poison(math.prod(problem.shapes()[0]) * 2, problem.batch * problem.heads * sq * 4)
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        ref, ref_lse = problem.reference(q, k, v)
+        assert_attention_close(out, ref, "bf16", baseline=problem.naive(q, k, v)[0], lse=lse, ref_lse=ref_lse)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim,block_n", [(64, 64), (128, 96), (256, 48)])
 @pytest.mark.parametrize("schedule", ["overlap", "warp_specialized", "pingpong"])
 def test_wgmma_other_schedules(schedule, head_dim, block_n, causal, poison):

@@ -46,8 +46,9 @@ _WS = dict(head_dim=128, dtype="bf16", causal=False, block_m=128, block_n=128, n
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(num_warps=8), "block_m=128 and num_warps=12"),
-    (dict(block_m=64), "block_m=128 and num_warps=12"),
+    (dict(num_warps=8), "block_m=128 with num_warps=12"),
+    (dict(block_m=64), "block_m=128 with num_warps=12"),
+    (dict(block_m=192), "block_m=192 with num_warps=16"),
     (dict(overlap=False), "takes overlap=True"),
     (dict(num_stages=1), "num_stages=1 must be at least 2"),
     (dict(head_dim=80), "of 32 for the warp-specialized schedule"),

@@ -15,15 +15,28 @@ struct BlockWork {
     const T* k;         // row 0 of this head's keys / values (grouped-query: its kv head)
     const T* v;
 
+    // The block's own tile: grid (query tiles, heads, batch).
     template <class Params>
     __device__ __forceinline__ explicit BlockWork(const Params& p) {
-        head = blockIdx.y;
-        batch = blockIdx.z;
+        init(p, blockIdx.x, gridDim.x, blockIdx.y, blockIdx.z);
+    }
+
+    // Work tile `tile` of a persistent block, numbered as the blocks of that grid would be.
+    template <class Params>
+    __device__ __forceinline__ BlockWork(const Params& p, int tile, int q_tiles) {
+        const int rest = tile / q_tiles;
+        init(p, tile % q_tiles, q_tiles, rest % p.heads, rest / p.heads);
+    }
+
+    template <class Params>
+    __device__ __forceinline__ void init(const Params& p, int x, int q_tiles, int head_, int batch_) {
+        head = head_;
+        batch = batch_;
         bh = batch * p.heads + head;
         head_k = head / p.group;
         // Query tiles vary fastest, so the blocks resident together share one head's K/V in L2;
         // within a head the heaviest (last) tiles go first, so a causal grid ends on short blocks.
-        m0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;
+        m0 = (q_tiles - 1 - x) * kBlockM;
         causal_offset = p.seqlen_k - p.seqlen_q;
         int n_end = p.seqlen_k;
         if constexpr (kCausal) n_end = min(n_end, m0 + kBlockM + causal_offset);
