@@ -22,8 +22,8 @@ _BWD_PARAMS = np.dtype((np.void, _BWD_STRUCT.size))
 _LOG2E = 1.0 / math.log(2.0)
 
 
-#: The warp-specialized kernel runs persistent up to this many keys (H200: 5-13% faster at 1k
-#: keys, even at 4k, slower at 16k, where a tile's own loop hides its start and end).
+#: The warp-specialized kernel runs persistent up to this many keys. H200, bf16, 16k tokens:
+#: +4 to +7% at 1k-2k keys, even at 4k; at 16k keys, 5-9% slower than one block per tile.
 PERSISTENT_MAX_SEQLEN_K = 4096
 
 
@@ -32,15 +32,14 @@ def grid(spec: KernelSpec, problem: Problem) -> tuple[int, int, int]:
     time work on few heads and find their K/V tiles in L2; the kernel walks each head's tiles
     heaviest first.
 
-    The warp-specialized kernel takes a 1-d grid and walks work tiles numbered the same way,
-    blockIdx.x, blockIdx.x + gridDim.x, ...: one block per tile, or (persistent) one block per
-    multiprocessor, so that one tile's loads overlap the previous tile's epilogue. Persistent
-    only without a causal mask, where tiles are equal: causal tiles differ in work, and the
-    hardware's block scheduler balances them better than a fixed assignment."""
+    The warp-specialized kernel takes a 1-d grid and its blocks take work tiles, numbered the
+    same way, from a counter at run time: one block per tile, or (persistent, up to
+    PERSISTENT_MAX_SEQLEN_K keys) one block per multiprocessor, so that a tile's loads overlap
+    the previous tile's epilogue."""
     tiles = (ceil_div(problem.seqlen_q, spec.block_m), problem.heads, problem.batch)
     if spec.warp_specialized:
         count = tiles[0] * tiles[1] * tiles[2]
-        if not spec.causal and problem.seqlen_k <= PERSISTENT_MAX_SEQLEN_K:
+        if problem.seqlen_k <= PERSISTENT_MAX_SEQLEN_K:
             count = min(count, _multiprocessors(problem.device_id))
         return (count, 1, 1)
     return tiles
@@ -52,10 +51,25 @@ def _multiprocessors(device_id: int) -> int:
     return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
 
 
-def pack_params(problem: Problem, q, k, v, out, lse, out_strides) -> np.ndarray:
+_tile_counters: dict = {}
+
+
+def _tile_counter(device_id: int):
+    """The warp-specialized kernel's work-tile counter for the current stream: two int32, zero
+    between launches (the kernel's last block resets them). Kernels on one stream run one after
+    another, so each stream has its own."""
+    import cupy
+    key = (device_id, cupy.cuda.get_current_stream().ptr)
+    counter = _tile_counters.get(key)
+    if counter is None:
+        counter = _tile_counters[key] = cupy.zeros(2, dtype=cupy.int32)
+    return counter
+
+
+def pack_params(problem: Problem, q, k, v, out, lse, out_strides, tile_counter: int = 0) -> np.ndarray:
     """The parameter block as a one-element void array, which CuPy passes by value."""
     raw = _STRUCT.pack(
-        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, tile_counter,
         *problem.q_strides, *problem.k_strides, *problem.v_strides, *out_strides,
         problem.heads, problem.heads // max(problem.heads_k, 1),
         problem.seqlen_q, problem.seqlen_k,
@@ -66,10 +80,13 @@ def pack_params(problem: Problem, q, k, v, out, lse, out_strides) -> np.ndarray:
 
 def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides) -> None:
     """Launch on the current CuPy stream."""
-    args = (pack_params(problem, q, k, v, out, lse, out_strides),)
     if spec.warp_specialized:
         from .tma import forward_maps
-        args += (forward_maps(spec, problem, q, k, v),)
+        counter = _tile_counter(problem.device_id)
+        args = (pack_params(problem, q, k, v, out, lse, out_strides, counter.data.ptr),
+                forward_maps(spec, problem, q, k, v))
+    else:
+        args = (pack_params(problem, q, k, v, out, lse, out_strides),)
     kernel(grid(spec, problem), (spec.threads, 1, 1), args, shared_mem=spec.smem_bytes)
 
 

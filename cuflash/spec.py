@@ -258,7 +258,8 @@ class KernelSpec:
                       + self.block_m * (self.block_n + 1))
             return floats * 4
         if self.family == "wgmma":  # unpadded swizzled tiles, mbarriers, slack to align the base
-            return self.smem_barriers_offset + 8 * (2 + 4 * self.num_stages) * self.warp_specialized + 1024
+            # warp-specialized: 2 + 4 * stages mbarriers and the current tile's number
+            return self.smem_barriers_offset + (8 * (2 + 4 * self.num_stages) + 16) * self.warp_specialized + 1024
         return self.q_tile_bytes + 2 * self.num_stages * self.kv_tile_bytes
 
     @property
@@ -667,6 +668,7 @@ __all__ = ["KernelSpec", "BwdSpec", "default_bwd_spec", "all_default_bwd_specs",
 PARAM_FIELDS = (
     ("q", "const void*", "u8"), ("k", "const void*", "u8"), ("v", "const void*", "u8"),
     ("o", "void*", "u8"), ("lse", "float*", "u8"),
+    ("tile_counter", "int*", "u8"),  # warp-specialized kernel: [next work tile, blocks done], zero between launches
     ("q_batch_stride", "long long", "i8"), ("q_head_stride", "long long", "i8"), ("q_row_stride", "long long", "i8"),
     ("k_batch_stride", "long long", "i8"), ("k_head_stride", "long long", "i8"), ("k_row_stride", "long long", "i8"),
     ("v_batch_stride", "long long", "i8"), ("v_head_stride", "long long", "i8"), ("v_row_stride", "long long", "i8"),

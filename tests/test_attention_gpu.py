@@ -274,6 +274,29 @@ def test_both_tensor_core_families(family, head_dim, dtype, causal, warm_kernels
         assert_attention_close(out, ref, dtype, baseline=base, lse=lse, ref_lse=ref_lse)
 
 
+def test_hopper_work_tiles_counted_per_stream():
+    """The warp-specialized kernel's blocks take work tiles from a counter that each launch
+    leaves at zero; two streams running at once each have their own. Repeated launches on both
+    must all give the reference."""
+    if not _hopper():
+        pytest.skip("the warp-specialized kernel needs sm_90a")
+    problem = AttentionProblem(batch=4, heads=16, heads_k=4, seqlen_q=1500, seqlen_k=1500, head_dim=128,
+                               dtype="bf16", causal=True)
+    inputs = [problem.make_inputs(cupy) for _ in range(2)]
+    refs = [problem.reference(*x)[0] for x in inputs]
+    bases = [problem.naive(*x)[0] for x in inputs]
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    for _ in range(3):
+        outs = []
+        for x, stream in zip(inputs, streams):
+            with stream:
+                outs.append(cuflash.attention(*x, causal=True))
+        for stream in streams:
+            stream.synchronize()
+        for out, ref, base in zip(outs, refs, bases):
+            assert_attention_close(out, ref, "bf16", baseline=base)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_hopper_blocks_walking_many_tiles(head_dim, causal, poison):

@@ -1,10 +1,12 @@
 // Attention forward on Hopper, warp-specialized (sm_90a): a TMA producer and two consumer
 // warpgroups that take turns on the tensor cores.
 //
-// Persistent: the grid holds one block per multiprocessor, and each block walks the work tiles
-// (query tile of 64 rows per consumer, head, batch) blockIdx.x, blockIdx.x + gridDim.x, ... in
-// the order a one-tile-per-block grid would run them. The producer loads the next tile's Q and
-// first K/V tiles while the consumers finish the last one and store it.
+// Work tiles (query tile of 64 rows per consumer, head, batch) are handed out at run time: the
+// producer takes the next one from a global counter (p.tile_counter) whenever it can load a new
+// Q, in the order a one-tile-per-block grid would run them, until none are left. The grid may
+// hold one block per tile, or fewer (persistent): then a block walks several tiles, and the
+// producer loads the next tile's Q and first K/V tiles while the consumers finish the last one
+// and store it; tiles of unequal (causal) work balance themselves.
 //
 // Roles:
 //  - warpgroup 0, the producer, gives most of its registers away (setmaxnreg) and one thread
@@ -65,6 +67,9 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     auto full_v = [&](int slot) { return q_full + 16 + 8 * kStages + 8 * slot; };
     auto empty_k = [&](int slot) { return q_full + 16 + 16 * kStages + 8 * slot; };
     auto empty_v = [&](int slot) { return q_full + 16 + 24 * kStages + 8 * slot; };
+    // The tile whose Q the last q_full phase delivered (-1: no tiles left), written by the
+    // producer before it arrives on q_full, read by the consumers after they wait on it.
+    const u32 current_tile = q_full + 16 + 32 * kStages;
 
     const int tid = threadIdx.x;
     const int lane = tid % 32;
@@ -101,11 +106,18 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         constexpr u32 kQBytes = kBM * Cfg::kHeadDim * 2;
         constexpr u32 kTileBytes = kBN * Cfg::kHeadDim * 2;
         int ring = 0, q_count = 0;
-        for (int tile = blockIdx.x; tile < work_tiles; tile += gridDim.x) {
+        for (;;) {
+            const int tile = atomicAdd(p.tile_counter, 1);
+            // The consumers are done with the last Q (and have read its tile number).
+            if (q_count > 0) mbar_wait(q_empty, (q_count - 1) & 1);
+            if (tile >= work_tiles) {
+                st_shared(current_tile, -1);
+                mbar_arrive(q_full);
+                break;
+            }
             const Work work(p, tile, q_tiles);
             const int n_tiles = work.n_tiles;
-            if (n_tiles == 0) continue;  // no key tile: the consumers read nothing, not even Q
-            if (q_count > 0) mbar_wait(q_empty, (q_count - 1) & 1);
+            st_shared(current_tile, tile);
             mbar_arrive_expect_tx(q_full, kQBytes);
 #pragma unroll
             for (int cb = 0; cb < kColBlocks; ++cb)
@@ -123,12 +135,18 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                     tma_load_4d(dst + cb * kBN * 128, map, full + 8 * slot, cb * 64, (n_tiles - 1 - t) * kBN,
                                 work.head_k, work.batch);
             };
-            load(&maps.k, sK, full_k(0), empty_k(0), 0);
+            if (n_tiles > 0) load(&maps.k, sK, full_k(0), empty_k(0), 0);
             for (int t = 0; t < n_tiles; ++t) {
                 if (t + 1 < n_tiles) load(&maps.k, sK, full_k(0), empty_k(0), t + 1);
                 load(&maps.v, sV, full_v(0), empty_v(0), t);
             }
             ring += n_tiles;
+        }
+        // The last block to finish taking tiles sets the counter back to zero for the next launch.
+        __threadfence();
+        if (atomicAdd(p.tile_counter + 1, 1) == gridDim.x - 1) {
+            p.tile_counter[0] = 0;
+            p.tile_counter[1] = 0;
         }
         return;
     }
@@ -157,8 +175,11 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         if (lane == 0) mbar_arrive(empty);
     };
 
-    int ring = 0, q_count = 0;
-    for (int tile = blockIdx.x; tile < work_tiles; tile += gridDim.x) {
+    int ring = 0;
+    for (int q_count = 0;; ++q_count) {
+        mbar_wait(q_full, q_count & 1);
+        const int tile = ld_shared(current_tile);
+        if (tile < 0) break;
         const Work work(p, tile, q_tiles);
         const int n_tiles = work.n_tiles;
         float acc_s[1][kNT][4];
@@ -180,8 +201,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             softmax_step(acc_s, row_max, row_sum, alphas, p.scale_log2);
         };
 
+        if (n_tiles == 0) release(q_empty);  // no key to attend: the rows are stored as zeros
         if (n_tiles > 0) {
-            mbar_wait(q_full, q_count & 1);
             mbar_wait(full_k(slot_of(ring)), phase_of(ring));
             take_turn();
             issue_scores<Cfg>(acc_s[0], q_rows, sK + slot_of(ring) * Cfg::kKVTileBytes);
@@ -218,7 +239,6 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             fence_operands(acc_o[0]);
             release(empty_v(slot_of(c)));
             ring += n_tiles;
-            ++q_count;
         }
         unsigned short* o = static_cast<unsigned short*>(p.o) + work.batch * p.o_batch_stride + work.head * p.o_head_stride;
         store_output<Cfg::kBF16, Cfg::kHeadDimStored / 8>(acc_o, row_max, row_sum, o, p.o_row_stride,

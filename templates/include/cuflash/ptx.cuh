@@ -21,6 +21,16 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
+// One 32-bit word of shared memory by its shared-space address.
+__device__ __forceinline__ void st_shared(u32 addr, int value) {
+    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(value) : "memory");
+}
+__device__ __forceinline__ int ld_shared(u32 addr) {
+    int value;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
+    return value;
+}
+
 // ---- asynchronous copies (global -> shared, 16 bytes, bypassing L1) ----
 // When `valid` is false nothing is read and the 16 bytes are zero-filled, so tile rows past the
 // end of a sequence hold zeros (not stale data that could be NaN).
