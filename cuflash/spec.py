@@ -284,7 +284,8 @@ SIMT_DEFAULTS = (
 #: Default tiles of the Hopper family: head_dim -> (block_m, block_n, num_stages) of the
 #: warp-specialized schedule (a TMA producer warpgroup and block_m/64 ping-pong consumer
 #: warpgroups of 64 query rows; 3 consumers at head dim 64, where the softmax outweighs the
-#: matrix products). Timed on the H200 (README).
+#: matrix products). Timed on the H200 (README); ``python -m cuflash tune --family wgmma`` writes
+#: measured choices per (head_dim, causal) to tuned_defaults.WGMMA_TABLE, which takes precedence.
 WGMMA_DEFAULTS = {64: (192, 128, 2), 96: (128, 128, 2), 128: (128, 128, 2), 192: (128, 96, 2), 256: (128, 80, 2)}
 
 
@@ -315,7 +316,9 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
         if arch != "sm90a" or head_dim not in WGMMA_DEFAULTS or not entry.tensor_core:
             raise ValueError(f"the wgmma family covers fp16/bf16 head dims {sorted(WGMMA_DEFAULTS)} on sm90a; "
                              f"got head_dim={head_dim}, dtype={entry.tag}, arch={arch}")
-        bm, bn, stages = WGMMA_DEFAULTS[head_dim]
+        from .tuned_defaults import WGMMA_TABLE  # written by ``python -m cuflash tune --family wgmma``
+
+        bm, bn, stages = WGMMA_TABLE.get((head_dim, causal), WGMMA_DEFAULTS[head_dim])
         return KernelSpec(head_dim, entry.tag, causal, bm, bn, 4 + bm // 16, stages, arch, overlap=True,
                           family="wgmma", warp_specialized=True, pingpong=True)
     if (family == "mma") != entry.tensor_core:

@@ -1,22 +1,30 @@
 """Choosing the default tile shapes: ``python -m cuflash tune``.
 
-For every (target, head_dim, causal) the tuner walks an ordered list of candidate tile
-shapes, fastest first as measured on the H200 (the README has the timings), and keeps the first
-that fits the target's shared memory and compiles without register spills. The result is
-written to ``cuflash/tuned_defaults.py``, the table :func:`cuflash.spec.default_spec` reads.
-Compiling needs NVRTC but no GPU. fp16 and bf16 kernels differ only in the MMA and convert
-mnemonics and get the same register allocation, so one entry serves both.
+The portable family (``--family mma``, the default): for every (target, head_dim, causal) the
+tuner walks an ordered list of candidate tile shapes, fastest first as measured on the H200 (the
+README has the timings), and keeps the first that fits the target's shared memory and compiles
+without register spills. Compiling needs NVRTC but no GPU. fp16 and bf16 kernels differ only in
+the MMA and convert mnemonics and get the same register allocation, so one entry serves both.
+
+The Hopper family (``--family wgmma``, on an sm_90 GPU): for every head dim of the
+warp-specialized kernel and both masks, every candidate (block_m, block_n, stages) that fits
+and compiles without spills is timed on the benchmark's problems (bf16, 16k tokens, hidden 2048)
+and the fastest, by geometric mean over the sequence lengths, is kept.
+
+Both tables live in ``cuflash/tuned_defaults.py``, which :func:`cuflash.spec.default_spec` reads;
+writing one keeps the other.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import math
 import os
 import pprint
 import sys
 from pathlib import Path
 
-from .spec import HEAD_DIMS, KernelSpec
+from .spec import HEAD_DIMS, WGMMA_DEFAULTS, KernelSpec
 
 #: Candidates per head-dim range: (largest head_dim, [(block_m, block_n, warps, stages, overlap)]),
 #: fastest first. hd64: 128x64 tiles with the QK^T of the next tile overlapping the softmax;
@@ -52,25 +60,138 @@ def choose(key):
     return key, None
 
 
-def write_table(table: dict, path: Path = TABLE_PATH) -> None:
+def write_table(table: dict | None = None, wgmma_table: dict | None = None, path: Path = TABLE_PATH) -> None:
+    """Write both tables; one left as None keeps what the file holds."""
+    current = _read_tables(path)
+    table = current[0] if table is None else table
+    wgmma_table = current[1] if wgmma_table is None else wgmma_table
     body = pprint.pformat(dict(sorted(table.items())), width=100, sort_dicts=False)
+    wgmma_body = pprint.pformat(dict(sorted(wgmma_table.items())), width=100, sort_dicts=False)
     path.write_text(
-        '"""Default tile shapes of the mma family, written by ``python -m cuflash tune``.\n\n'
-        "Key: (arch, head_dim, causal), for fp16 and bf16 alike. Value: (block_m, block_n,\n"
-        'num_warps, num_stages, overlap): the fastest candidate that fits the target and compiles\n'
-        'without spills.\n"""\n'
-        f"TABLE = {body}\n")
+        '"""Default tile shapes, written by ``python -m cuflash tune``.\n\n'
+        "TABLE, the mma family. Key: (arch, head_dim, causal), for fp16 and bf16 alike. Value:\n"
+        "(block_m, block_n, num_warps, num_stages, overlap): the fastest candidate that fits the\n"
+        "target and compiles without spills.\n\n"
+        "WGMMA_TABLE, the warp-specialized Hopper kernel (sm90a). Key: (head_dim, causal). Value:\n"
+        "(block_m, block_n, num_stages): the fastest spill-free candidate timed on the GPU; head\n"
+        'dims it lacks take spec.WGMMA_DEFAULTS.\n"""\n'
+        f"TABLE = {body}\n\n"
+        f"WGMMA_TABLE = {wgmma_body}\n")
+
+
+def _read_tables(path: Path) -> tuple[dict, dict]:
+    if not path.exists():
+        return {}, {}
+    namespace: dict = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)  # our own generated file
+    return namespace.get("TABLE", {}), namespace.get("WGMMA_TABLE", {})
+
+
+# -- the Hopper family: timed on the GPU ------------------------------------------------------------
+
+#: (block_m, block_n, num_stages) tried per head dim; 3 consumer warpgroups when block_m is 192.
+WGMMA_CANDIDATES = {
+    64: [(192, 128, 2), (192, 128, 3), (192, 96, 4), (128, 128, 2), (128, 128, 4), (128, 192, 3)],
+    96: [(128, 128, 2), (128, 176, 2), (128, 128, 3), (128, 96, 3)],
+    128: [(128, 128, 2), (128, 176, 2), (128, 144, 2), (128, 128, 3), (128, 96, 3)],
+    192: [(128, 96, 2), (128, 112, 2), (128, 64, 3)],
+    256: [(128, 80, 2), (128, 64, 2), (128, 48, 3)],
+}
+TUNE_SEQLENS = (2048, 8192)
+
+
+def wgmma_spec(head_dim: int, causal: bool, shape) -> KernelSpec:
+    bm, bn, stages = shape
+    return KernelSpec(head_dim, "bf16", causal, bm, bn, 4 + bm // 16, stages, "sm90a", overlap=True,
+                      family="wgmma", warp_specialized=True, pingpong=True)
+
+
+def wgmma_candidates(head_dim: int, causal: bool) -> list:
+    """The candidate specs that fit sm90a's shared memory (compiling weeds out spills later)."""
+    specs = []
+    for shape in WGMMA_CANDIDATES[head_dim]:
+        try:
+            specs.append(wgmma_spec(head_dim, causal, shape))
+        except ValueError:
+            continue
+    return specs
+
+
+def _spill_free(spec) -> bool:
+    from .compile import compile_offline
+    return not compile_offline(spec).spills
+
+
+def _tflops(spec: KernelSpec, seqlen: int, reps: int) -> float:
+    """TFLOP/s of one spec on the benchmark's problem at one sequence length (GPU)."""
+    import cupy
+
+    import cuflash
+    from .bench import cuda_event_median_ms
+    from .dtypes import from_tag
+    d = spec.head_dim
+    batch, heads = max(16384 // seqlen, 1), max(2048 // d, 1)
+    q, k, v = (cupy.random.standard_normal((batch, heads, seqlen, d), dtype=cupy.float32)
+               .astype(from_tag("bf16").numpy) for _ in range(3))
+    ms = cuda_event_median_ms(lambda: cuflash.attention(q, k, v, causal=spec.causal, spec=spec), reps=reps)
+    flops = 4 * batch * heads * seqlen * seqlen * d / (2 if spec.causal else 1)
+    return flops / ms / 1e9
+
+
+def tune_wgmma(head_dims, processes: int, reps: int = 10, timer=_tflops, spill_free=_spill_free,
+               warm=None, log=print) -> dict:
+    """Time every candidate; return {(head_dim, causal): (block_m, block_n, num_stages)}."""
+    specs = {(d, c): [s for s in wgmma_candidates(d, c) if spill_free(s)]
+             for d in head_dims for c in (False, True)}
+    if warm is None:
+        from .compile import warmup
+        warm = lambda all_specs: warmup(all_specs, processes=processes, progress=False)  # noqa: E731
+    warm([s for row in specs.values() for s in row])
+    table = {}
+    for key, row in specs.items():
+        scores = {}
+        for spec in row:
+            rates = [timer(spec, n, reps) for n in TUNE_SEQLENS]
+            scores[spec] = math.exp(sum(math.log(r) for r in rates) / len(rates))
+            log(f"hd{key[0]} {'causal' if key[1] else 'full'} m{spec.block_m}n{spec.block_n}s{spec.num_stages}: "
+                + " ".join(f"{n}={r:.1f}" for n, r in zip(TUNE_SEQLENS, rates)) + " TFLOP/s")
+        if scores:
+            best = max(scores, key=scores.get)
+            table[key] = (best.block_m, best.block_n, best.num_stages)
+    return table
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cuflash tune", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", choices=("mma", "wgmma"), default="mma",
+                        help="mma: spill-free tiles per target, offline (default); wgmma: time the Hopper "
+                             "kernel's candidates on this GPU (sm_90)")
     parser.add_argument("--archs", nargs="+", default=["sm80", "sm86", "sm89", "sm90a"])
-    parser.add_argument("--head-dims", nargs="+", type=int, default=list(HEAD_DIMS))
+    parser.add_argument("--head-dims", nargs="+", type=int, default=None)
     parser.add_argument("--processes", type=int, default=os.cpu_count())
+    parser.add_argument("--reps", type=int, default=10, help="wgmma: timed repetitions per candidate")
     parser.add_argument("--output", type=Path, default=TABLE_PATH)
     args = parser.parse_args(argv)
 
-    keys = [(a, d, c) for a in args.archs for d in args.head_dims for c in (False, True)]
+    if args.family == "wgmma":
+        head_dims = args.head_dims or sorted(WGMMA_DEFAULTS)
+        unknown = sorted(set(head_dims) - set(WGMMA_CANDIDATES))
+        if unknown:
+            parser.error(f"--head-dims {unknown}: the warp-specialized kernel's candidates cover {sorted(WGMMA_CANDIDATES)}")
+        from .cli import gpu_status
+        from .compile import device_arch
+        available, reason = gpu_status()
+        if not available or device_arch() != "sm90a":
+            print(f"cuflash tune --family wgmma: needs a Hopper (sm_90) GPU ({reason or 'this one is not'})",
+                  file=sys.stderr)
+            return 1
+        table = tune_wgmma(head_dims, args.processes, args.reps)
+        write_table(wgmma_table={**_read_tables(args.output)[1], **table}, path=args.output)
+        print(f"wrote {len(table)} Hopper entries to {args.output}")
+        return 0
+
+    head_dims = args.head_dims or list(HEAD_DIMS)
+    keys = [(a, d, c) for a in args.archs for d in head_dims for c in (False, True)]
     table, missing = {}, []
     with concurrent.futures.ProcessPoolExecutor(args.processes) as pool:
         for done, (key, choice) in enumerate(pool.map(choose, keys), 1):
@@ -80,7 +201,7 @@ def main(argv=None) -> int:
                 table[key] = choice
             sys.stderr.write(f"\r{done}/{len(keys)}")
     sys.stderr.write("\n")
-    write_table(table, args.output)
+    write_table(table=table, path=args.output)
     print(f"wrote {len(table)} entries to {args.output}")
     for key in missing:
         print(f"no spill-free candidate for {key}", file=sys.stderr)

@@ -1,8 +1,12 @@
-"""Default tile shapes of the mma family, written by ``python -m cuflash tune``.
+"""Default tile shapes, written by ``python -m cuflash tune``.
 
-Key: (arch, head_dim, causal), for fp16 and bf16 alike. Value: (block_m, block_n,
-num_warps, num_stages, overlap): the fastest candidate that fits the target and compiles
-without spills.
+TABLE, the mma family. Key: (arch, head_dim, causal), for fp16 and bf16 alike. Value:
+(block_m, block_n, num_warps, num_stages, overlap): the fastest candidate that fits the
+target and compiles without spills.
+
+WGMMA_TABLE, the warp-specialized Hopper kernel (sm90a). Key: (head_dim, causal). Value:
+(block_m, block_n, num_stages): the fastest spill-free candidate timed on the GPU; head
+dims it lacks take spec.WGMMA_DEFAULTS.
 """
 TABLE = {('sm80', 8, False): (128, 64, 4, 3, True),
  ('sm80', 8, True): (128, 64, 4, 3, True),
@@ -260,3 +264,5 @@ TABLE = {('sm80', 8, False): (128, 64, 4, 3, True),
  ('sm90a', 248, True): (128, 32, 8, 3, True),
  ('sm90a', 256, False): (128, 32, 8, 3, True),
  ('sm90a', 256, True): (128, 32, 8, 3, True)}
+
+WGMMA_TABLE = {}
