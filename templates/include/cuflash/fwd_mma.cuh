@@ -76,15 +76,7 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
     float acc_o[kMTiles][kOTiles][4];
     float row_max[kMTiles][2];  // running max of the raw scores
     float row_sum[kMTiles][2];  // this lane's share of the running denominator
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-        for (int nt = 0; nt < kOTiles; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[mt][nt][e] = 0.f;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) { row_max[mt][r] = neg_inf(); row_sum[mt][r] = 0.f; }
-    }
+    softmax_start(acc_o, row_max, row_sum);
 
     u32 q_frag[Cfg::kQInRegs ? kMTiles : 1][Cfg::kQInRegs ? kKSteps : 1][4];
     auto q_operand = [&](u32 (&a)[4], int mt, int ks) {

@@ -99,12 +99,7 @@ __device__ __forceinline__ void fwd_wgmma(const typename Cfg::Params& p) {
     float acc_o[1][kOT][4];
     float row_max[1][2], row_sum[1][2];
     u32 probs[kBN / 16][4];
-#pragma unroll
-    for (int nt = 0; nt < kOT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[0][nt][e] = 0.f;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) { row_max[0][r] = neg_inf(); row_sum[0][r] = 0.f; }
+    softmax_start(acc_o, row_max, row_sum);
 
     auto apply_mask = [&](float (&acc)[1][kNT][4], int n0) {
         if (work.needs_mask(n0, p.seqlen_k))

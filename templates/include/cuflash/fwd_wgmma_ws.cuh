@@ -186,12 +186,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         float acc_o[1][kOT][4];
         float row_max[1][2], row_sum[1][2], alphas[1][2];
         u32 probs[kBN / 16][4];
-#pragma unroll
-        for (int nt = 0; nt < kOT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[0][nt][e] = 0.f;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) { row_max[0][r] = neg_inf(); row_sum[0][r] = 0.f; }
+        softmax_start(acc_o, row_max, row_sum);
 
         auto scores_ready = [&](int i) {  // S_i has landed: mask it, softmax it
             fence_operands(acc_s[0]);

@@ -7,6 +7,21 @@
 
 namespace cuflash {
 
+// Start of a query tile: no key seen yet (output 0, running max -inf, running sum 0).
+template <int kMT, int kOT>
+__device__ __forceinline__ void softmax_start(float (&o)[kMT][kOT][4], float (&row_max)[kMT][2],
+                                              float (&row_sum)[kMT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < kOT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[mt][nt][e] = 0.f;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) { row_max[mt][r] = neg_inf(); row_sum[mt][r] = 0.f; }
+    }
+}
+
 // Causal and sequence-tail mask of one key tile starting at column n0. row0 is the first query
 // row of the warp; a query row r may see key c iff c < seqlen_k and (causal) c <= r + offset.
 template <bool kCausal, int kMT, int kNT>
