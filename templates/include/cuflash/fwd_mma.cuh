@@ -15,6 +15,7 @@
 #pragma once
 #include "cuflash/block.cuh"
 #include "cuflash/online_softmax.cuh"
+#include "cuflash/warp_mma.cuh"
 
 namespace cuflash {
 
@@ -104,36 +105,29 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
             for (int nt = 0; nt < kSTiles; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+        static_assert(kSTiles % 2 == 0, "key tiles come in n=8 tile pairs");
+        auto no_odd_tile = [](auto&) {};
 #pragma unroll
         for (int ks = 0; ks < kK16; ++ks) {
             u32 a[kMTiles][4];
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt) q_operand(a[mt], mt, ks);
-#pragma unroll
-            for (int np = 0; np < kSTiles / 2; ++np) {
-                u32 b[4];
-                ldmatrix_x4(b, sKs + k_lane + np * 16 * kRowB + ks * 32);
-#pragma unroll
-                for (int mt = 0; mt < kMTiles; ++mt) {
-                    mma_16816<kBF16>(acc_s[mt][2 * np], a[mt], b[0], b[1]);
-                    mma_16816<kBF16>(acc_s[mt][2 * np + 1], a[mt], b[2], b[3]);
-                }
-            }
+            mma_k16_step<kBF16>(
+                acc_s, a, [&](u32 (&b)[4], int np) { ldmatrix_x4(b, sKs + k_lane + np * 16 * kRowB + ks * 32); },
+                no_odd_tile);
         }
         if constexpr (kTail8) {
-            u32 a[kMTiles][4];
+            u32 a[kMTiles][4], a8[kMTiles][2];  // the k=8 step reads the first half of each fragment
 #pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) q_operand(a[mt], mt, kK16);
-#pragma unroll
-            for (int np = 0; np < kSTiles / 2; ++np) {
-                u32 b[2];
-                ldmatrix_x2(b, sKs + x2_lane + np * 16 * kRowB + kK16 * 32);
-#pragma unroll
-                for (int mt = 0; mt < kMTiles; ++mt) {
-                    mma_1688<kBF16>(acc_s[mt][2 * np], a[mt][0], a[mt][1], b[0]);
-                    mma_1688<kBF16>(acc_s[mt][2 * np + 1], a[mt][0], a[mt][1], b[1]);
-                }
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                q_operand(a[mt], mt, kK16);
+                a8[mt][0] = a[mt][0];
+                a8[mt][1] = a[mt][1];
             }
+            mma_k8_step<kBF16>(
+                acc_s, a8,
+                [&](u32 (&b)[2], int np) { ldmatrix_x2(b, sKs + x2_lane + np * 16 * kRowB + kK16 * 32); },
+                no_odd_tile);
         }
     };
 
@@ -155,23 +149,9 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
             u32 a[kMTiles][4];
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt) probs_operand<kBF16>(a[mt], acc_s[mt], kk);
-#pragma unroll
-            for (int dp = 0; dp < kOTiles / 2; ++dp) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, sVs + v_lane + kk * 16 * kRowB + dp * 32);
-#pragma unroll
-                for (int mt = 0; mt < kMTiles; ++mt) {
-                    mma_16816<kBF16>(acc_o[mt][2 * dp], a[mt], b[0], b[1]);
-                    mma_16816<kBF16>(acc_o[mt][2 * dp + 1], a[mt], b[2], b[3]);
-                }
-            }
-            if constexpr (kOTiles % 2) {
-                u32 b[2];
-                ldmatrix_x2_trans(b, sVs + x2_lane + kk * 16 * kRowB + (kOTiles - 1) * 16);
-#pragma unroll
-                for (int mt = 0; mt < kMTiles; ++mt)
-                    mma_16816<kBF16>(acc_o[mt][kOTiles - 1], a[mt], b[0], b[1]);
-            }
+            mma_k16_step<kBF16>(
+                acc_o, a, [&](u32 (&b)[4], int dp) { ldmatrix_x4_trans(b, sVs + v_lane + kk * 16 * kRowB + dp * 32); },
+                [&](u32 (&b)[2]) { ldmatrix_x2_trans(b, sVs + x2_lane + kk * 16 * kRowB + (kOTiles - 1) * 16); });
         }
     };
 

@@ -1,5 +1,6 @@
-// Warp-level matrix products on mma.sync m16n8k16 for the backward kernels: one warp computes a
-// 16-row block of a product whose operands sit in padded shared-memory tiles (row pitches of an
+// Warp-level matrix products on mma.sync m16n8k16: the k-step over n=8 tile pairs every
+// tensor-core kernel runs, and, for the backward kernels, whole products in which one warp
+// computes a 16-row block and the operands sit in padded shared-memory tiles (row pitches of an
 // odd number of 16-byte chunks, so every ldmatrix phase is conflict-free) or, for A, in
 // registers. Accumulators use the C-fragment layout of online_softmax.cuh: float[kNT][4], tile nt
 // holding rows lane/4 (+8) and columns 8*nt + 2*(lane%4) (+1).
@@ -7,6 +8,53 @@
 #include "cuflash/ptx.cuh"
 
 namespace cuflash {
+
+// One k=16 step of acc[16*kMT x 8*kNT] += A * B: a[mt] is the A fragment of row tile mt; the B
+// fragments come in n=8 tile pairs, load_pair(b, np) filling b[0..1] (tile 2np) and b[2..3]
+// (tile 2np+1), and an odd last tile from load_last(b) (b[0..1]).
+template <bool kBF16, int kMT, int kNT, class LoadPair, class LoadLast>
+__device__ __forceinline__ void mma_k16_step(float (&acc)[kMT][kNT][4], const u32 (&a)[kMT][4],
+                                             LoadPair load_pair, LoadLast load_last) {
+#pragma unroll
+    for (int np = 0; np < kNT / 2; ++np) {
+        u32 b[4];
+        load_pair(b, np);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+            mma_16816<kBF16>(acc[mt][2 * np], a[mt], b[0], b[1]);
+            mma_16816<kBF16>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
+    }
+    if constexpr (kNT % 2) {
+        u32 b[2];
+        load_last(b);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) mma_16816<kBF16>(acc[mt][kNT - 1], a[mt], b[0], b[1]);
+    }
+}
+
+// The k=8 step (m16n8k8) that closes a head dim of 8 mod 16: a[mt][0..1]; load_pair(b, np)
+// fills b[0] (tile 2np) and b[1] (tile 2np+1), load_last(b) the odd last tile's b.
+template <bool kBF16, int kMT, int kNT, class LoadPair, class LoadLast>
+__device__ __forceinline__ void mma_k8_step(float (&acc)[kMT][kNT][4], const u32 (&a)[kMT][2],
+                                            LoadPair load_pair, LoadLast load_last) {
+#pragma unroll
+    for (int np = 0; np < kNT / 2; ++np) {
+        u32 b[2];
+        load_pair(b, np);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+            mma_1688<kBF16>(acc[mt][2 * np], a[mt][0], a[mt][1], b[0]);
+            mma_1688<kBF16>(acc[mt][2 * np + 1], a[mt][0], a[mt][1], b[1]);
+        }
+    }
+    if constexpr (kNT % 2) {
+        u32 b;
+        load_last(b);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) mma_1688<kBF16>(acc[mt][kNT - 1], a[mt][0], a[mt][1], b);
+    }
+}
 
 // acc[16*kMT x 8*kNT] += A[16*kMT x kK] * B[8*kNT x kK]^T, both operands row-major in shared
 // memory: `a` addresses A's element (0, 0), `b` B's element (0, 0); kK is a multiple of 8 (a k=8
@@ -25,44 +73,18 @@ __device__ __forceinline__ void warp_gemm_nt(float (&acc)[kMT][kNT][4], u32 a, u
         u32 fa[kMT][4];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(fa[mt], a_lane + mt * 16 * kAPitch + ks * 32);
-#pragma unroll
-        for (int np = 0; np < kNT / 2; ++np) {
-            u32 fb[4];
-            ldmatrix_x4(fb, b_lane + np * 16 * kBPitch + ks * 32);
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) {
-                mma_16816<kBF16>(acc[mt][2 * np], fa[mt], fb[0], fb[1]);
-                mma_16816<kBF16>(acc[mt][2 * np + 1], fa[mt], fb[2], fb[3]);
-            }
-        }
-        if constexpr (kNT % 2) {
-            u32 fb[2];
-            ldmatrix_x2(fb, b_last + ((lane / 8) % 2) * 16 + ks * 32);
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) mma_16816<kBF16>(acc[mt][kNT - 1], fa[mt], fb[0], fb[1]);
-        }
+        mma_k16_step<kBF16>(
+            acc, fa, [&](u32 (&fb)[4], int np) { ldmatrix_x4(fb, b_lane + np * 16 * kBPitch + ks * 32); },
+            [&](u32 (&fb)[2]) { ldmatrix_x2(fb, b_last + ((lane / 8) % 2) * 16 + ks * 32); });
     }
     if constexpr (kK % 16) {
         const u32 x2_row = (lane % 8 + ((lane / 8) % 2) * 8);
         u32 fa[kMT][2];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) ldmatrix_x2(fa[mt], a + (x2_row + mt * 16) * kAPitch + (kK / 16) * 32);
-#pragma unroll
-        for (int np = 0; np < kNT / 2; ++np) {
-            u32 fb[2];
-            ldmatrix_x2(fb, b + (x2_row + np * 16) * kBPitch + (kK / 16) * 32);
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) {
-                mma_1688<kBF16>(acc[mt][2 * np], fa[mt][0], fa[mt][1], fb[0]);
-                mma_1688<kBF16>(acc[mt][2 * np + 1], fa[mt][0], fa[mt][1], fb[1]);
-            }
-        }
-        if constexpr (kNT % 2) {
-            u32 fb;
-            ldmatrix_x1(fb, b_last + (kK / 16) * 32);
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) mma_1688<kBF16>(acc[mt][kNT - 1], fa[mt][0], fa[mt][1], fb);
-        }
+        mma_k8_step<kBF16>(
+            acc, fa, [&](u32 (&fb)[2], int np) { ldmatrix_x2(fb, b + (x2_row + np * 16) * kBPitch + (kK / 16) * 32); },
+            [&](u32& fb) { ldmatrix_x1(fb, b_last + (kK / 16) * 32); });
     }
 }
 
@@ -88,22 +110,9 @@ __device__ __forceinline__ void warp_gemm_tt(float (&acc)[kMT][kNT][4], u32 a, u
         u32 fa[kMT][4];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4_trans(fa[mt], a_lane + kk * 16 * kAPitch + mt * 32);
-#pragma unroll
-        for (int np = 0; np < kNT / 2; ++np) {
-            u32 fb[4];
-            ldmatrix_x4_trans(fb, b_lane + kk * 16 * kBPitch + np * 32);
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) {
-                mma_16816<kBF16>(acc[mt][2 * np], fa[mt], fb[0], fb[1]);
-                mma_16816<kBF16>(acc[mt][2 * np + 1], fa[mt], fb[2], fb[3]);
-            }
-        }
-        if constexpr (kNT % 2) {
-            u32 fb[2];
-            ldmatrix_x2_trans(fb, b_x2 + kk * 16 * kBPitch + (kNT - 1) * 16);
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) mma_16816<kBF16>(acc[mt][kNT - 1], fa[mt], fb[0], fb[1]);
-        }
+        mma_k16_step<kBF16>(
+            acc, fa, [&](u32 (&fb)[4], int np) { ldmatrix_x4_trans(fb, b_lane + kk * 16 * kBPitch + np * 32); },
+            [&](u32 (&fb)[2]) { ldmatrix_x2_trans(fb, b_x2 + kk * 16 * kBPitch + (kNT - 1) * 16); });
     }
 }
 
@@ -115,20 +124,11 @@ __device__ __forceinline__ void warp_gemm_rn(float (&acc)[kNT][4], const u32 (&f
     const u32 b_lane = b + (lane % 8 + ((lane / 8) % 2) * 8) * kBPitch + (lane / 16) * 16;
     const u32 x2_lane = b + (lane % 8 + ((lane / 8) % 2) * 8) * kBPitch;
 #pragma unroll
-    for (int kk = 0; kk < kKT; ++kk) {
-#pragma unroll
-        for (int np = 0; np < kNT / 2; ++np) {
-            u32 fb[4];
-            ldmatrix_x4_trans(fb, b_lane + kk * 16 * kBPitch + np * 32);
-            mma_16816<kBF16>(acc[2 * np], fa[kk], fb[0], fb[1]);
-            mma_16816<kBF16>(acc[2 * np + 1], fa[kk], fb[2], fb[3]);
-        }
-        if constexpr (kNT % 2) {
-            u32 fb[2];
-            ldmatrix_x2_trans(fb, x2_lane + kk * 16 * kBPitch + (kNT - 1) * 16);
-            mma_16816<kBF16>(acc[kNT - 1], fa[kk], fb[0], fb[1]);
-        }
-    }
+    for (int kk = 0; kk < kKT; ++kk)
+        mma_k16_step<kBF16>(
+            reinterpret_cast<float (&)[1][kNT][4]>(acc), reinterpret_cast<const u32 (&)[1][4]>(fa[kk]),
+            [&](u32 (&fb)[4], int np) { ldmatrix_x4_trans(fb, b_lane + kk * 16 * kBPitch + np * 32); },
+            [&](u32 (&fb)[2]) { ldmatrix_x2_trans(fb, x2_lane + kk * 16 * kBPitch + (kNT - 1) * 16); });
 }
 
 // C fragments (fp32) -> 16-bit pairs, per n=8 tile: [nt][0] holds row lane/4, [nt][1] row
