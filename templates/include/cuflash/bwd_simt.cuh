@@ -14,6 +14,23 @@
 
 namespace cuflash {
 
+// Two dot products of one row each, shared by the kTPR lanes of a group: this lane holds
+// a[j] and c[j] of columns sub + kTPR*j, and reads b and d (already offset by sub) at the same
+// columns. The sums s = a.b and t = c.d come back complete in every lane of the group.
+template <int kCols, int kTPR>
+__device__ __forceinline__ void dot_pair(const float (&a)[kCols], const float* b, const float (&c)[kCols],
+                                         const float* d, float& s, float& t) {
+    s = 0.f;
+    t = 0.f;
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+        s = fmaf(a[j], b[kTPR * j], s);
+        t = fmaf(c[j], d[kTPR * j], t);
+    }
+    s = group_sum<kTPR>(s);
+    t = group_sum<kTPR>(t);
+}
+
 template <class Cfg>
 __device__ __forceinline__ void bwd_dkdv_simt(const typename Cfg::Params& p) {
     constexpr int kD = Cfg::kHeadDim;
@@ -63,14 +80,8 @@ __device__ __forceinline__ void bwd_dkdv_simt(const typename Cfg::Params& p) {
         for (int r = 0; r < kBM; ++r) {
             const float* q_r = sQ + r * kD + sub;
             const float* do_r = sDO + r * kD + sub;
-            float s = 0.f, dp = 0.f;
-#pragma unroll
-            for (int j = 0; j < kCols; ++j) {
-                s = fmaf(kr[j], q_r[kTPR * j], s);
-                dp = fmaf(vr[j], do_r[kTPR * j], dp);
-            }
-            s = group_sum<kTPR>(s);
-            dp = group_sum<kTPR>(dp);
+            float s, dp;
+            dot_pair<kCols, kTPR>(kr, q_r, vr, do_r, s, dp);
             const bool allowed = key_valid && (!Cfg::kCausal || key <= m0 + r + w.causal_offset);
             const float prob = allowed ? exp2f(fmaf(s, p.scale_log2, -sLse2[r])) : 0.f;
             const float ds = prob * (dp - sDelta[r]);
@@ -137,14 +148,8 @@ __device__ __forceinline__ void bwd_dq_simt(const typename Cfg::Params& p) {
         for (int c = 0; c < kBN; ++c) {
             const float* k_c = sK + c * kD + sub;
             const float* v_c = sV + c * kD + sub;
-            float s = 0.f, dp = 0.f;
-#pragma unroll
-            for (int j = 0; j < kCols; ++j) {
-                s = fmaf(qr[j], k_c[kTPR * j], s);
-                dp = fmaf(dor[j], v_c[kTPR * j], dp);
-            }
-            s = group_sum<kTPR>(s);
-            dp = group_sum<kTPR>(dp);
+            float s, dp;
+            dot_pair<kCols, kTPR>(qr, k_c, dor, v_c, s, dp);
             const int key = n0 + c;
             const bool allowed = key < p.seqlen_k && (!Cfg::kCausal || key <= row + causal_offset);
             const float ds = allowed ? exp2f(fmaf(s, p.scale_log2, -lse2)) * (dp - delta) : 0.f;
