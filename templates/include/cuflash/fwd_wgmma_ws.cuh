@@ -1,5 +1,5 @@
-// Attention forward on Hopper, warp-specialized (sm_90a): a TMA producer and two consumer
-// warpgroups that take turns on the tensor cores.
+// Attention forward on Hopper, warp-specialized (sm_90a): a TMA producer and two or three
+// consumer warpgroups that take turns on the tensor cores.
 //
 // Work tiles (query tile of 64 rows per consumer, head, batch) are handed out at run time: the
 // producer takes the next one from a global counter (p.tile_counter) whenever it can load a new
@@ -25,10 +25,10 @@
 // blocks, TMA fills the columns past kHeadDimStored with zeros (they add nothing to Q K^T, and V's
 // give output columns that are not stored).
 //
-// The generated kernel provides Cfg with kHeadDim, kHeadDimStored, kBlockM (128 or 192), kBlockN, kStages, kCausal,
-// kBF16, kPingPong, kProducerRegisters, kComputeRegisters, kSmemQ, kSmemK, kSmemV,
-// kSmemBarriers, kKVTileBytes, kVLeadingBytes, kVStrideBytes, the Params struct, the tensor maps
-// and the wgmma_qk / wgmma_pv wrappers.
+// The generated kernel provides Cfg with kHeadDim, kHeadDimStored, kBlockM (128 or 192),
+// kBlockN, kStages, kCausal, kBF16, kPingPong, kProducerRegisters, kComputeRegisters, kSmemQ,
+// kSmemK, kSmemV, kSmemBarriers, kKVTileBytes, kVLeadingBytes, kVStrideBytes, the Params struct,
+// the tensor maps and the wgmma_qk / wgmma_pv wrappers.
 #pragma once
 #include "cuflash/fwd_wgmma.cuh"
 #include "cuflash/tma.cuh"
