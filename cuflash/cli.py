@@ -429,6 +429,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["tune"]:  # tune parses its own options (argparse's REMAINDER drops leading ones)
+        from . import tune
+        try:
+            return tune.main(argv[1:])
+        except SystemExit as exc:
+            return exc.code if isinstance(exc.code, int) else 2
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

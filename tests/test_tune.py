@@ -60,3 +60,11 @@ def test_hopper_tuning_names_bad_head_dims_and_needs_a_gpu(capsys):
     if not gpu_status()[0]:
         assert tune.main(["--family", "wgmma", "--head-dims", "128"]) == 1
         assert "needs a Hopper" in capsys.readouterr().err
+
+
+def test_the_cli_hands_tune_its_own_options(capsys):
+    from cuflash import cli
+    assert cli.main(["tune", "--help"]) == 0
+    assert "--family" in capsys.readouterr().out
+    assert cli.main(["tune", "--family", "wgmma", "--head-dims", "80"]) == 2
+    assert "80" in capsys.readouterr().err
