@@ -147,3 +147,34 @@ def test_tma_readability_of_views():
     assert aligned_for_async_copy(broadcast) and not readable_by_tma(broadcast)
     single = _View(256, (1, 1, 100, 64), (0, 0, 128, 2))  # an extent of 1 may carry any stride
     assert readable_by_tma(single)
+
+
+def test_tensor_maps_describe_q_k_v_in_kernel_order(monkeypatch):
+    """forward_maps hands the driver (head_dim, seqlen, heads, batch) extents, byte strides (any
+    value where an extent is 1), boxes of block_m (q) or block_n (k, v) rows, and packs the three
+    128-byte maps in the kernel's order."""
+    from cuflash import dtypes, tma
+    from cuflash.validate import Problem
+
+    calls = []
+
+    def encode(ptr, dims, strides, box_rows, bf16):
+        calls.append((ptr, dims, strides, box_rows, bf16))
+        return bytes([len(calls)]) * tma.MAP_BYTES
+
+    monkeypatch.setattr(tma, "_encode", encode)
+    spec = KernelSpec(**_WS)
+    problem = Problem(dtype=dtypes.from_tag("bf16"), batch=3, heads=8, heads_k=1, seqlen_q=300, seqlen_k=257,
+                      head_dim=128, causal=False, scale=0.1, layout="bshd", device_id=0,
+                      q_strides=(300 * 8 * 128, 128, 8 * 128), k_strides=(257 * 128, 257 * 128, 128),
+                      v_strides=(257 * 128, 257 * 128, 128))
+    q, k, v = (_View(ptr, (), ()) for ptr in (4096, 8192, 12288))
+    for x in (q, k, v):
+        x.itemsize = 2
+    maps = tma.forward_maps(spec, problem, q, k, v)
+    assert maps.dtype.itemsize == 3 * tma.MAP_BYTES and bytes(maps[0])[::128] == b"\x01\x02\x03"
+    assert calls == [
+        (4096, (128, 300, 8, 3), (8 * 128 * 2, 128 * 2, 300 * 8 * 128 * 2), 128, True),
+        (8192, (128, 257, 1, 3), (128 * 2, 16, 257 * 128 * 2), 128, True),  # heads_k == 1: stride unused
+        (12288, (128, 257, 1, 3), (128 * 2, 16, 257 * 128 * 2), 128, True),
+    ]
