@@ -3,14 +3,14 @@
 //
 // Work tiles (query tile of 64 rows per consumer, head, batch) are handed out at run time: the
 // producer takes the next one from a global counter (p.tile_counter) whenever it can load a new
-// Q, in the order a one-tile-per-block grid would run them, until none are left. The grid may
+// Q and passes its number on through shared memory, in the order a one-tile-per-block grid would run them, until none are left. The grid may
 // hold one block per tile, or fewer (persistent): then a block walks several tiles, and the
 // producer loads the next tile's Q and first K/V tiles while the consumers finish the last one
 // and store it; tiles of unequal (causal) work balance themselves.
 //
 // Roles:
-//  - warpgroup 0, the producer, gives most of its registers away (setmaxnreg) and one thread
-//    issues every copy: Q once, then K and V tiles into a kStages-deep shared-memory ring. Each
+//  - warpgroup 0, the producer, gives most of its registers away (setmaxnreg); in its first
+//    warp one thread takes the work tiles and issues every copy: Q once, then K and V tiles into a kStages-deep shared-memory ring. Each
 //    copy is a TMA box (64 columns x rows, 128-byte swizzle: the layout wgmma's descriptors
 //    read, cuflash/wgmma.cuh) completing on an mbarrier; rows past the end of a sequence arrive
 //    as zeros. Before reusing a slot it waits on that slot's `empty` mbarrier (K and V apart).
@@ -67,9 +67,13 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     auto full_v = [&](int slot) { return q_full + 16 + 8 * kStages + 8 * slot; };
     auto empty_k = [&](int slot) { return q_full + 16 + 16 * kStages + 8 * slot; };
     auto empty_v = [&](int slot) { return q_full + 16 + 24 * kStages + 8 * slot; };
-    // The tile whose Q the last q_full phase delivered (-1: no tiles left), written by the
-    // producer before it arrives on q_full, read by the consumers after they wait on it.
+    // The number of the block's next work tile (-1: none left), handed from the producer warp
+    // to the consumers through two named barriers: the producer writes it and arrives on
+    // kTileFull, the consumers sync there, read it and arrive on kTileEmpty, and the producer
+    // syncs there before writing the next one.
     const u32 current_tile = q_full + 16 + 32 * kStages;
+    constexpr int kTileFull = 14, kTileEmpty = 15;  // ids 1..kConsumers take turns (below)
+    constexpr int kTileThreads = 32 + 128 * kConsumers;
 
     const int tid = threadIdx.x;
     const int lane = tid % 32;
@@ -100,34 +104,40 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     auto phase_of = [](int c) { return static_cast<u32>((c / kStages) & 1); };
 
     if (warpgroup == 0) {
-        // ---- producer ----
+        // ---- producer: warp 0; its lane 0 takes tiles and issues every copy ----
         setmaxnreg_dec<Cfg::kProducerRegisters>();
-        if (tid != 0) return;
+        if (warp != 0) return;
+        const bool leader = lane == 0;
         constexpr u32 kQBytes = kBM * Cfg::kHeadDim * 2;
         constexpr u32 kTileBytes = kBN * Cfg::kHeadDim * 2;
         int ring = 0, q_count = 0;
         for (;;) {
-            const int tile = atomicAdd(p.tile_counter, 1);
-            // The consumers are done with the last Q (and have read its tile number).
-            if (q_count > 0) mbar_wait(q_empty, (q_count - 1) & 1);
-            if (tile >= work_tiles) {
-                st_shared(current_tile, -1);
-                mbar_arrive(q_full);
-                break;
+            int tile = 0;
+            if (leader) tile = atomicAdd(p.tile_counter, 1);
+            tile = __shfl_sync(0xffffffffu, tile, 0);
+            if (q_count > 0) {
+                mbar_wait(q_empty, (q_count - 1) & 1);              // the consumers are done with Q
+                named_barrier_sync(kTileEmpty, kTileThreads);      // and have read its tile number
             }
+            const bool done = tile >= work_tiles;
+            if (leader) st_shared(current_tile, done ? -1 : tile);
+            named_barrier_arrive(kTileFull, kTileThreads);
+            if (done) break;
             const Work work(p, tile, q_tiles);
             const int n_tiles = work.n_tiles;
-            st_shared(current_tile, tile);
-            mbar_arrive_expect_tx(q_full, kQBytes);
+            if (leader) {
+                mbar_arrive_expect_tx(q_full, kQBytes);
 #pragma unroll
-            for (int cb = 0; cb < kColBlocks; ++cb)
-                tma_load_4d(sQ + cb * kBM * 128, &maps.q, q_full, cb * 64, work.m0, work.head, work.batch);
+                for (int cb = 0; cb < kColBlocks; ++cb)
+                    tma_load_4d(sQ + cb * kBM * 128, &maps.q, q_full, cb * 64, work.m0, work.head, work.batch);
+            }
             ++q_count;
             // Key tile t (diagonal, masked tiles first) once tile c - kStages of the same ring
             // was released; issued in the order consumed: K_{t+1} before V_t.
             auto load = [&](const TensorMap* map, u32 ring_base, u32 full, u32 empty, int t) {
                 const int c = ring + t, slot = slot_of(c);
                 if (c >= kStages) mbar_wait(empty + 8 * slot, phase_of(c - kStages));
+                if (!leader) return;
                 const u32 dst = ring_base + slot * Cfg::kKVTileBytes;
                 mbar_arrive_expect_tx(full + 8 * slot, kTileBytes);
 #pragma unroll
@@ -144,7 +154,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         }
         // The last block to finish taking tiles sets the counter back to zero for the next launch.
         __threadfence();
-        if (atomicAdd(p.tile_counter + 1, 1) == gridDim.x - 1) {
+        if (leader && atomicAdd(p.tile_counter + 1, 1) == gridDim.x - 1) {
             p.tile_counter[0] = 0;
             p.tile_counter[1] = 0;
         }
@@ -177,9 +187,11 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
 
     int ring = 0;
     for (int q_count = 0;; ++q_count) {
-        mbar_wait(q_full, q_count & 1);
+        named_barrier_sync(kTileFull, kTileThreads);
         const int tile = ld_shared(current_tile);
         if (tile < 0) break;
+        named_barrier_arrive(kTileEmpty, kTileThreads);
+        mbar_wait(q_full, q_count & 1);
         const Work work(p, tile, q_tiles);
         const int n_tiles = work.n_tiles;
         float acc_s[1][kNT][4];
