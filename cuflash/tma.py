@@ -64,8 +64,21 @@ def _map(x, problem: Problem, heads: int, seqlen: int, strides: tuple, box_rows:
 
 
 def forward_maps(spec: KernelSpec, problem: Problem, q, k, v) -> np.ndarray:
-    """The FwdTensorMaps kernel parameter (maps of q, k, v) as a one-element void array."""
-    raw = (_map(q, problem, problem.heads, problem.seqlen_q, problem.q_strides, spec.block_m)
-           + _map(k, problem, problem.heads_k, problem.seqlen_k, problem.k_strides, spec.block_n)
-           + _map(v, problem, problem.heads_k, problem.seqlen_k, problem.v_strides, spec.block_n))
-    return np.frombuffer(raw, dtype=_MAPS)
+    """The FwdTensorMaps kernel parameter (maps of q, k, v) as a one-element void array. A call
+    that repeats the last arrays and geometry (a training or decoding loop) reuses its maps."""
+    key = (spec.block_m, spec.block_n, problem.dtype.tag, problem.batch, problem.heads, problem.heads_k,
+           problem.seqlen_q, problem.seqlen_k, problem.head_dim, problem.q_strides, problem.k_strides,
+           problem.v_strides, q.data.ptr, k.data.ptr, v.data.ptr)
+    maps = _forward_maps.get(key)
+    if maps is None:
+        raw = (_map(q, problem, problem.heads, problem.seqlen_q, problem.q_strides, spec.block_m)
+               + _map(k, problem, problem.heads_k, problem.seqlen_k, problem.k_strides, spec.block_n)
+               + _map(v, problem, problem.heads_k, problem.seqlen_k, problem.v_strides, spec.block_n))
+        maps = np.frombuffer(raw, dtype=_MAPS)
+        if len(_forward_maps) >= 256:
+            _forward_maps.clear()
+        _forward_maps[key] = maps
+    return maps
+
+
+_forward_maps: dict = {}

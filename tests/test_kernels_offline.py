@@ -152,7 +152,7 @@ def test_tma_readability_of_views():
 def test_tensor_maps_describe_q_k_v_in_kernel_order(monkeypatch):
     """forward_maps hands the driver (head_dim, seqlen, heads, batch) extents, byte strides (any
     value where an extent is 1), boxes of block_m (q) or block_n (k, v) rows, and packs the three
-    128-byte maps in the kernel's order."""
+    128-byte maps in the kernel's order; a repeated call reuses them."""
     from cuflash import dtypes, tma
     from cuflash.validate import Problem
 
@@ -163,6 +163,7 @@ def test_tensor_maps_describe_q_k_v_in_kernel_order(monkeypatch):
         return bytes([len(calls)]) * tma.MAP_BYTES
 
     monkeypatch.setattr(tma, "_encode", encode)
+    monkeypatch.setattr(tma, "_forward_maps", {})
     spec = KernelSpec(**_WS)
     problem = Problem(dtype=dtypes.from_tag("bf16"), batch=3, heads=8, heads_k=1, seqlen_q=300, seqlen_k=257,
                       head_dim=128, causal=False, scale=0.1, layout="bshd", device_id=0,
@@ -178,3 +179,4 @@ def test_tensor_maps_describe_q_k_v_in_kernel_order(monkeypatch):
         (8192, (128, 257, 1, 3), (128 * 2, 16, 257 * 128 * 2), 128, True),  # heads_k == 1: stride unused
         (12288, (128, 257, 1, 3), (128 * 2, 16, 257 * 128 * 2), 128, True),
     ]
+    assert tma.forward_maps(spec, problem, q, k, v) is maps and len(calls) == 3
