@@ -4,9 +4,10 @@ from __future__ import annotations
 import functools
 
 from . import compile as _compile
+from . import fp8 as _fp8
 from .launch import launch
 from .spec import KernelSpec, default_spec
-from .validate import Problem, aligned_for_async_copy, readable_by_tma, validate
+from .validate import Problem, aligned_for_async_copy, readable_by_tma, validate, validate_fp8_scales
 
 _arch_of_device: dict[int, str] = {}
 
@@ -19,30 +20,31 @@ def _arch(device_id: int) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _default(head_dim: int, dtype: str, causal: bool, device_id: int, family) -> KernelSpec:
-    return default_spec(head_dim, dtype, causal, _arch(device_id), family)
+def _default(head_dim: int, dtype: str, causal: bool, device_id: int, family, out_dtype=None) -> KernelSpec:
+    return default_spec(head_dim, dtype, causal, _arch(device_id), family, out_dtype)
 
 
-def select_spec(problem: Problem, family: str | None = None) -> KernelSpec:
+def select_spec(problem: Problem, family: str | None = None, out_dtype: str | None = None) -> KernelSpec:
     """The specialization cuflash runs for a validated problem on its device (of ``family``, or
-    of the default family there)."""
-    return _default(problem.head_dim, problem.dtype.tag, problem.causal, problem.device_id, family)
+    of the default family there; FP8 inputs: writing ``out_dtype``)."""
+    return _default(problem.head_dim, problem.dtype.tag, problem.causal, problem.device_id, family, out_dtype)
 
 
-def _check_forced_spec(spec, problem: Problem) -> KernelSpec:
+def _check_forced_spec(spec, problem: Problem, out_dtype: str | None = None) -> KernelSpec:
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"spec must be a cuflash.KernelSpec, got {type(spec).__name__}")
-    wanted = (problem.head_dim, problem.dtype.tag, problem.causal)
-    if (spec.head_dim, spec.dtype, spec.causal) != wanted:
+    wanted = (problem.head_dim, problem.dtype.tag, problem.causal, out_dtype or spec.out_dtype)
+    if (spec.head_dim, spec.dtype, spec.causal, spec.out_dtype) != wanted:
         raise ValueError(f"spec {spec.name} does not match the problem (head_dim={problem.head_dim}, "
-                         f"dtype={problem.dtype.tag}, causal={problem.causal})")
+                         f"dtype={problem.dtype.tag}, causal={problem.causal}, out_dtype={wanted[3]})")
     arch = _arch(problem.device_id)
     if spec.arch != arch:
         raise ValueError(f"spec {spec.name} targets {spec.arch} but device {problem.device_id} is {arch}")
     return spec
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd", family=None, spec=None):
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd", family=None, spec=None,
+              fp8_format=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Scaled dot-product attention, ``softmax(scale * q @ k^T) @ v``, without materializing the scores.
 
     Args:
@@ -60,13 +62,28 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             or ``"simt"`` (float32). Default: wgmma where it applies, else the dtype's portable one.
         spec: force a :class:`cuflash.KernelSpec` (for tuning and comparisons); it must match the
             problem's head_dim, dtype and causality and the device's target.
+        fp8_format: ``"e4m3"`` or ``"e5m2"``: q, k and v are 1-byte arrays (uint8) of FP8 codes
+            (:func:`cuflash.quantize_fp8`), and the scores are
+            ``scale * (q * q_descale) @ (k * k_descale)^T``, the values ``v * v_descale``.
+        q_descale, k_descale, v_descale: FP8 descale factors: a positive number (default 1), or
+            a float32 CuPy array shaped () or, one per (batch, head), (batch, heads) for q and
+            (batch, heads_k) for k and v.
+        out_dtype: FP8 output dtype, ``"bf16"`` (default) or ``"fp16"``.
 
     Returns:
-        The output in q's dtype and layout (rows with no key to attend are 0), and the LSE if
-        ``return_lse``. Runs on the current CuPy stream and device.
+        The output in q's dtype (FP8: ``out_dtype``) and layout (rows with no key to attend are
+        0), and the LSE if ``return_lse``. Runs on the current CuPy stream and device.
     """
     import cupy
 
+    if fp8_format is not None:
+        return _attention_fp8(q, k, v, causal=causal, scale=scale, return_lse=return_lse, layout=layout,
+                              family=family, spec=spec, fp8_format=fp8_format, q_descale=q_descale,
+                              k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype)
+    for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale),
+                        ("out_dtype", out_dtype)):
+        if value is not None:
+            raise ValueError(f"{name} applies to FP8 inputs only; pass fp8_format='e4m3' or 'e5m2'")
     problem = validate(q, k, v, causal=causal, scale=scale, layout=layout)
     with _on_device(problem.device_id):
         out = cupy.empty(problem.out_shape, dtype=q.dtype)
@@ -90,6 +107,62 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             out_strides = _out_strides(out, layout)
             launch(kernel, spec, problem, q, k, v, out, lse, out_strides)
     return (out, lse) if return_lse else out
+
+
+def _attention_fp8(q, k, v, *, causal, scale, return_lse, layout, family, spec, fp8_format, q_descale,
+                   k_descale, v_descale, out_dtype):
+    """FP8 inputs: the Hopper FP8 kernel where there is one, else the codes dequantized on the
+    device (to the output dtype) through the 16-bit kernels."""
+    import cupy
+
+    q, k, v = (x.view(cupy.uint8) if isinstance(x, cupy.ndarray) and x.dtype == cupy.int8 else x for x in (q, k, v))
+    problem = validate(q, k, v, causal=causal, scale=scale, layout=layout, fp8_format=fp8_format)
+    scales = validate_fp8_scales(problem, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                 out_dtype=out_dtype)
+    out_tag = scales.out_dtype.tag
+    with _on_device(problem.device_id):
+        if spec is None:
+            try:
+                spec = select_spec(problem, family, out_tag)
+            except ValueError:
+                if family is not None:
+                    raise
+                return _attention_fp8_dequantized(q, k, v, problem, scales, return_lse)
+        else:
+            spec = _check_forced_spec(spec, problem, out_tag)
+        out = cupy.empty(problem.out_shape, dtype=scales.out_dtype.numpy)
+        lse = cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
+        if problem.empty:
+            pass
+        elif problem.seqlen_k == 0:
+            out.fill(0)
+            lse.fill(-cupy.inf)
+        else:
+            if problem.scale <= 0:
+                q, k, scale = _positive_scale(q, k, problem.scale)
+                problem = validate(q, k, v, causal=causal, scale=scale, layout=layout, fp8_format=fp8_format)
+            if not (readable_by_tma(q) and readable_by_tma(k)):
+                q, k = (x if readable_by_tma(x) else cupy.ascontiguousarray(x) for x in (q, k))
+                problem = validate(q, k, v, causal=causal, scale=scale, layout=layout, fp8_format=fp8_format)
+            kernel = _compile.get_kernel(spec, problem.device_id)
+            launch(kernel, spec, problem, q, k, _fp8.v_operand(v, layout), out, lse, _out_strides(out, layout),
+                   scales)
+    return (out, lse) if return_lse else out
+
+
+def _attention_fp8_dequantized(q, k, v, problem: Problem, scales, return_lse):
+    """FP8 codes -> the output dtype (times their descales) on the device, then the 16-bit kernel."""
+    import cupy
+
+    fmt, layout = problem.dtype.tag, problem.layout
+
+    def values(x, descale):
+        factor = descale.reshape(()) if descale.ndim == 1 else \
+            descale[:, :, None, None] if layout == "bhsd" else descale[:, None, :, None]
+        return (_fp8.from_fp8_bits(x, fmt) * factor).astype(scales.out_dtype.numpy)
+
+    return attention(values(q, scales.q_descale), values(k, scales.k_descale), values(v, scales.v_descale),
+                     causal=problem.causal, scale=problem.scale, return_lse=return_lse, layout=layout)
 
 
 class _Nothing:

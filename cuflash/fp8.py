@@ -201,5 +201,33 @@ def random_rotation(head_dim: int, seed: int = 0, xp=np):
     return xp.asarray(matrix.astype(np.float32))
 
 
-__all__ = ["FORMATS", "GRANULARITIES", "quantize_fp8", "dequantize_fp8", "to_fp8_bits", "from_fp8_bits",
+#: Keys of V^T are grouped by 16 in the kernel's operand (see :func:`v_operand`).
+V_KEY_GROUP = 16
+
+
+def v_operand(v, layout: str = "bhsd"):
+    """V's FP8 codes laid out as the Hopper FP8 kernel reads them: V^T, [batch, heads_k,
+    head_dim, keys], keys padded with zero codes to a multiple of 16 and, within each 16, in the
+    order 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15.
+
+    FP8 matrix products read both operands K-major, so P V needs V with the keys contiguous.
+    The order inside each 16 keys is the one in which a thread's softmax probabilities already
+    sit as the A operand (slot 4t + 2b + e holds key 8b + 2t + e), so they need no exchange
+    between threads; the sum over keys does not depend on their order. One pass over V.
+    """
+    xp = _xp(v)
+    vb = v if layout == "bhsd" else v.transpose(0, 2, 1, 3)
+    b, h, s, d = vb.shape
+    padded = -(-s // V_KEY_GROUP) * V_KEY_GROUP
+    if padded != s:
+        full = xp.zeros((b, h, padded, d), dtype=xp.uint8)
+        full[:, :, :s] = vb
+        vb = full
+    # key = 16 c + 8 b' + 2 t + e  ->  slot = 16 c + 4 t + 2 b' + e
+    grouped = vb.reshape(b, h, padded // 16, 2, 4, 2, d)          # (.., c, b', t, e, d)
+    out = xp.ascontiguousarray(grouped.transpose(0, 1, 6, 2, 4, 3, 5))  # (.., d, c, t, b', e)
+    return out.reshape(b, h, d, padded)
+
+
+__all__ = ["FORMATS", "v_operand", "GRANULARITIES", "quantize_fp8", "dequantize_fp8", "to_fp8_bits", "from_fp8_bits",
            "random_rotation"]

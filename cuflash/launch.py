@@ -12,7 +12,7 @@ import struct
 import numpy as np
 
 from .spec import BWD_PARAM_FIELDS, PARAM_FIELDS, BwdSpec, KernelSpec, ceil_div
-from .validate import Problem
+from .validate import Fp8Scales, Problem
 
 _FORMATS = {"u8": "Q", "i8": "q", "i4": "i", "f4": "f"}
 _STRUCT = struct.Struct("<" + "".join(_FORMATS[fmt] for _, _, fmt in PARAM_FIELDS))
@@ -66,24 +66,31 @@ def _tile_counter(device_id: int):
     return counter
 
 
-def pack_params(problem: Problem, q, k, v, out, lse, out_strides, tile_counter: int = 0) -> np.ndarray:
-    """The parameter block as a one-element void array, which CuPy passes by value."""
+def pack_params(problem: Problem, q, k, v, out, lse, out_strides, tile_counter: int = 0,
+                scales: Fp8Scales | None = None) -> np.ndarray:
+    """The parameter block as a one-element void array, which CuPy passes by value. ``scales``:
+    the descales of an FP8 call."""
+    descales = (0, 0, 0) if scales is None else \
+        (scales.q_descale.data.ptr, scales.k_descale.data.ptr, scales.v_descale.data.ptr)
+    descale_strides = (0, 0, 0, 0) if scales is None else (*scales.q_strides, *scales.kv_strides)
     raw = _STRUCT.pack(
-        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, tile_counter,
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, tile_counter, *descales,
         *problem.q_strides, *problem.k_strides, *problem.v_strides, *out_strides,
         problem.heads, problem.heads // max(problem.heads_k, 1),
         problem.seqlen_q, problem.seqlen_k,
-        problem.scale * _LOG2E, problem.batch,
+        problem.scale * _LOG2E, problem.batch, *descale_strides,
     )
     return np.frombuffer(raw, dtype=_PARAMS)
 
 
-def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides) -> None:
-    """Launch on the current CuPy stream."""
+def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides,
+           scales: Fp8Scales | None = None) -> None:
+    """Launch on the current CuPy stream. FP8 (``spec.fp8``): v is V^T as fp8.v_operand lays it
+    out, and ``scales`` holds the descales."""
     if spec.warp_specialized:
         from .tma import forward_maps
         counter = _tile_counter(problem.device_id)
-        args = (pack_params(problem, q, k, v, out, lse, out_strides, counter.data.ptr),
+        args = (pack_params(problem, q, k, v, out, lse, out_strides, counter.data.ptr, scales),
                 forward_maps(spec, problem, q, k, v))
     else:
         args = (pack_params(problem, q, k, v, out, lse, out_strides),)

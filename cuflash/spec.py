@@ -57,8 +57,8 @@ def _problem_fields(head_dim: int, dtype: str, arch: str) -> list[str]:
     problems = []
     if head_dim not in HEAD_DIMS:
         problems.append(f"head_dim={head_dim} (supported: multiples of 8 from 8 to 256)")
-    if dtype not in dtypes.DTYPES:
-        problems.append(f"dtype={dtype!r} (supported: {sorted(dtypes.DTYPES)})")
+    if dtype not in dtypes.DTYPES and dtype not in dtypes.FP8_DTYPES:
+        problems.append(f"dtype={dtype!r} (supported: {sorted(dtypes.DTYPES) + sorted(dtypes.FP8_DTYPES)})")
     if arch not in SMEM_LIMIT:
         problems.append(f"arch={arch!r} (supported: {list(SMEM_LIMIT)})")
     return problems
@@ -80,12 +80,25 @@ class KernelSpec:
     family: str = ""          # kernel family; "" picks the portable one for the dtype (see FAMILIES)
     warp_specialized: bool = False  # wgmma: a TMA producer warpgroup feeds two consumer warpgroups
     pingpong: bool = False    # warp-specialized: the consumers take turns on the tensor cores
+    out_dtype: str = ""       # output dtype tag; "" means the input dtype (FP8 inputs: "bf16")
 
     def __post_init__(self):
         if not self.family:
             portable = "mma" if self.dtype in dtypes.DTYPES and dtypes.DTYPES[self.dtype].tensor_core else "simt"
-            object.__setattr__(self, "family", portable)
+            object.__setattr__(self, "family", "wgmma" if self.dtype in dtypes.FP8_DTYPES else portable)
+        if not self.out_dtype:
+            object.__setattr__(self, "out_dtype", "bf16" if self.dtype in dtypes.FP8_DTYPES else self.dtype)
         problems = _problem_fields(self.head_dim, self.dtype, self.arch)
+        if self.dtype in dtypes.FP8_DTYPES:
+            if self.out_dtype not in dtypes.FP8_OUT_TAGS:
+                problems.append(f"out_dtype={self.out_dtype!r} (FP8 inputs: one of {dtypes.FP8_OUT_TAGS})")
+            if self.family != "wgmma" or not self.warp_specialized:
+                problems.append(f"FP8 inputs run on the warp-specialized wgmma kernel only (family={self.family!r}, "
+                                f"warp_specialized={self.warp_specialized})")
+            if self.block_n != 128:
+                problems.append(f"block_n={self.block_n} must be 128 for FP8 (one 128-byte row of V^T per tile)")
+        elif self.out_dtype != self.dtype:
+            problems.append(f"out_dtype={self.out_dtype!r} must equal dtype={self.dtype!r} (only FP8 inputs choose it)")
         if self.num_warps not in (1, 2, 4, 8, 12, 16):
             problems.append(f"num_warps={self.num_warps} (1, 2, 4, 8, 12 or 16)")
         if self.family not in FAMILIES:
@@ -93,7 +106,7 @@ class KernelSpec:
         if problems:
             raise ValueError("invalid kernel spec: " + "; ".join(problems))
         if self.family == "wgmma":
-            if self.arch != "sm90a" or not dtypes.DTYPES[self.dtype].tensor_core:
+            if self.arch != "sm90a" or not dtypes.from_tag(self.dtype).tensor_core:
                 problems.append(f"the wgmma family needs arch sm90a and fp16/bf16 (got {self.arch}, {self.dtype})")
             if self.head_dim % (32 if self.warp_specialized else 64):
                 problems.append(f"head_dim={self.head_dim} must be a multiple of 64 for wgmma "
@@ -146,7 +159,8 @@ class KernelSpec:
         family = "_wgmma" if self.family == "wgmma" else ""
         if self.warp_specialized:
             family += "ws" + ("p" if self.pingpong else "")
-        return (f"fwd_{self.dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
+        dtype = self.dtype + ("o" + self.out_dtype if self.fp8 else "")
+        return (f"fwd_{dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
                 f"w{self.num_warps}s{self.num_stages}{overlap}{family}_{self.arch}")
 
     def replace(self, **changes) -> "KernelSpec":
@@ -163,8 +177,23 @@ class KernelSpec:
         return self.family != "simt"
 
     @property
+    def fp8(self) -> bool:
+        """Inputs are FP8 codes (e4m3 / e5m2): native FP8 wgmma, V read as V^T (fp8.v_operand)."""
+        return self.dtype in dtypes.FP8_DTYPES
+
+    @property
     def elem_bytes(self) -> int:
-        return dtypes.DTYPES[self.dtype].itemsize
+        return dtypes.from_tag(self.dtype).itemsize
+
+    @property
+    def col_block_elems(self) -> int:
+        """wgmma: elements of one 128-byte column block (the swizzle's span; one TMA box wide)."""
+        return 128 // self.elem_bytes
+
+    @property
+    def pv_k(self) -> int:
+        """wgmma: keys per k-step of O += P V (16 for 16-bit operands, 32 for FP8)."""
+        return 32 // self.elem_bytes
 
     @property
     def chunks_per_row(self) -> int:
@@ -194,14 +223,16 @@ class KernelSpec:
     @property
     def smem_barriers_offset(self) -> int:
         """wgmma: byte offset of the mbarriers, after Q and the K/V ring."""
-        return (self.block_m + 2 * self.num_stages * self.block_n) * self.padded_head_dim * 2
+        return (self.block_m + 2 * self.num_stages * self.block_n) * self.padded_head_dim * self.elem_bytes
 
     @property
     def padded_head_dim(self) -> int:
-        """wgmma: head_dim rounded up to whole 64-column (128-byte) swizzle blocks. The
-        warp-specialized kernel computes on the padded width: TMA fills the missing columns with
-        zeros, which add nothing to QK^T, and the output's extra columns are not stored."""
-        return ceil_div(self.head_dim, 64) * 64 if self.family == "wgmma" else self.head_dim
+        """wgmma: head_dim rounded up to whole 128-byte swizzle blocks (64 columns, 128 for FP8).
+        The warp-specialized kernel computes on the padded width: TMA fills the missing columns
+        with zeros, which add nothing to QK^T, and the output's extra columns are not stored."""
+        if self.family != "wgmma":
+            return self.head_dim
+        return ceil_div(self.head_dim, self.col_block_elems) * self.col_block_elems
 
     #: wgmma, warp-specialized: registers each producer thread keeps after setmaxnreg (one
     #: thread issues TMA copies; the rest of the warpgroup only waits).
@@ -288,6 +319,10 @@ SIMT_DEFAULTS = (
 #: measured choices per (head_dim, causal) to tuned_defaults.WGMMA_TABLE, which takes precedence.
 WGMMA_DEFAULTS = {64: (192, 128, 2), 96: (128, 128, 2), 128: (128, 128, 2), 192: (128, 96, 2), 256: (128, 80, 2)}
 
+#: Tiles of the FP8 Hopper kernel: head_dim -> (block_m, block_n, num_stages), same schedule; keys
+#: come 128 per tile (one 128-byte swizzled row of V^T), head dim 64 is computed padded to 128.
+FP8_WGMMA_DEFAULTS = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 128, 2)}
+
 
 def default_family(head_dim: int, dtype: str, arch: str) -> str:
     """The family cuflash runs by default: wgmma on Hopper where it has a specialization, else
@@ -300,11 +335,20 @@ def default_family(head_dim: int, dtype: str, arch: str) -> str:
     return "mma"
 
 
-def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str | None = None) -> KernelSpec:
+def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str | None = None,
+                 out_dtype: str | None = None) -> KernelSpec:
     """The default specialization for a problem. ``family`` (default: :func:`default_family`)
     picks the kernel family; the mma family's tiles come from the tuned table (fastest spill-free
-    candidate, see :mod:`cuflash.tune`), else the first candidate that fits the target."""
+    candidate, see :mod:`cuflash.tune`), else the first candidate that fits the target. FP8
+    inputs (``dtype`` "e4m3"/"e5m2", output ``out_dtype``) have the Hopper kernel only."""
     entry = dtypes.from_tag(dtype)
+    if entry.tag in dtypes.FP8_DTYPES:
+        if arch != "sm90a" or head_dim not in FP8_WGMMA_DEFAULTS or family not in (None, "wgmma"):
+            raise ValueError(f"FP8 attention has a kernel for head dims {sorted(FP8_WGMMA_DEFAULTS)} on sm90a "
+                             f"(family wgmma); got head_dim={head_dim}, arch={arch}, family={family}")
+        bm, bn, stages = FP8_WGMMA_DEFAULTS[head_dim]
+        return KernelSpec(head_dim, entry.tag, causal, bm, bn, 4 + bm // 16, stages, arch, overlap=True,
+                          family="wgmma", warp_specialized=True, pingpong=True, out_dtype=out_dtype or "bf16")
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} is not supported (multiples of 8 from 8 to 256)")
     if arch not in SMEM_LIMIT:
@@ -345,6 +389,14 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
             if spec:
                 return spec
     raise ValueError(f"no kernel for head_dim={head_dim}, dtype={dtype} fits the shared memory of {arch}")
+
+
+def all_fp8_specs(arch: str = "sm90a", causal=(False, True)) -> list[KernelSpec]:
+    """Every FP8 specialization of a target: formats x head dims x causal x output dtypes."""
+    if arch != "sm90a":
+        return []
+    return [default_spec(d, t, c, arch, out_dtype=o) for t in dtypes.FP8_DTYPES for d in FP8_WGMMA_DEFAULTS
+            for c in causal for o in dtypes.FP8_OUT_TAGS]
 
 
 def all_default_specs(arch: str, dtype_tags=None, causal=(False, True), family=None) -> list[KernelSpec]:
@@ -672,6 +724,9 @@ PARAM_FIELDS = (
     ("q", "const void*", "u8"), ("k", "const void*", "u8"), ("v", "const void*", "u8"),
     ("o", "void*", "u8"), ("lse", "float*", "u8"),
     ("tile_counter", "int*", "u8"),  # warp-specialized kernel: [next work tile, blocks done], zero between launches
+    # FP8 inputs: descale factors, per tensor (strides 0) or per (batch, head); q's over query
+    # heads, k's and v's over key/value heads
+    ("q_descale", "const float*", "u8"), ("k_descale", "const float*", "u8"), ("v_descale", "const float*", "u8"),
     ("q_batch_stride", "long long", "i8"), ("q_head_stride", "long long", "i8"), ("q_row_stride", "long long", "i8"),
     ("k_batch_stride", "long long", "i8"), ("k_head_stride", "long long", "i8"), ("k_row_stride", "long long", "i8"),
     ("v_batch_stride", "long long", "i8"), ("v_head_stride", "long long", "i8"), ("v_row_stride", "long long", "i8"),
@@ -679,6 +734,8 @@ PARAM_FIELDS = (
     ("heads", "int", "i4"), ("group", "int", "i4"),          # query heads; query heads per kv head
     ("seqlen_q", "int", "i4"), ("seqlen_k", "int", "i4"),
     ("scale_log2", "float", "f4"), ("batch", "int", "i4"),   # softmax scale * log2(e)
+    ("q_descale_batch_stride", "int", "i4"), ("q_descale_head_stride", "int", "i4"),
+    ("kv_descale_batch_stride", "int", "i4"), ("kv_descale_head_stride", "int", "i4"),
 )
 
 

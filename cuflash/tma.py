@@ -30,19 +30,21 @@ def _driver():
     return driver
 
 
+_DATA_TYPES = {"bf16": "BFLOAT16", "fp16": "FLOAT16", "e4m3": "UINT8", "e5m2": "UINT8"}
+
+
 @functools.lru_cache(maxsize=4096)
-def _encode(ptr: int, dims: tuple, strides: tuple, box_rows: int, bf16: bool) -> bytes:
-    """One map of a (head_dim, seqlen, heads, batch) tensor of 16-bit floats, read in boxes of
-    64 columns (128 bytes, the swizzle's span) by box_rows rows, 128-byte swizzle, zeros out of
-    bounds."""
+def _encode(ptr: int, dims: tuple, strides: tuple, box: tuple, dtype_tag: str) -> bytes:
+    """One map of a 4-d tensor (innermost dim first; 16-bit floats or FP8 bytes), read in boxes
+    of box[0] elements (128 bytes, the swizzle's span) by box[1] rows, 128-byte swizzle, zeros
+    out of bounds."""
     driver = _driver()
-    dtype = (driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if bf16
-             else driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+    dtype = getattr(driver.CUtensorMapDataType, "CU_TENSOR_MAP_DATA_TYPE_" + _DATA_TYPES[dtype_tag])
     err, tensor_map = driver.cuTensorMapEncodeTiled(
         dtype, 4, ptr,
         [driver.cuuint64_t(d) for d in dims],
         [driver.cuuint64_t(s) for s in strides],
-        [driver.cuuint32_t(b) for b in (64, box_rows, 1, 1)],
+        [driver.cuuint32_t(b) for b in (*box, 1, 1)],
         [driver.cuuint32_t(1)] * 4,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
@@ -51,16 +53,17 @@ def _encode(ptr: int, dims: tuple, strides: tuple, box_rows: int, bf16: bool) ->
     )
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err.name}) for dims={dims}, byte strides={strides}, "
-                           f"box=(64, {box_rows})")
+                           f"box={box}")
     return struct.pack("<16Q", *(int(word) for word in tensor_map.opaque))
 
 
-def _map(x, problem: Problem, heads: int, seqlen: int, strides: tuple, box_rows: int) -> bytes:
-    extents = (problem.batch, heads, seqlen)
+def _map(x, problem: Problem, heads: int, rows: int, strides: tuple, box: tuple, row_len: int) -> bytes:
+    """Map of a (row_len, rows, heads, batch) tensor with (batch, head, row) element strides."""
+    extents = (problem.batch, heads, rows)
     # An extent of 1 may carry any stride (validate.readable_by_tma); give the driver one it accepts.
     batch_s, head_s, row_s = (s * x.itemsize if e > 1 else 16 for e, s in zip(extents, strides))
-    return _encode(x.data.ptr, (problem.head_dim, seqlen, heads, problem.batch), (row_s, head_s, batch_s),
-                   box_rows, problem.dtype.tag == "bf16")
+    return _encode(x.data.ptr, (row_len, rows, heads, problem.batch), (row_s, head_s, batch_s), box,
+                   problem.dtype.tag)
 
 
 def forward_maps(spec: KernelSpec, problem: Problem, q, k, v) -> np.ndarray:
@@ -71,9 +74,15 @@ def forward_maps(spec: KernelSpec, problem: Problem, q, k, v) -> np.ndarray:
            problem.v_strides, q.data.ptr, k.data.ptr, v.data.ptr)
     maps = _forward_maps.get(key)
     if maps is None:
-        raw = (_map(q, problem, problem.heads, problem.seqlen_q, problem.q_strides, spec.block_m)
-               + _map(k, problem, problem.heads_k, problem.seqlen_k, problem.k_strides, spec.block_n)
-               + _map(v, problem, problem.heads_k, problem.seqlen_k, problem.v_strides, spec.block_n))
+        cols, d = spec.col_block_elems, problem.head_dim
+        raw = (_map(q, problem, problem.heads, problem.seqlen_q, problem.q_strides, (cols, spec.block_m), d)
+               + _map(k, problem, problem.heads_k, problem.seqlen_k, problem.k_strides, (cols, spec.block_n), d))
+        if spec.fp8:  # V^T [batch, heads_k, head_dim, keys]: boxes of block_n keys by every head-dim row
+            b_s, h_s, r_s, _ = (s // v.itemsize for s in v.strides)
+            raw += _map(v, problem, problem.heads_k, d, (b_s, h_s, r_s), (spec.block_n, spec.padded_head_dim),
+                        v.shape[3])
+        else:
+            raw += _map(v, problem, problem.heads_k, problem.seqlen_k, problem.v_strides, (cols, spec.block_n), d)
         maps = np.frombuffer(raw, dtype=_MAPS)
         if len(_forward_maps) >= 256:
             _forward_maps.clear()

@@ -8,6 +8,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import dtypes
 from .spec import HEAD_DIMS
 
@@ -58,7 +60,7 @@ def _dims(x, layout):
     return (b, s1, s0, d), (st[0], st[2], st[1])
 
 
-def validate(q, k, v, *, causal, scale, layout) -> Problem:
+def validate(q, k, v, *, causal, scale, layout, fp8_format=None) -> Problem:
     import cupy
 
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -74,7 +76,14 @@ def validate(q, k, v, *, causal, scale, layout) -> Problem:
             raise ValueError(f"{name} must be 4-d ({layout}), got {name}.shape={x.shape}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype; got q.dtype={q.dtype}, k.dtype={k.dtype}, v.dtype={v.dtype}")
-    entry = dtypes.from_numpy(q.dtype)
+    if fp8_format is None:
+        entry = dtypes.from_numpy(q.dtype)
+    else:
+        if fp8_format not in dtypes.FP8_DTYPES:
+            raise ValueError(f"fp8_format={fp8_format!r} is not supported; use 'e4m3' or 'e5m2'")
+        if q.dtype.itemsize != 1:
+            raise TypeError(f"fp8_format={fp8_format!r} takes 1-byte arrays of FP8 codes (uint8); got dtype {q.dtype}")
+        entry = dtypes.FP8_DTYPES[fp8_format]
     devices = (q.device.id, k.device.id, v.device.id) if q.data.device_id != k.data.device_id or \
         q.data.device_id != v.data.device_id else (q.data.device_id,) * 3
     if len(set(devices)) != 1:
@@ -110,6 +119,86 @@ def validate(q, k, v, *, causal, scale, layout) -> Problem:
     return Problem(dtype=entry, batch=b, heads=hq, heads_k=hk, seqlen_q=sq, seqlen_k=sk, head_dim=d,
                    causal=bool(causal), scale=scale, layout=layout, device_id=devices[0],
                    q_strides=q_strides, k_strides=k_strides, v_strides=v_strides)
+
+
+@dataclass(slots=True)
+class Fp8Scales:
+    """The validated extras of an FP8 call: the output dtype and the descale factors as float32
+    device arrays, with (batch, head) element strides (0 for one factor per tensor); k and v
+    share theirs."""
+
+    out_dtype: dtypes.DType
+    q_descale: object
+    k_descale: object
+    v_descale: object
+    q_strides: tuple
+    kv_strides: tuple
+
+
+_ONES: dict = {}
+
+
+def _descale_array(name, value, shape, device_id):
+    """A descale as a float32 device array of shape (1,) (per tensor) or ``shape`` (per head)."""
+    import cupy
+
+    if value is None or isinstance(value, numbers.Real) and not isinstance(value, bool):
+        value = 1.0 if value is None else float(value)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}={value} must be a positive finite number")
+        key = (device_id, value)
+        array = _ONES.get(key)
+        if array is None:
+            with cupy.cuda.Device(device_id):
+                array = cupy.full((1,), value, dtype=cupy.float32)
+            if len(_ONES) >= 64:
+                _ONES.clear()
+            _ONES[key] = array
+        return array
+    if isinstance(value, (np.ndarray, np.generic)):
+        with cupy.cuda.Device(device_id):
+            value = cupy.asarray(value)
+    if not isinstance(value, cupy.ndarray):
+        raise TypeError(f"{name} must be a number or a float32 array, got {type(value).__name__}")
+    if value.dtype.kind != "f":
+        raise TypeError(f"{name}.dtype={value.dtype} must be a floating dtype (float32)")
+    if value.data.device_id != device_id:
+        raise ValueError(f"{name} is on device {value.data.device_id}, q on device {device_id}")
+    if value.shape in ((), (1,)):
+        return value.reshape(1).astype(cupy.float32, copy=False)
+    if value.shape != shape:
+        raise ValueError(f"{name}.shape={value.shape} must be () (per tensor) or {shape} (per batch and head)")
+    return value.astype(cupy.float32, copy=False)
+
+
+def validate_fp8_scales(problem: Problem, *, q_descale, k_descale, v_descale, out_dtype) -> Fp8Scales:
+    """Check an FP8 call's descales and output dtype. Descales are numbers (positive, finite) or
+    float arrays shaped () or (batch, heads) for q and (batch, heads_k) for k and v. Values in
+    device arrays are not read back (that would stop the host): the kernel gives NaN rows where
+    q's and k's factors multiply to a negative number."""
+    import cupy
+
+    tag = "bf16" if out_dtype is None else out_dtype
+    try:
+        out = dtypes.from_tag(tag) if isinstance(tag, str) else dtypes.from_numpy(tag)
+    except (TypeError, ValueError):
+        out = None
+    if out is None or out.tag not in dtypes.FP8_OUT_TAGS:
+        raise ValueError(f"out_dtype={out_dtype!r} is not supported for FP8 inputs; use 'bf16' or 'fp16'")
+    b, dev = problem.batch, problem.device_id
+    qd = _descale_array("q_descale", q_descale, (b, problem.heads), dev)
+    kd = _descale_array("k_descale", k_descale, (b, problem.heads_k), dev)
+    vd = _descale_array("v_descale", v_descale, (b, problem.heads_k), dev)
+    if kd.shape != vd.shape:  # one pair of strides for both: give both one factor per head
+        with cupy.cuda.Device(dev):
+            kd, vd = (cupy.ascontiguousarray(cupy.broadcast_to(x.reshape(()) if x.ndim == 1 else x,
+                                                               (b, problem.heads_k))) for x in (kd, vd))
+
+    def strides(x):
+        return (0, 0) if x.ndim == 1 else tuple(st // x.itemsize for st in x.strides)
+
+    return Fp8Scales(out_dtype=out, q_descale=qd, k_descale=kd, v_descale=vd, q_strides=strides(qd),
+                     kv_strides=strides(kd))
 
 
 def aligned_for_async_copy(x) -> bool:

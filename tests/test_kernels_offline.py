@@ -158,8 +158,8 @@ def test_tensor_maps_describe_q_k_v_in_kernel_order(monkeypatch):
 
     calls = []
 
-    def encode(ptr, dims, strides, box_rows, bf16):
-        calls.append((ptr, dims, strides, box_rows, bf16))
+    def encode(ptr, dims, strides, box, dtype_tag):
+        calls.append((ptr, dims, strides, box, dtype_tag))
         return bytes([len(calls)]) * tma.MAP_BYTES
 
     monkeypatch.setattr(tma, "_encode", encode)
@@ -175,8 +175,8 @@ def test_tensor_maps_describe_q_k_v_in_kernel_order(monkeypatch):
     maps = tma.forward_maps(spec, problem, q, k, v)
     assert maps.dtype.itemsize == 3 * tma.MAP_BYTES and bytes(maps[0])[::128] == b"\x01\x02\x03"
     assert calls == [
-        (4096, (128, 300, 8, 3), (8 * 128 * 2, 128 * 2, 300 * 8 * 128 * 2), 128, True),
-        (8192, (128, 257, 1, 3), (128 * 2, 16, 257 * 128 * 2), 128, True),  # heads_k == 1: stride unused
-        (12288, (128, 257, 1, 3), (128 * 2, 16, 257 * 128 * 2), 128, True),
+        (4096, (128, 300, 8, 3), (8 * 128 * 2, 128 * 2, 300 * 8 * 128 * 2), (64, 128), "bf16"),
+        (8192, (128, 257, 1, 3), (128 * 2, 16, 257 * 128 * 2), (64, 128), "bf16"),  # heads_k == 1: stride unused
+        (12288, (128, 257, 1, 3), (128 * 2, 16, 257 * 128 * 2), (64, 128), "bf16"),
     ]
     assert tma.forward_maps(spec, problem, q, k, v) is maps and len(calls) == 3

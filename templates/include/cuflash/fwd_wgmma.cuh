@@ -21,13 +21,14 @@
 namespace cuflash {
 
 // S = Q K^T for one warpgroup's 64 query rows (q_rows: their first column block) against the
-// key tile at k_tile: both operands K-major in shared memory, 128-byte swizzled; k=16 steps are
-// 32 bytes apart inside a 64-column block. Issued and committed; the caller waits.
+// key tile at k_tile: both operands K-major in shared memory, 128-byte swizzled; k-steps (16
+// elements, 32 for FP8) are 32 bytes apart inside a 128-byte column block. Issued and
+// committed; the caller waits.
 template <class Cfg>
 __device__ __forceinline__ void issue_scores(float (&acc)[Cfg::kBlockN / 8][4], u32 q_rows, u32 k_tile) {
     wgmma_fence();
 #pragma unroll
-    for (int cb = 0; cb < Cfg::kHeadDim / 64; ++cb)
+    for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)
             Cfg::wgmma_qk(acc, smem_desc(q_rows + cb * Cfg::kBlockM * 128 + ks * 32, 16, 1024),
@@ -35,24 +36,34 @@ __device__ __forceinline__ void issue_scores(float (&acc)[Cfg::kBlockN / 8][4], 
     wgmma_commit();
 }
 
-// P (the softmax numerators in the S accumulators) rounded to 16 bits, as wgmma's A operand.
+// P (the softmax numerators in the S accumulators) as wgmma's A operand: rounded to 16 bits,
+// or (FP8) to e4m3, 32 keys per k-step in the order of fp8_probs_operand.
 template <class Cfg>
-__device__ __forceinline__ void probs_registers(u32 (&probs)[Cfg::kBlockN / 16][4], const float (&acc)[Cfg::kBlockN / 8][4]) {
+__device__ __forceinline__ void probs_registers(u32 (&probs)[Cfg::kBlockN / Cfg::kPVStep][4],
+                                                const float (&acc)[Cfg::kBlockN / 8][4]) {
 #pragma unroll
-    for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) probs_operand<Cfg::kBF16>(probs[kk], acc, kk);
+    for (int kk = 0; kk < Cfg::kBlockN / Cfg::kPVStep; ++kk) {
+        if constexpr (Cfg::kFp8) fp8_probs_operand(probs[kk], acc, kk);
+        else probs_operand<Cfg::kBF16>(probs[kk], acc, kk);
+    }
 }
 
 // O += P V: P from registers (settled before the call: wgmma reads them asynchronously), V
-// (keys x head_dim, head_dim contiguous) read transposed; 16 keys are 2048 bytes apart.
+// (keys x head_dim, head_dim contiguous) read transposed, 16 keys 2048 bytes apart; FP8: V^T
+// (head_dim rows of 128 keys), K-major, 32 keys 32 bytes apart.
 // Issued and committed; the caller waits.
 template <class Cfg>
-__device__ __forceinline__ void issue_pv(float (&acc_o)[Cfg::kHeadDim / 8][4], const u32 (&probs)[Cfg::kBlockN / 16][4],
-                                         u32 v_tile) {
+__device__ __forceinline__ void issue_pv(float (&acc_o)[Cfg::kHeadDim / 8][4],
+                                         const u32 (&probs)[Cfg::kBlockN / Cfg::kPVStep][4], u32 v_tile) {
     fence_operands(acc_o);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk)
-        Cfg::wgmma_pv(acc_o, probs[kk], smem_desc(v_tile + kk * 2048, Cfg::kVLeadingBytes, Cfg::kVStrideBytes), 1);
+    for (int kk = 0; kk < Cfg::kBlockN / Cfg::kPVStep; ++kk) {
+        if constexpr (Cfg::kFp8)
+            Cfg::wgmma_pv(acc_o, probs[kk], smem_desc(v_tile + kk * 32, 16, 1024), 1);
+        else
+            Cfg::wgmma_pv(acc_o, probs[kk], smem_desc(v_tile + kk * 2048, Cfg::kVLeadingBytes, Cfg::kVStrideBytes), 1);
+    }
     wgmma_commit();
 }
 

@@ -25,6 +25,13 @@
 // blocks, TMA fills the columns past kHeadDimStored with zeros (they add nothing to Q K^T, and V's
 // give output columns that are not stored).
 //
+// FP8 inputs (kFp8): Q, K and V are 1-byte e4m3/e5m2 codes and both products run on FP8 wgmma
+// (k=32). Column blocks are 128 elements wide (head dims pad to multiples of 128). FP8 operands
+// must be K-major, so V arrives as V^T (head_dim rows of keys, cuflash.fp8.v_operand) and each
+// key tile of it is one TMA box of 128 keys by kHeadDim rows. P is scaled by 2^8 and rounded to
+// e4m3 in registers (fp8_probs_operand); the descale factors of q and k multiply the softmax
+// scale and v's multiplies the output.
+//
 // The generated kernel provides Cfg with kHeadDim, kHeadDimStored, kBlockM (128 or 192),
 // kBlockN, kStages, kCausal, kBF16, kPingPong, kProducerRegisters, kComputeRegisters, kSmemQ,
 // kSmemK, kSmemV, kSmemBarriers, kKVTileBytes, kVLeadingBytes, kVStrideBytes, the Params struct,
@@ -47,7 +54,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     constexpr int kBN = Cfg::kBlockN;
     constexpr int kNT = kBN / 8;            // n=8 tiles of S per warp
     constexpr int kOT = Cfg::kHeadDim / 8;  // n=8 tiles of O per warp
-    constexpr int kColBlocks = Cfg::kHeadDim / 64;
+    constexpr int kColBlocks = Cfg::kColBlocks;
     constexpr int kStages = Cfg::kStages;
     constexpr int kConsumers = kBM / 64;
     constexpr int kConsumerWarps = 4 * kConsumers;
@@ -108,8 +115,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         setmaxnreg_dec<Cfg::kProducerRegisters>();
         if (warp != 0) return;
         const bool leader = lane == 0;
-        constexpr u32 kQBytes = kBM * Cfg::kHeadDim * 2;
-        constexpr u32 kTileBytes = kBN * Cfg::kHeadDim * 2;
+        constexpr u32 kQBytes = kBM * kColBlocks * 128;
+        constexpr u32 kTileBytes = kBN * kColBlocks * 128;
         int ring = 0, q_count = 0;
         for (;;) {
             int tile = 0;
@@ -129,26 +136,31 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 mbar_arrive_expect_tx(q_full, kQBytes);
 #pragma unroll
                 for (int cb = 0; cb < kColBlocks; ++cb)
-                    tma_load_4d(sQ + cb * kBM * 128, &maps.q, q_full, cb * 64, work.m0, work.head, work.batch);
+                    tma_load_4d(sQ + cb * kBM * 128, &maps.q, q_full, cb * Cfg::kBoxCols, work.m0, work.head, work.batch);
             }
             ++q_count;
             // Key tile t (diagonal, masked tiles first) once tile c - kStages of the same ring
             // was released; issued in the order consumed: K_{t+1} before V_t.
-            auto load = [&](const TensorMap* map, u32 ring_base, u32 full, u32 empty, int t) {
+            auto load = [&](const TensorMap* map, u32 ring_base, u32 full, u32 empty, int t, bool is_v) {
                 const int c = ring + t, slot = slot_of(c);
                 if (c >= kStages) mbar_wait(empty + 8 * slot, phase_of(c - kStages));
                 if (!leader) return;
                 const u32 dst = ring_base + slot * Cfg::kKVTileBytes;
                 mbar_arrive_expect_tx(full + 8 * slot, kTileBytes);
+                const int n0 = (n_tiles - 1 - t) * kBN;
+                if (Cfg::kFp8 && is_v) {  // V^T: kBN keys (128 bytes) by kHeadDim rows
+                    tma_load_4d(dst, map, full + 8 * slot, n0, 0, work.head_k, work.batch);
+                    return;
+                }
 #pragma unroll
                 for (int cb = 0; cb < kColBlocks; ++cb)
-                    tma_load_4d(dst + cb * kBN * 128, map, full + 8 * slot, cb * 64, (n_tiles - 1 - t) * kBN,
-                                work.head_k, work.batch);
+                    tma_load_4d(dst + cb * kBN * 128, map, full + 8 * slot, cb * Cfg::kBoxCols, n0, work.head_k,
+                                work.batch);
             };
-            if (n_tiles > 0) load(&maps.k, sK, full_k(0), empty_k(0), 0);
+            if (n_tiles > 0) load(&maps.k, sK, full_k(0), empty_k(0), 0, false);
             for (int t = 0; t < n_tiles; ++t) {
-                if (t + 1 < n_tiles) load(&maps.k, sK, full_k(0), empty_k(0), t + 1);
-                load(&maps.v, sV, full_v(0), empty_v(0), t);
+                if (t + 1 < n_tiles) load(&maps.k, sK, full_k(0), empty_k(0), t + 1, false);
+                load(&maps.v, sV, full_v(0), empty_v(0), t, true);
             }
             ring += n_tiles;
         }
@@ -197,15 +209,25 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         float acc_s[1][kNT][4];
         float acc_o[1][kOT][4];
         float row_max[1][2], row_sum[1][2], alphas[1][2];
-        u32 probs[kBN / 16][4];
+        u32 probs[kBN / Cfg::kPVStep][4];
         softmax_start(acc_o, row_max, row_sum);
+        // FP8: the descales of q and k scale the scores, v's the output. A negative product of
+        // descales (the max would become the min) makes the tile's scores NaN, not wrong.
+        float scale_log2 = p.scale_log2, out_scale = 1.f;
+        if constexpr (Cfg::kFp8) {
+            scale_log2 *= p.q_descale[work.batch * p.q_descale_batch_stride + work.head * p.q_descale_head_stride] *
+                          p.k_descale[work.batch * p.kv_descale_batch_stride + work.head_k * p.kv_descale_head_stride];
+            out_scale = p.v_descale[work.batch * p.kv_descale_batch_stride + work.head_k * p.kv_descale_head_stride];
+            if (!(scale_log2 >= 0.f)) scale_log2 = __int_as_float(0x7fffffff);
+        }
+        constexpr int kLog2Boost = Cfg::kFp8 ? 8 : 0;
 
         auto scores_ready = [&](int i) {  // S_i has landed: mask it, softmax it
             fence_operands(acc_s[0]);
             const int n0 = (n_tiles - 1 - i) * kBN;
             if (work.needs_mask(n0, p.seqlen_k))
                 mask_scores<Cfg::kCausal>(acc_s, n0, work.m0 + warp_row0, lane, p.seqlen_k, work.causal_offset);
-            softmax_step(acc_s, row_max, row_sum, alphas, p.scale_log2);
+            softmax_step<kLog2Boost>(acc_s, row_max, row_sum, alphas, scale_log2);
         };
 
         if (n_tiles == 0) release(q_empty);  // no key to attend: the rows are stored as zeros
@@ -248,9 +270,9 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             ring += n_tiles;
         }
         unsigned short* o = static_cast<unsigned short*>(p.o) + work.batch * p.o_batch_stride + work.head * p.o_head_stride;
-        store_output<Cfg::kBF16, Cfg::kHeadDimStored / 8>(acc_o, row_max, row_sum, o, p.o_row_stride,
-                                                          p.lse + static_cast<long long>(work.bh) * p.seqlen_q,
-                                                          work.m0 + warp_row0, p.seqlen_q, lane, p.scale_log2);
+        store_output<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost>(
+            acc_o, row_max, row_sum, o, p.o_row_stride, p.lse + static_cast<long long>(work.bh) * p.seqlen_q,
+            work.m0 + warp_row0, p.seqlen_q, lane, scale_log2, out_scale);
     }
     if constexpr (Cfg::kPingPong)
         if (group == 0) take_turn();

@@ -44,8 +44,10 @@ __device__ __forceinline__ void mask_scores(float (&s)[kMT][kNT][4], int n0, int
 // One step of the online softmax on raw scores (scale > 0, so the max commutes with scaling):
 // P = exp2(S * scale_log2 - max * scale_log2), one FFMA and one MUFU per score, written over S;
 // the running sum is rescaled by alpha = exp2(old max - new max), and alphas[mt][r] is left for
-// rescaling the output rows (rescale_output). row_max holds raw scores.
-template <int kMT, int kNT>
+// rescaling the output rows (rescale_output). row_max holds raw scores. kLog2Boost scales P
+// and the running sum by 2^kLog2Boost (FP8: P up to 256 keeps e4m3's precision; store_output
+// takes it out of the LSE, and the quotient O / sum does not see it).
+template <int kLog2Boost = 0, int kMT, int kNT>
 __device__ __forceinline__ void softmax_step(float (&s)[kMT][kNT][4], float (&row_max)[kMT][2],
                                              float (&row_sum)[kMT][2], float (&alphas)[kMT][2],
                                              float scale_log2) {
@@ -65,11 +67,12 @@ __device__ __forceinline__ void softmax_step(float (&s)[kMT][kNT][4], float (&ro
             alphas[mt][r] = exp2_approx(row_max[mt][r] * scale_log2 - base);
             row_max[mt][r] = new_max;
             float tile_sum = 0.f;
+            const float shift = kLog2Boost ? static_cast<float>(kLog2Boost) - base : -base;
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
                 for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                    s[mt][nt][e] = exp2_approx(fmaf(s[mt][nt][e], scale_log2, -base));
+                    s[mt][nt][e] = exp2_approx(fmaf(s[mt][nt][e], scale_log2, shift));
                     tile_sum += s[mt][nt][e];
                 }
             }
@@ -117,14 +120,28 @@ __device__ __forceinline__ void probs_operand(u32 (&a)[4], const float (&s)[kNT]
     a[3] = pack2<kBF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 }
 
+// P of key columns 32*kk .. 32*kk+31 as the e4m3 A operand (wgmma k=32) of O += P V. Each
+// register holds 4 consecutive k-slots of one row; lane t of a quad fills slots 4t..4t+3 with
+// its own keys 2t, 2t+1, 8+2t, 9+2t (and 16 more for the upper half), so no data moves between
+// lanes: within every 16 keys, slot 4t + 2b + e holds key 8b + 2t + e. V^T's keys are laid out
+// in the same order (cuflash.fp8.v_operand), which leaves P V unchanged.
+template <int kNT>
+__device__ __forceinline__ void fp8_probs_operand(u32 (&a)[4], const float (&s)[kNT][4], int kk) {
+    a[0] = pack4_e4m3(s[4 * kk][0], s[4 * kk][1], s[4 * kk + 1][0], s[4 * kk + 1][1]);
+    a[1] = pack4_e4m3(s[4 * kk][2], s[4 * kk][3], s[4 * kk + 1][2], s[4 * kk + 1][3]);
+    a[2] = pack4_e4m3(s[4 * kk + 2][0], s[4 * kk + 2][1], s[4 * kk + 3][0], s[4 * kk + 3][1]);
+    a[3] = pack4_e4m3(s[4 * kk + 2][2], s[4 * kk + 2][3], s[4 * kk + 3][2], s[4 * kk + 3][3]);
+}
+
 // Normalize and store a warp's output rows (16-bit dtype) and the natural-log LSE: the first
 // kStoredTiles n=8 column tiles (all of them when 0; fewer when the head dim was padded).
-// A row whose sum is 0 saw no key: O = 0, LSE = -inf. A NaN sum stays NaN.
-template <bool kBF16, int kStoredTiles = 0, int kMT, int kOT>
+// A row whose sum is 0 saw no key: O = 0, LSE = -inf. A NaN sum stays NaN. The rows are
+// multiplied by out_scale (FP8: v's descale); kLog2Boost is softmax_step's.
+template <bool kBF16, int kStoredTiles = 0, int kLog2Boost = 0, int kMT, int kOT>
 __device__ __forceinline__ void store_output(const float (&o)[kMT][kOT][4], const float (&row_max)[kMT][2],
                                              const float (&row_sum)[kMT][2], unsigned short* out,
                                              long long out_row_stride, float* lse_rows, int row0,
-                                             int seqlen_q, int lane, float scale_log2) {
+                                             int seqlen_q, int lane, float scale_log2, float out_scale = 1.f) {
     constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
@@ -133,13 +150,14 @@ __device__ __forceinline__ void store_output(const float (&o)[kMT][kOT][4], cons
             const float sum = quad_sum(row_sum[mt][r]);
             const int row = row0 + mt * 16 + lane / 4 + r * 8;
             if (row >= seqlen_q) continue;
-            const float inv = sum == 0.f ? 0.f : 1.f / sum;
+            const float inv = sum == 0.f ? 0.f : out_scale / sum;
             u32* o_row = reinterpret_cast<u32*>(out + row * out_row_stride) + lane % 4;
 #pragma unroll
             for (int nt = 0; nt < (kStoredTiles ? kStoredTiles : kOT); ++nt)
                 o_row[nt * 4] = pack2<kBF16>(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv);
             if (lane % 4 == 0)
-                lse_rows[row] = sum == 0.f ? neg_inf() : row_max[mt][r] * scale_log2 * kLn2 + logf(sum);
+                lse_rows[row] = sum == 0.f ? neg_inf()
+                                           : row_max[mt][r] * scale_log2 * kLn2 + logf(sum) - kLog2Boost * kLn2;
         }
     }
 }

@@ -114,6 +114,18 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     return r;
 }
 
+// Four floats -> four float8 e4m3 codes in one register, byte i from b_i (round to nearest even,
+// saturating to +-448). cvt's first source goes to the high byte of each pair. sm_89 and later.
+__device__ __forceinline__ u32 pack4_e4m3(float b0, float b1, float b2, float b3) {
+    u32 r;
+    asm("{\n.reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+        "mov.b32 %0, {lo, hi};\n}\n"
+        : "=r"(r) : "f"(b0), "f"(b1), "f"(b2), "f"(b3));
+    return r;
+}
+
 // The inverse of pack2: one register of two 16-bit floats -> two floats (exact).
 template <bool kBF16>
 __device__ __forceinline__ void unpack2(u32 r, float& lo, float& hi) {
