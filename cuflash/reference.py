@@ -26,6 +26,9 @@ Functions:
 * :func:`attention_backward_naive` -- the same gradients in the input precision (the baseline of
   the backward's accuracy rule).
 * :func:`attention_flops`, :func:`attention_backward_flops` -- causal-aware FLOP counts.
+* :func:`attention_fp8_reference` -- the float64 ground truth of FP8 inputs (their dequantized
+  values); :func:`attention_fp8_naive` -- the same computation in the inputs' precision, modelling
+  the FP8 kernel's roundings (the baseline of FP8's accuracy rule).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import math
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, fp8
 
 LAYOUTS = ("bhsd", "bshd")
 
@@ -219,6 +222,118 @@ def attention_naive(q, k, v, *, causal: bool = False, scale: float | None = None
         out = np.where(empty[..., None], 0, out).astype(f32).astype(io)
         lse = np.where(empty, -np.inf, row_max + np.log(safe_sum)).astype(f32)
     return _from_bhsd(out, layout), lse
+
+
+# -- FP8 inputs -----------------------------------------------------------------------------------
+
+#: Output dtypes of FP8 attention.
+FP8_OUT_DTYPES = ("bf16", "fp16")
+
+#: The FP8 kernel multiplies the probabilities (in [0, 1]) by this before rounding them to e4m3
+#: for P V: 256 P keeps e4m3's normal range (down to 2^-6) for every P >= 2^-14.
+FP8_P_SCALE = 256.0
+
+
+def _fp8_codes(x, name: str) -> np.ndarray:
+    x = np.asarray(x)
+    if x.dtype not in (np.dtype(np.uint8), np.dtype(np.int8)):
+        raise TypeError(f"{name}.dtype={x.dtype} must be uint8 (or int8) FP8 codes")
+    return x.view(np.uint8)
+
+
+def _fp8_descale(descale, name: str, batch: int, heads: int) -> np.ndarray:
+    """A descale (None, a number, or float32 ``()`` / ``(batch, heads)``) as float32, shaped to
+    broadcast over bhsd: ``(1, 1, 1, 1)`` or ``(batch, heads, 1, 1)``."""
+    value = np.asarray(1.0 if descale is None else descale, dtype=np.float32)
+    if value.shape == ():
+        value = value.reshape(1, 1, 1, 1)
+    elif value.shape == (batch, heads):
+        value = value.reshape(batch, heads, 1, 1)
+    else:
+        raise ValueError(f"{name}.shape={value.shape} must be () (per tensor) or (batch, heads)="
+                         f"{(batch, heads)} (per head)")
+    if not np.all(np.isfinite(value)) or np.any(value < 0):
+        raise ValueError(f"{name} must be finite and non-negative, got {descale!r}")
+    return value
+
+
+def _fp8_prepare(q, k, v, scale, layout, fp8_format, descales, compute_dtype):
+    """Validate FP8 inputs and dequantize them in bhsd: ``value(code) * descale`` computed in
+    ``compute_dtype`` (exact in float64; rounded once in float32). Returns ``(q, k, v, scale)``."""
+    fmt = fp8.fp8_format(fp8_format).name
+    codes = [_fp8_codes(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"))]
+    qb, kb, vb, scale = _prepare(*codes, scale, layout, np.uint8)
+    batch, heads_q, heads_k = qb.shape[0], qb.shape[1], kb.shape[1]
+    out = []
+    for x, heads, descale, name in ((qb, heads_q, descales[0], "q_descale"), (kb, heads_k, descales[1], "k_descale"),
+                                    (vb, heads_k, descales[2], "v_descale")):
+        factor = _fp8_descale(descale, name, batch, heads).astype(compute_dtype)
+        out.append(fp8.from_fp8_bits(x, fmt).astype(compute_dtype) * factor)
+    return (*out, scale)
+
+
+def _out_dtype(out_dtype: str) -> np.dtype:
+    if out_dtype not in FP8_OUT_DTYPES:
+        raise ValueError(f"out_dtype={out_dtype!r} is not supported for FP8 inputs; choose one of {FP8_OUT_DTYPES}")
+    return dtypes.from_tag(out_dtype).numpy
+
+
+def attention_fp8_reference(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
+                            fp8_format: str = "e4m3", q_descale=None, k_descale=None, v_descale=None):
+    """float64 attention of FP8 inputs: :func:`attention_reference` of their exact values
+    ``value(code) * descale``.
+
+    Args:
+        q, k, v: uint8 (or int8) arrays of FP8 codes (:func:`cuflash.fp8.quantize_fp8`), shaped as
+            for :func:`attention_reference`.
+        fp8_format: ``"e4m3"`` or ``"e5m2"``.
+        q_descale: None (1.0), a number, or float32 ``()`` / ``(batch, heads_q)``.
+        k_descale, v_descale: None, a number, or float32 ``()`` / ``(batch, heads_k)``.
+
+    Returns float64 ``(out, lse)`` as :func:`attention_reference` does; the scores (and so the
+    LSE) include the descales.
+    """
+    qb, kb, vb, scale = _fp8_prepare(q, k, v, scale, layout, fp8_format, (q_descale, k_descale, v_descale),
+                                     np.float64)
+    out, lse = attention_reference(qb, kb, vb, causal=causal, scale=scale)
+    return _from_bhsd(out, layout), lse
+
+
+def attention_fp8_naive(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
+                        fp8_format: str = "e4m3", q_descale=None, k_descale=None, v_descale=None,
+                        out_dtype: str = "bf16"):
+    """FP8 attention written plainly in the inputs' precision, with the FP8 kernel's roundings:
+    the baseline of the accuracy rule for FP8 inputs. Steps:
+
+    1. dequantize: ``value(code) * descale`` in float32;
+    2. ``S = scale * Q K^T`` in float32 (the products of FP8 values are exact in float32);
+    3. ``P = exp(S - rowmax)`` in float32 (masked), the row sum ``l`` from this unrounded P;
+    4. ``P`` rounded for the product: ``round_e4m3(256 P) / 256`` (nearest even; 256 P <= 256
+       never saturates, P < 2^-18 becomes 0);
+    5. ``O = (P V) / l`` accumulated in float32, rounded to ``out_dtype``.
+
+    Arguments as for :func:`attention_fp8_reference`, plus ``out_dtype`` ("bf16" or "fp16").
+    Returns ``(out, lse)``: ``out`` in ``out_dtype`` and ``layout``, ``lse`` float32
+    ``[batch, heads_q, seqlen_q]`` (natural log, from the float32 scores). Rows that attend
+    nothing give 0 and -inf.
+
+    With P's rounding error at most 2^-4 P (2^-18 below P = 2^-14) and ``sum P / l = 1``, the
+    output differs from :func:`attention_fp8_reference` by at most about
+    ``max|v| * (2^-4 + seqlen_k * 2^-18)`` plus the rounding to ``out_dtype``.
+    """
+    io = _out_dtype(out_dtype)
+    f32 = np.float32
+    qb, kb, vb, scale = _fp8_prepare(q, k, v, scale, layout, fp8_format, (q_descale, k_descale, v_descale), f32)
+    heads_q, seqlen_q, seqlen_k = qb.shape[1], qb.shape[2], kb.shape[2]
+    kb, vb = _expand_kv_heads(kb, heads_q), _expand_kv_heads(vb, heads_q)
+    allowed = _allowed(seqlen_q, seqlen_k, causal)
+    with np.errstate(invalid="ignore", over="ignore"):
+        scores = (qb @ kb.swapaxes(-1, -2)) * f32(scale)
+        p, row_max, row_sum, empty = _masked_softmax_parts(scores, allowed)
+        p_scaled = fp8.from_fp8_bits(fp8.to_fp8_bits(p * f32(FP8_P_SCALE), "e4m3"), "e4m3")
+        weighted = _weighted_values(p_scaled / f32(FP8_P_SCALE), vb, allowed).astype(f32)
+        out, lse = _finish(weighted, row_max, row_sum, empty)
+    return _from_bhsd(out.astype(io), layout), lse.astype(f32)
 
 
 # -- the kernel's algorithm on the CPU ------------------------------------------------------------
@@ -471,4 +586,5 @@ def attention_backward_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: in
 __all__ = ["LAYOUTS", "attention_reference", "attention_naive", "attention_backward_reference",
            "attention_backward_naive",
            "causal_mask", "simulate_tiled", "tile_schedule", "attention_pairs", "attention_flops",
-           "attention_backward_flops"]
+           "attention_backward_flops", "attention_fp8_reference", "attention_fp8_naive", "FP8_OUT_DTYPES",
+           "FP8_P_SCALE"]

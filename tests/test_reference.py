@@ -298,3 +298,123 @@ def test_naive_float32_layouts_agree():
 
 def test_module_does_not_import_cupy():
     assert "cupy" not in vars(reference)
+
+
+# -- FP8 inputs ---------------------------------------------------------------------------------
+
+def _fp8_inputs(fmt="e4m3", granularity="head", shape=(2, 4, 2, 37, 53, 64), seed=3):
+    from cuflash.fp8 import quantize_fp8
+    q, k, v = _inputs(*shape, seed=seed)
+    return [quantize_fp8(x.astype(np.float32), fmt, granularity) for x in (q, k, v)]
+
+
+def _fp8_kwargs(quantized, fmt="e4m3"):
+    (_, qd), (_, kd), (_, vd) = quantized
+    return dict(fp8_format=fmt, q_descale=qd, k_descale=kd, v_descale=vd)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_reference_is_attention_of_the_dequantized_values(fmt):
+    from cuflash.fp8 import dequantize_fp8
+    quantized = _fp8_inputs(fmt)
+    codes = [c for c, _ in quantized]
+    out, lse = reference.attention_fp8_reference(*codes, causal=True, **_fp8_kwargs(quantized, fmt))
+    values = [dequantize_fp8(c, d, fmt, "head").astype(np.float64) for c, d in quantized]
+    want, want_lse = attention_reference(*values, causal=True)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-7)   # float32 vs float64 descale products
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_naive_layouts_int8_gqa_and_scalar_descales_agree():
+    quantized = _fp8_inputs(granularity="tensor")
+    codes = [c for c, _ in quantized]
+    kwargs = _fp8_kwargs(quantized)
+    out, lse = reference.attention_fp8_naive(*codes, causal=True, **kwargs)
+    assert out.dtype == ml_dtypes.bfloat16 and lse.dtype == np.float32 and out.shape == codes[0].shape
+    t = lambda x: x.transpose(0, 2, 1, 3)
+    out_t, lse_t = reference.attention_fp8_naive(*(t(c) for c in codes), causal=True, layout="bshd", **kwargs)
+    np.testing.assert_array_equal(t(out_t), out)
+    np.testing.assert_array_equal(lse_t, lse)
+    signed = [c.view(np.int8) for c in codes]
+    np.testing.assert_array_equal(reference.attention_fp8_naive(*signed, causal=True, **kwargs)[0], out)
+    floats = {name: float(d) for name, d in kwargs.items() if name.endswith("descale")}
+    np.testing.assert_array_equal(reference.attention_fp8_naive(*codes, causal=True, fp8_format="e4m3", **floats)[0],
+                                  out)
+    repeated = [codes[0]] + [np.repeat(c, 2, axis=1) for c in codes[1:]]
+    np.testing.assert_array_equal(reference.attention_fp8_naive(*repeated, causal=True, **kwargs)[0], out)
+    fp16, _ = reference.attention_fp8_naive(*codes, causal=True, out_dtype="fp16", **kwargs)
+    assert fp16.dtype == np.float16
+    assert np.abs(fp16.astype(np.float64) - out.astype(np.float64)).max() <= 2.0 ** -8 * 4
+
+
+def test_fp8_naive_fully_masked_rows_and_no_keys():
+    quantized = _fp8_inputs(shape=(1, 2, 1, 9, 4, 16))
+    codes = [c for c, _ in quantized]
+    out, lse = reference.attention_fp8_naive(*codes, causal=True, **_fp8_kwargs(quantized))
+    out = out.astype(np.float32)
+    assert np.all(out[:, :, :5] == 0) and np.all(lse[:, :, :5] == -np.inf)
+    assert np.isfinite(out).all() and np.isfinite(lse[:, :, 5:]).all()
+    empty = np.zeros((1, 1, 0, 16), np.uint8)
+    out, lse = reference.attention_fp8_naive(codes[0], empty, empty, fp8_format="e4m3")
+    assert np.all(out.astype(np.float32) == 0) and np.all(lse == -np.inf)
+
+
+def test_fp8_naive_equals_reference_when_p_is_exact():
+    """A zero scale makes every score 0 and every probability exactly 1, representable in e4m3:
+    the output is the mean of the value rows. With a power-of-two number of keys, a power-of-two
+    descale and e4m3 values (multiples of 2^-9 below 448, so float32 sums of up to 64 are exact)
+    the naive output is the reference rounded to the output dtype, bit for bit."""
+    rng = np.random.default_rng(7)
+    for seqlen_k in (1, 2, 16, 64):
+        for out_dtype, np_out in (("bf16", ml_dtypes.bfloat16), ("fp16", np.float16)):
+            q = rng.integers(0, 0x7F, size=(1, 2, 5, 32)).astype(np.uint8)    # finite e4m3 codes
+            k = rng.integers(0, 0x7F, size=(1, 2, seqlen_k, 32)).astype(np.uint8)
+            v = rng.integers(0, 0x7F, size=(1, 2, seqlen_k, 32)).astype(np.uint8) | np.uint8(0x80) * \
+                rng.integers(0, 2, size=(1, 2, seqlen_k, 32)).astype(np.uint8)
+            kwargs = dict(fp8_format="e4m3", v_descale=np.float32(0.25), scale=0.0)
+            out, lse = reference.attention_fp8_naive(q, k, v, out_dtype=out_dtype, **kwargs)
+            want, want_lse = reference.attention_fp8_reference(q, k, v, **kwargs)
+            np.testing.assert_array_equal(out, want.astype(np_out))
+            np.testing.assert_allclose(lse, want_lse, rtol=1e-7)
+
+
+def test_fp8_naive_row_sum_comes_from_unrounded_probabilities():
+    """With every value 1 the reference output is exactly 1; the model's is
+    sum(round_e4m3(256 P) / 256) / sum(P): P is rounded for P V, the row sum is not."""
+    from cuflash.fp8 import from_fp8_bits, to_fp8_bits
+    rng = np.random.default_rng(8)
+    q, k = (rng.integers(0, 0x7F, size=(1, 1, 40, 64)).astype(np.uint8) | 0x80 * rng.integers(0, 2, (1, 1, 40, 64))
+            .astype(np.uint8) for _ in range(2))
+    v = np.full((1, 1, 40, 64), 0x38, np.uint8)   # e4m3 1.0
+    kwargs = dict(fp8_format="e4m3", q_descale=np.float32(2.0 ** -7), k_descale=np.float32(2.0 ** -7))
+    out, _ = reference.attention_fp8_naive(q, k, v, causal=True, out_dtype="fp16", **kwargs)
+    ref, _ = reference.attention_fp8_reference(q, k, v, causal=True, **kwargs)
+    np.testing.assert_allclose(ref, 1.0, rtol=1e-14)
+    qf, kf = (from_fp8_bits(x, "e4m3").astype(np.float64) * 2.0 ** -7 for x in (q, k))
+    scores = np.where(causal_mask(40, 40), (qf @ kf.swapaxes(-1, -2)) / 8, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    rounded = from_fp8_bits(to_fp8_bits(p * 256, "e4m3"), "e4m3") / 256
+    model = rounded.sum(-1) / p.sum(-1)
+    out = out.astype(np.float64)[..., 0]
+    np.testing.assert_allclose(out, model, atol=2.0 ** -10)
+    assert np.abs(out - 1).max() > 2.0 ** -10       # the rounding is really there
+    assert np.abs(out - 1).max() <= 2.0 ** -4        # and bounded by e4m3's half step
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(fp8_format="e3m4"), ValueError, "fp8_format='e3m4'"),
+    (dict(q_descale=np.ones((2, 3), np.float32)), ValueError, "q_descale.shape"),
+    (dict(k_descale=np.ones((2, 4), np.float32)), ValueError, "k_descale.shape"),
+    (dict(v_descale=np.ones((1, 1, 1), np.float32)), ValueError, "v_descale.shape"),
+    (dict(v_descale=-1.0), ValueError, "v_descale must be finite and non-negative"),
+    (dict(q_descale=float("nan")), ValueError, "q_descale must be finite"),
+    (dict(k_descale=np.float32(np.inf)), ValueError, "k_descale must be finite"),
+    (dict(out_dtype="fp32"), ValueError, "out_dtype='fp32'"),
+])
+def test_fp8_naive_rejects_bad_arguments(kwargs, error, match):
+    quantized = _fp8_inputs(granularity="tensor")
+    codes = [c for c, _ in quantized]
+    with pytest.raises(error, match=match):
+        reference.attention_fp8_naive(*codes, **{"fp8_format": "e4m3", **kwargs})
+    with pytest.raises(TypeError, match="uint8"):
+        reference.attention_fp8_naive(codes[0].astype(np.float16), *codes[1:], fp8_format="e4m3")
