@@ -11,6 +11,11 @@ The accuracy rule (FlashAttention's): an output passes when
 where ``ref`` is the float64 :func:`~cuflash.reference.attention_reference` and ``baseline`` is
 :func:`~cuflash.reference.attention_naive`, the same computation written plainly in the input
 precision. Non-finite values (NaN, +-inf) must sit at exactly the same positions in both.
+
+FP8 inputs (:class:`Fp8AttentionProblem`, :func:`fp8_attention_problems`) follow the same rule
+with ``ref`` the float64 attention of the dequantized inputs
+(:func:`~cuflash.reference.attention_fp8_reference`) and ``baseline``
+:func:`~cuflash.reference.attention_fp8_naive`, under the tolerance rows ``"e4m3"`` / ``"e5m2"``.
 """
 from __future__ import annotations
 
@@ -19,10 +24,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import dtypes, reference, spec
+from . import dtypes, fp8, reference, spec
 
 #: Sequence lengths that do not fall on tile boundaries; the strategies favour them.
 AWKWARD_SEQLENS = (1, 17, 113, 239, 1023)
+
+#: What the FP8 kernel covers: formats, descale granularities, output dtypes and head dims.
+FP8_FORMATS = ("e4m3", "e5m2")
+FP8_GRANULARITIES = ("tensor", "head")
+FP8_OUT_DTYPES = reference.FP8_OUT_DTYPES
+FP8_HEAD_DIMS = (64, 128, 256)
 
 #: Upper bound on ``batch * heads * seqlen_q * seqlen_k * head_dim`` of drawn problems, so the
 #: float64 reference of one example stays well under a second on a laptop core.
@@ -50,6 +61,13 @@ TOLERANCES: dict[str, Tolerance] = {
     "fp16": Tolerance(atol=2e-3, rtol=2e-3, lse_atol=1e-4, lse_rtol=1e-5),
     "bf16": Tolerance(atol=1.6e-2, rtol=1.6e-2, lse_atol=1e-4, lse_rtol=1e-5),
     "fp32": Tolerance(atol=1e-5, rtol=1e-5, lse_atol=1e-5, lse_rtol=1e-5),
+    # FP8 inputs, keyed by format (bf16 or fp16 output). The error of ``out`` is dominated by P
+    # rounded to e4m3 for P V (relative 2^-4 per probability), which the baseline carries too;
+    # atol is the bf16 one, the coarser of the two outputs. The fallback rtol is that 2^-4. The
+    # LSE comes from FP8 tensor-core scores: Hopper's FP8 wgmma is reported to keep about 14
+    # bits while it sums a k-step, so the LSE is allowed about 2^-10 of its magnitude.
+    "e4m3": Tolerance(atol=1.6e-2, rtol=6.25e-2, lse_atol=1e-3, lse_rtol=1e-3),
+    "e5m2": Tolerance(atol=1.6e-2, rtol=6.25e-2, lse_atol=1e-3, lse_rtol=1e-3),
 }
 
 
@@ -59,6 +77,17 @@ def to_numpy(x) -> np.ndarray:
         import cupy
         return cupy.asnumpy(x)
     return np.asarray(x)
+
+
+def _tolerance_tag(dtype) -> str:
+    """The :data:`TOLERANCES` row of ``dtype``: a row name ("bf16", "e4m3", ...), an alias
+    ("bfloat16"), a NumPy dtype or a :class:`cuflash.dtypes.DType`."""
+    if isinstance(dtype, str) and dtype in TOLERANCES:
+        return dtype
+    tag = _dtype_entry(dtype).tag
+    if tag not in TOLERANCES:
+        raise ValueError(f"dtype {tag!r} has no tolerance row; choose one of {sorted(TOLERANCES)}")
+    return tag
 
 
 def _dtype_entry(dtype) -> dtypes.DType:
@@ -195,6 +224,161 @@ class AttentionProblem:
                                                   causal=self.causal, scale=self.scale, layout=self.layout)
 
 
+@dataclass(frozen=True, eq=False)
+class Fp8Inputs:
+    """Quantized inputs of an :class:`Fp8AttentionProblem`: FP8 codes and their descales on the
+    problem's array module, and the float32 NumPy tensors they were quantized from (before any
+    rotation), the ground truth the quantization approximates."""
+
+    q: object
+    k: object
+    v: object
+    q_descale: object
+    k_descale: object
+    v_descale: object
+    originals: tuple
+
+
+@dataclass(frozen=True)
+class Fp8AttentionProblem:
+    """One attention problem on FP8 inputs: shapes, format, descale granularity, output dtype.
+
+    Inputs are drawn N(0, 1) in float32; ``outliers`` head-dim channels of q and k are made
+    ``outlier_factor`` times larger (activation outliers); with ``rotate`` q and k are multiplied by
+    :func:`cuflash.fp8.random_rotation` before quantizing, which leaves ``q k^T`` unchanged.
+    All three are quantized with :func:`cuflash.fp8.quantize_fp8` at ``granularity``.
+    """
+
+    batch: int
+    heads: int
+    heads_k: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    fp8_format: str = "e4m3"
+    granularity: str = "tensor"  # "tensor" (descale shaped ()) or "head" ((batch, heads))
+    out_dtype: str = "bf16"
+    causal: bool = False
+    layout: str = "bhsd"
+    scale: float | None = None
+    outliers: int = 0
+    outlier_factor: float = 50.0
+    rotate: bool = False
+
+    def __post_init__(self):
+        problems = []
+        for name in ("batch", "heads", "heads_k", "head_dim"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be at least 1")
+        for name in ("seqlen_q", "seqlen_k"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} must be non-negative")
+        if self.heads_k >= 1 and self.heads % self.heads_k:
+            problems.append(f"heads={self.heads} must be a multiple of heads_k={self.heads_k}")
+        if self.fp8_format not in FP8_FORMATS:
+            problems.append(f"fp8_format={self.fp8_format!r} (choose one of {FP8_FORMATS})")
+        if self.granularity not in FP8_GRANULARITIES:
+            problems.append(f"granularity={self.granularity!r} (choose one of {FP8_GRANULARITIES})")
+        if self.out_dtype not in FP8_OUT_DTYPES:
+            problems.append(f"out_dtype={self.out_dtype!r} (choose one of {FP8_OUT_DTYPES})")
+        if self.layout not in reference.LAYOUTS:
+            problems.append(f"layout={self.layout!r} (choose one of {reference.LAYOUTS})")
+        if not 0 <= self.outliers <= self.head_dim:
+            problems.append(f"outliers={self.outliers} must be between 0 and head_dim={self.head_dim}")
+        if problems:
+            raise ValueError("invalid FP8 attention problem: " + "; ".join(problems))
+
+    @property
+    def name(self) -> str:
+        """e.g. ``e4m3/head->bf16 hd128 causal b2 h4/2 sq17 sk113 bshd outliers4 rotated``."""
+        parts = [f"{self.fp8_format}/{self.granularity}->{self.out_dtype}", f"hd{self.head_dim}"]
+        if self.causal:
+            parts.append("causal")
+        heads = f"h{self.heads}" if self.heads == self.heads_k else f"h{self.heads}/{self.heads_k}"
+        parts += [f"b{self.batch}", heads, f"sq{self.seqlen_q}", f"sk{self.seqlen_k}", self.layout]
+        if self.scale is not None:
+            parts.append(f"scale{self.scale:g}")
+        if self.outliers:
+            parts.append(f"outliers{self.outliers}x{self.outlier_factor:g}")
+        if self.rotate:
+            parts.append("rotated")
+        return " ".join(parts)
+
+    @property
+    def out_numpy_dtype(self) -> np.dtype:
+        return dtypes.from_tag(self.out_dtype).numpy
+
+    @property
+    def softmax_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+
+    @property
+    def work(self) -> int:
+        return self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
+
+    def flops(self) -> int:
+        return reference.attention_flops(self.batch, self.heads, self.seqlen_q, self.seqlen_k,
+                                         self.head_dim, self.causal)
+
+    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(q_shape, kv_shape)`` in this problem's layout."""
+        if self.layout == "bhsd":
+            return ((self.batch, self.heads, self.seqlen_q, self.head_dim),
+                    (self.batch, self.heads_k, self.seqlen_k, self.head_dim))
+        return ((self.batch, self.seqlen_q, self.heads, self.head_dim),
+                (self.batch, self.seqlen_k, self.heads_k, self.head_dim))
+
+    def rotation(self) -> np.ndarray | None:
+        """The rotation applied to q and k (None without ``rotate``); the same for every seed."""
+        return fp8.random_rotation(self.head_dim, seed=0) if self.rotate else None
+
+    def make_inputs(self, xp=np, seed: int | None = None) -> Fp8Inputs:
+        """Fresh random inputs, quantized in NumPy and moved to ``xp`` (numpy or cupy)."""
+        rng = np.random.default_rng(seed)
+        q_shape, kv_shape = self.shapes()
+        q, k, v = (rng.standard_normal(shape, dtype=np.float32) for shape in (q_shape, kv_shape, kv_shape))
+        if self.outliers:
+            channels = rng.choice(self.head_dim, size=self.outliers, replace=False)
+            q[..., channels] *= np.float32(self.outlier_factor)
+            k[..., channels] *= np.float32(self.outlier_factor)
+        rotation = self.rotation()
+        quantized = [fp8.quantize_fp8(x, self.fp8_format, self.granularity, layout=self.layout,
+                                      rotation=rotation if x is not v else None) for x in (q, k, v)]
+        (qc, qd), (kc, kd), (vc, vd) = ((xp.asarray(c), xp.asarray(d)) for c, d in quantized)
+        return Fp8Inputs(qc, kc, vc, qd, kd, vd, (q, k, v))
+
+    def attention_kwargs(self, inputs: Fp8Inputs) -> dict:
+        """Keyword arguments of ``cuflash.attention`` (and of the reference functions) for these
+        inputs: ``causal``, ``scale``, ``layout``, ``fp8_format``, the descales and ``out_dtype``."""
+        return dict(causal=self.causal, scale=self.scale, layout=self.layout, fp8_format=self.fp8_format,
+                    q_descale=inputs.q_descale, k_descale=inputs.k_descale, v_descale=inputs.v_descale,
+                    out_dtype=self.out_dtype)
+
+    def _numpy_args(self, inputs: Fp8Inputs):
+        kwargs = self.attention_kwargs(inputs)
+        for name in ("q_descale", "k_descale", "v_descale"):
+            kwargs[name] = to_numpy(kwargs[name])
+        return (to_numpy(inputs.q), to_numpy(inputs.k), to_numpy(inputs.v)), kwargs
+
+    def reference(self, inputs: Fp8Inputs):
+        """float64 ``(out, lse)`` of the dequantized inputs
+        (:func:`~cuflash.reference.attention_fp8_reference`)."""
+        args, kwargs = self._numpy_args(inputs)
+        kwargs.pop("out_dtype")
+        return reference.attention_fp8_reference(*args, **kwargs)
+
+    def naive(self, inputs: Fp8Inputs):
+        """``(out, lse)`` of :func:`~cuflash.reference.attention_fp8_naive`: the accuracy baseline."""
+        args, kwargs = self._numpy_args(inputs)
+        return reference.attention_fp8_naive(*args, **kwargs)
+
+    def float_reference(self, inputs: Fp8Inputs):
+        """float64 ``(out, lse)`` of the float inputs before quantization (and rotation): what
+        quantizing costs is the distance to this one."""
+        return reference.attention_reference(*inputs.originals, causal=self.causal, scale=self.scale,
+                                             layout=self.layout)
+
+
 # -- accuracy rule --------------------------------------------------------------------------------
 
 def _as_float64(x) -> np.ndarray:
@@ -231,7 +415,8 @@ def assert_attention_close(out, ref, dtype, *, baseline=None, lse=None, ref_lse=
     Args:
         out: the kernel's output (NumPy or CuPy array, any float dtype).
         ref: float64 reference output of the same shape.
-        dtype: the input dtype: tag (``"bf16"``), NumPy dtype, or :class:`cuflash.dtypes.DType`.
+        dtype: the input dtype: tag (``"bf16"``), NumPy dtype, or :class:`cuflash.dtypes.DType`;
+            for FP8 inputs their format, ``"e4m3"`` or ``"e5m2"`` (a row of :data:`TOLERANCES`).
         baseline: :func:`~cuflash.reference.attention_naive` output for the same inputs. The rule is
             ``max|out - ref| <= 2 * max|baseline - ref| + atol``. Without a baseline each element
             must satisfy ``|out - ref| <= atol + rtol * |ref|`` with the table's ``rtol``.
@@ -244,13 +429,13 @@ def assert_attention_close(out, ref, dtype, *, baseline=None, lse=None, ref_lse=
     masked row's ``lse = -inf`` must match exactly, and a NaN never passes by accident); only the
     finite positions are compared numerically.
     """
-    entry = _dtype_entry(dtype)
-    tol = TOLERANCES[entry.tag]
-    _check_one("out", _as_float64(out), _as_float64(ref), entry.tag,
+    tag = _tolerance_tag(dtype)
+    tol = TOLERANCES[tag]
+    _check_one("out", _as_float64(out), _as_float64(ref), tag,
                None if baseline is None else _as_float64(baseline),
                tol.atol if atol is None else atol, tol.rtol)
     if lse is not None and ref_lse is not None:
-        _check_one("lse", _as_float64(lse), _as_float64(ref_lse), entry.tag,
+        _check_one("lse", _as_float64(lse), _as_float64(ref_lse), tag,
                    None if baseline_lse is None else _as_float64(baseline_lse),
                    tol.lse_atol, tol.lse_rtol)
     elif (lse is None) != (ref_lse is None):
@@ -331,6 +516,27 @@ def seqlen_pairs(*, min_value: int = 1, max_value: int = 1023):
     return pairs()
 
 
+def _draw_sizes(draw, pairs, head_dim, max_work, max_batch, max_heads, allow_gqa):
+    """``(batch, heads, heads_k, seqlen_q, seqlen_k)`` drawn within ``max_work``: the longer
+    sequence is shrunk first, then batch and heads take the room left."""
+    from hypothesis import strategies as st
+
+    seqlen_q, seqlen_k = draw(pairs)
+    while seqlen_q * seqlen_k * head_dim > max_work and max(seqlen_q, seqlen_k) > 1:
+        if seqlen_q >= seqlen_k:
+            seqlen_q = max(1, max_work // (seqlen_k * head_dim))
+        else:
+            seqlen_k = max(1, max_work // (seqlen_q * head_dim))
+    room = max(1, max_work // (seqlen_q * seqlen_k * head_dim))
+    batch = draw(st.integers(1, max(1, min(max_batch, room))))
+    heads = draw(st.integers(1, max(1, min(max_heads, room // batch))))
+    if allow_gqa:
+        heads_k = draw(st.sampled_from([h for h in range(1, heads + 1) if heads % h == 0]))
+    else:
+        heads_k = heads
+    return batch, heads, heads_k, seqlen_q, seqlen_k
+
+
 def attention_problems(*, head_dims=None, dtypes=None, causal=None, layouts=("bhsd", "bshd"),
                        max_seqlen: int = 1023, max_batch: int = 2, max_heads: int = 4,
                        allow_gqa: bool = True, allow_strided: bool = True,
@@ -354,25 +560,55 @@ def attention_problems(*, head_dims=None, dtypes=None, causal=None, layouts=("bh
     def problems(draw):
         head_dim = draw(st.sampled_from(head_dim_choices))
         dtype = draw(st.sampled_from(dtype_choices))
-        seqlen_q, seqlen_k = draw(pairs)
-        while seqlen_q * seqlen_k * head_dim > max_work and max(seqlen_q, seqlen_k) > 1:
-            if seqlen_q >= seqlen_k:
-                seqlen_q = max(1, max_work // (seqlen_k * head_dim))
-            else:
-                seqlen_k = max(1, max_work // (seqlen_q * head_dim))
-        room = max(1, max_work // (seqlen_q * seqlen_k * head_dim))
-        batch = draw(st.integers(1, max(1, min(max_batch, room))))
-        heads = draw(st.integers(1, max(1, min(max_heads, room // batch))))
-        if allow_gqa:
-            heads_k = draw(st.sampled_from([h for h in range(1, heads + 1) if heads % h == 0]))
-        else:
-            heads_k = heads
+        batch, heads, heads_k, seqlen_q, seqlen_k = _draw_sizes(draw, pairs, head_dim, max_work, max_batch,
+                                                                max_heads, allow_gqa)
         return AttentionProblem(
             batch=batch, heads=heads, heads_k=heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             head_dim=head_dim, dtype=dtype, causal=draw(causal_strategy),
             layout=draw(st.sampled_from(tuple(layouts))),
             strided=draw(st.booleans()) if allow_strided else False,
             scale=draw(st.one_of(st.none(), st.sampled_from((0.5, 0.0625, 1.0)))))
+
+    return problems()
+
+
+def fp8_attention_problems(*, head_dims=FP8_HEAD_DIMS, formats=FP8_FORMATS, granularities=FP8_GRANULARITIES,
+                           out_dtypes=FP8_OUT_DTYPES, causal=None, layouts=("bhsd", "bshd"),
+                           max_seqlen: int = 1023, max_batch: int = 2, max_heads: int = 4,
+                           allow_gqa: bool = True, outliers: bool = False,
+                           max_work: int = MAX_PROBLEM_WORK):
+    """A Hypothesis strategy of :class:`Fp8AttentionProblem`.
+
+    Head dims, formats, granularities and output dtypes are ``sampled_from`` their arguments (the
+    defaults are the FP8 kernel's whole set), so the kernels a test compiles stay bounded.
+    ``causal`` is a bool to fix it or None to draw it. Sequence lengths favour
+    :data:`AWKWARD_SEQLENS` and are shrunk to ``max_work`` as in :func:`attention_problems`.
+    With ``outliers`` half the problems get 4 outlier channels 50x larger in q and k, with the
+    softmax scale divided by 50 to keep their scores in range, and are rotated half the time.
+    """
+    from hypothesis import strategies as st
+
+    causal_strategy = st.booleans() if causal is None else st.just(bool(causal))
+    pairs = seqlen_pairs(max_value=max_seqlen)
+
+    @st.composite
+    def problems(draw):
+        head_dim = draw(st.sampled_from(tuple(head_dims)))
+        fmt = draw(st.sampled_from(tuple(formats)))
+        granularity = draw(st.sampled_from(tuple(granularities)))
+        out_dtype = draw(st.sampled_from(tuple(out_dtypes)))
+        batch, heads, heads_k, seqlen_q, seqlen_k = _draw_sizes(draw, pairs, head_dim, max_work, max_batch,
+                                                                max_heads, allow_gqa)
+        scale = draw(st.one_of(st.none(), st.sampled_from((0.5, 0.0625))))
+        outlier_channels, rotate = 0, False
+        if outliers and draw(st.booleans()):
+            outlier_channels = min(4, head_dim)
+            scale = (1.0 / math.sqrt(head_dim) if scale is None else scale) / 50
+            rotate = draw(st.booleans())
+        return Fp8AttentionProblem(
+            batch=batch, heads=heads, heads_k=heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
+            fp8_format=fmt, granularity=granularity, out_dtype=out_dtype, causal=draw(causal_strategy),
+            layout=draw(st.sampled_from(tuple(layouts))), scale=scale, outliers=outlier_channels, rotate=rotate)
 
     return problems()
 
@@ -396,6 +632,8 @@ def register_hypothesis_profiles(load: str | None = None) -> tuple[str, ...]:
 
 
 __all__ = ["AWKWARD_SEQLENS", "MAX_PROBLEM_WORK", "Tolerance", "TOLERANCES", "AttentionProblem",
+           "FP8_FORMATS", "FP8_GRANULARITIES", "FP8_OUT_DTYPES", "FP8_HEAD_DIMS", "Fp8Inputs",
+           "Fp8AttentionProblem", "fp8_attention_problems",
            "assert_gradients_close",
            "assert_attention_close", "to_numpy", "seqlens", "seqlen_pairs", "attention_problems",
            "register_hypothesis_profiles"]

@@ -127,3 +127,110 @@ def test_cupy_arrays_quantize_like_numpy(name, granularity):
     bits_gpu, descale_gpu = quantize_fp8(cupy.asarray(clean), name, granularity, rotation=cupy.asarray(r))
     assert np.abs(cupy.asnumpy(bits_gpu).astype(int) - bits.astype(int)).max() <= 1
     np.testing.assert_allclose(cupy.asnumpy(descale_gpu), descale, rtol=1e-5)
+
+
+# -- FP8 attention problems, the naive model's error, the bench helpers (CPU) --------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from cuflash.testing import (MAX_PROBLEM_WORK, TOLERANCES, Fp8AttentionProblem,  # noqa: E402
+                             assert_attention_close, fp8_attention_problems)
+
+
+def test_fp8_problem_inputs_match_the_problem():
+    problem = Fp8AttentionProblem(2, 4, 2, 17, 113, 64, "e5m2", "head", "fp16", causal=True, layout="bshd")
+    inputs = problem.make_inputs(seed=1)
+    q_shape, kv_shape = problem.shapes()
+    assert (q_shape, kv_shape) == ((2, 17, 4, 64), (2, 113, 2, 64))
+    assert inputs.q.shape == q_shape and inputs.k.shape == inputs.v.shape == kv_shape
+    assert inputs.q.dtype == inputs.k.dtype == inputs.v.dtype == np.uint8
+    assert inputs.q_descale.shape == (2, 4) and inputs.k_descale.shape == inputs.v_descale.shape == (2, 2)
+    assert problem.name == "e5m2/head->fp16 hd64 causal b2 h4/2 sq17 sk113 bshd"
+    again = problem.make_inputs(seed=1)
+    np.testing.assert_array_equal(again.q, inputs.q)
+    assert not np.array_equal(problem.make_inputs(seed=2).q, inputs.q)
+    back = dequantize_fp8(inputs.k, inputs.k_descale, "e5m2", "head", layout="bshd")
+    assert np.abs(back - inputs.originals[1]).max() < 0.25 * np.abs(inputs.originals[1]).max()
+    tensor = Fp8AttentionProblem(1, 2, 2, 5, 5, 128).make_inputs(seed=0)
+    assert tensor.q_descale.shape == () and tensor.v_descale.dtype == np.float32
+    kwargs = problem.attention_kwargs(inputs)
+    assert kwargs["fp8_format"] == "e5m2" and kwargs["out_dtype"] == "fp16" and kwargs["layout"] == "bshd"
+    out, lse = problem.naive(inputs)
+    ref, ref_lse = problem.reference(inputs)
+    assert out.dtype == np.float16 and out.shape == ref.shape == q_shape and lse.shape == ref_lse.shape == (2, 4, 17)
+    assert_attention_close(out, ref, "e5m2", baseline=out, lse=lse, ref_lse=ref_lse)
+
+
+def test_fp8_problem_validation_and_rotation():
+    with pytest.raises(ValueError, match="fp8_format='e3m4'"):
+        Fp8AttentionProblem(1, 1, 1, 4, 4, 64, "e3m4")
+    with pytest.raises(ValueError, match="granularity='block'"):
+        Fp8AttentionProblem(1, 1, 1, 4, 4, 64, granularity="block")
+    with pytest.raises(ValueError, match="out_dtype='fp32'"):
+        Fp8AttentionProblem(1, 1, 1, 4, 4, 64, out_dtype="fp32")
+    with pytest.raises(ValueError, match="heads=3 must be a multiple"):
+        Fp8AttentionProblem(1, 3, 2, 4, 4, 64)
+    plain = Fp8AttentionProblem(1, 2, 2, 64, 64, 64, outliers=4)
+    rotated = Fp8AttentionProblem(1, 2, 2, 64, 64, 64, outliers=4, rotate=True)
+    a, b = plain.make_inputs(seed=3), rotated.make_inputs(seed=3)
+    for x, y in zip(a.originals, b.originals):   # the same float inputs, quantized apart
+        np.testing.assert_array_equal(x, y)
+    assert not np.array_equal(a.q, b.q) and np.array_equal(a.v, b.v)
+    assert "outliers4x50 rotated" in rotated.name
+
+
+def test_fp8_tolerance_rows():
+    assert TOLERANCES["e4m3"].lse_atol >= TOLERANCES["bf16"].lse_atol
+    ref = np.zeros((1, 1, 2, 8))
+    out = ref + 0.01
+    assert_attention_close(out, ref, "e4m3")                 # within the fallback's atol
+    with pytest.raises(AssertionError, match="e5m2"):
+        assert_attention_close(out + 0.1, ref, "e5m2", baseline=ref)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=fp8_attention_problems(max_seqlen=300, max_work=1 << 22, outliers=True), seed=st.integers(0, 2**16))
+def test_fp8_naive_error_stays_within_its_bound(problem, seed):
+    """The naive model's error against the float64 attention of the dequantized inputs comes from
+    P rounded to e4m3 (at most 2^-4 P, or 2^-18 where 256 P is subnormal) and the output's
+    rounding: |out - ref| <= max|v| (2^-4 + seqlen_k 2^-18) + u_out |ref|, whatever the format."""
+    inputs = problem.make_inputs(seed=seed)
+    out, lse = problem.naive(inputs)
+    ref, ref_lse = problem.reference(inputs)
+    assert out.dtype == problem.out_numpy_dtype and lse.dtype == np.float32
+    v = dequantize_fp8(inputs.v, inputs.v_descale, problem.fp8_format, problem.granularity, layout=problem.layout)
+    v_max = float(np.abs(v).max()) if v.size else 0.0
+    unit = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}[problem.out_dtype]
+    bound = v_max * (2.0 ** -4 + problem.seqlen_k * 2.0 ** -18) * 1.001 + unit * np.abs(ref) + 1e-6
+    error = np.abs(out.astype(np.float64) - ref)
+    assert np.all(error <= bound), problem.name
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-4)
+    assert_attention_close(out, ref, problem.fp8_format, baseline=out, lse=lse, ref_lse=ref_lse)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_naive_rotation_lowers_the_error_on_outliers(head_dim, fmt):
+    errors = {}
+    for rotate in (False, True):
+        problem = Fp8AttentionProblem(1, 2, 2, 256, 256, head_dim, fmt, "head", scale=1 / (50 * np.sqrt(head_dim)),
+                                      outliers=4, rotate=rotate)
+        inputs = problem.make_inputs(seed=5)
+        out, _ = problem.naive(inputs)
+        errors[rotate] = np.abs(out.astype(np.float64) - problem.float_reference(inputs)[0]).max()
+    assert errors[True] < errors[False]
+
+
+def test_fp8_strategy_respects_its_arguments():
+    @settings(max_examples=20, deadline=None)
+    @given(problem=fp8_attention_problems(head_dims=(128,), formats=("e5m2",), granularities=("head",),
+                                          out_dtypes=("fp16",), causal=True, layouts=("bshd",), allow_gqa=False))
+    def check(problem):
+        assert (problem.head_dim, problem.fp8_format, problem.granularity, problem.out_dtype) == (128, "e5m2", "head",
+                                                                                                  "fp16")
+        assert problem.causal and problem.layout == "bshd" and problem.heads == problem.heads_k
+        assert problem.work <= MAX_PROBLEM_WORK and problem.outliers == 0
+    check()
