@@ -11,6 +11,11 @@ with the L2 cache flushed before each (as ``triton.testing.do_bench`` does); the
 reported. torch is optional and never imported at module level; it reads the same CuPy buffers
 through DLPack, and both libraries are synchronized around every timed region.
 
+FP8 (``dtype="fp8"``, forward only): cuflash on inputs quantized per tensor (e4m3 unless told,
+bf16 output), and in the same run cuflash's bf16 kernel and torch SDPA (bf16) on the same values;
+FLOPs as for bf16, the tables add the ratio FP8 / bf16 of cuflash. :func:`fp8_error_table` gives
+FP8's error against the float64 reference (``python -m cuflash bench --fp8-errors``).
+
 All of cuflash's timing code lives in this module.
 """
 from __future__ import annotations
@@ -31,6 +36,12 @@ TORCH_BACKENDS = {
     "flash": ("FLASH_ATTENTION", "torch SDPA flash (FlashAttention-2)"),
     "cudnn": ("CUDNN_ATTENTION", "torch SDPA cuDNN"),
 }
+
+#: ``--dtype`` of the FP8 benchmark; its format is ``fp8_format`` ("e4m3" or "e5m2").
+FP8 = "fp8"
+BENCH_DTYPES = ("fp16", "bf16", "fp32", FP8)
+#: Key and table label of cuflash's bf16 kernel, timed beside FP8 at the same shape.
+BF16_PEER = ("cuflash-bf16", "cuflash bf16")
 
 _L2_FLUSH_BYTES = 256 * 2**20
 _SPEC_OVERRIDE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "overlap", "warp_specialized", "pingpong")
@@ -260,6 +271,29 @@ def backward_extra_bytes(q, k, v, out, lse, dout, causal) -> int:
     return peak.peak - outputs
 
 
+def _free_device_memory():
+    import cupy
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+def _from_torch(tensor):
+    """A CuPy view of a torch tensor's contiguous copy (DLPack)."""
+    import cupy
+    return cupy.from_dlpack(tensor.contiguous())
+
+
+def _max_abs_diff(a, b) -> float:
+    """max |a - b| in float32, on the arrays' own module (CuPy or NumPy)."""
+    from .fp8 import _xp
+    xp = _xp(a)
+    return float(xp.abs(a.astype(xp.float32) - b.astype(xp.float32)).max())
+
+
+def _peer_labels():
+    """(key, table label) of every peer a result may hold, in table order."""
+    return [BF16_PEER] + [(key, label) for key, (_, label) in TORCH_BACKENDS.items()]
+
+
 # -- one configuration ------------------------------------------------------------------------
 def _spec_for(config: BenchConfig, arch: str, overrides: dict):
     from .spec import default_bwd_spec, default_spec
@@ -276,10 +310,12 @@ def _spec_for(config: BenchConfig, arch: str, overrides: dict):
 
 
 def bench_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=None,
-                 overrides: dict | None = None, flush_l2: bool = True) -> dict:
-    """Time cuflash (and torch SDPA's backends when ``torch`` is given) on one configuration."""
-    import cupy
-
+                 overrides: dict | None = None, flush_l2: bool = True, fp8_format: str = "e4m3") -> dict:
+    """Time cuflash (and torch SDPA's backends when ``torch`` is given) on one configuration;
+    ``config.dtype == "fp8"`` goes to :func:`bench_fp8_config`."""
+    if config.dtype == FP8:
+        return bench_fp8_config(config, arch=arch, reps=reps, torch=torch, overrides=overrides, flush_l2=flush_l2,
+                                fp8_format=fp8_format)
     import cuflash
     from .reference import attention_flops
 
@@ -324,37 +360,113 @@ def bench_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=None,
         ours = None
 
     if torch is not None:
-        qt, kt, vt = (to_torch(x) for x in (q, k, v))
-        dt = to_torch(dout) if dout is not None else None
-        for key in TORCH_BACKENDS:
-            peer = dict(ms=None, tflops=None, ratio=None, max_abs_diff=None, error=None)
-            try:
-                call = _torch_sdpa(torch, key, qt, kt, vt, config.causal, config.mode, dt)
-                peer["ms"] = torch_event_median_ms(call, reps=reps, flush_l2=flush_l2)
-                peer["tflops"] = flops / peer["ms"] / 1e9
-                if result["tflops"]:
-                    peer["ratio"] = result["tflops"] / peer["tflops"]
-                if ours is not None:
-                    theirs = cupy.from_dlpack(call().contiguous())
-                    _synchronize_all()
-                    diff = cupy.abs(ours.astype(cupy.float32) - theirs.astype(cupy.float32)).max()
-                    peer["max_abs_diff"] = float(diff)
-            except Exception as exc:
-                peer["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                peer["ms"] = peer["tflops"] = peer["ratio"] = None
-            result["peers"][key] = peer
-        del qt, kt, vt, dt
+        _time_torch_peers(result, torch, (q, k, v), dout, ours, config, reps, flush_l2)
     del q, k, v, ours
-    cupy.get_default_memory_pool().free_all_blocks()
+    _free_device_memory()
     return result
+
+
+def _time_torch_peers(result, torch, qkv, dout, ours, config, reps, flush_l2):
+    """Time torch SDPA's backends on ``qkv`` (CuPy arrays read through DLPack) into
+    ``result["peers"]``; ``ratio`` is cuflash's TFLOP/s over the peer's."""
+    flops = result["flops"]
+    qt, kt, vt = (to_torch(x) for x in qkv)
+    dt = to_torch(dout) if dout is not None else None
+    for key in TORCH_BACKENDS:
+        peer = dict(ms=None, tflops=None, ratio=None, max_abs_diff=None, error=None)
+        try:
+            call = _torch_sdpa(torch, key, qt, kt, vt, config.causal, config.mode, dt)
+            peer["ms"] = torch_event_median_ms(call, reps=reps, flush_l2=flush_l2)
+            peer["tflops"] = flops / peer["ms"] / 1e9
+            if result["tflops"]:
+                peer["ratio"] = result["tflops"] / peer["tflops"]
+            if ours is not None:
+                theirs = _from_torch(call())
+                _synchronize_all()
+                peer["max_abs_diff"] = _max_abs_diff(ours, theirs)
+        except Exception as exc:
+            peer["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            peer["ms"] = peer["tflops"] = peer["ratio"] = None
+        result["peers"][key] = peer
+
+
+def bench_fp8_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=None, overrides: dict | None = None,
+                     flush_l2: bool = True, fp8_format: str = "e4m3") -> dict:
+    """Time cuflash's FP8 forward on one configuration (``config.dtype == "fp8"``): inputs drawn in
+    bf16 and quantized per tensor to ``fp8_format``, bf16 output. In the same run: cuflash's bf16
+    kernel on the bf16 inputs (peer :data:`BF16_PEER`, whose ``ratio`` is FP8 / bf16) and, when
+    ``torch`` is given, torch SDPA's backends on them. ``max_abs_diff`` of a peer is against the
+    FP8 output."""
+    from .reference import attention_flops
+
+    flops = attention_flops(config.batch, config.heads, config.seqlen, config.seqlen, config.head_dim, config.causal)
+    result = dict(asdict(config), direction=config.mode, flops=flops, fp8_format=fp8_format, spec=None, ms=None,
+                  tflops=None, error=None, peers={}, extra_bytes=None)
+    if config.mode != "fwd":
+        result["error"] = f"FP8 attention has a forward only (mode={config.mode!r})"
+        return result
+    overrides = dict(overrides or {})
+    overrides.pop("deterministic", None)
+    try:
+        spec = _spec_for(BenchConfig(config.head_dim, config.seqlen, config.causal, config.batch, config.heads,
+                                     fp8_format, "fwd"), arch, overrides)
+    except (ValueError, TypeError) as exc:
+        result["error"] = str(exc)
+        return result
+    result["spec"] = spec.name
+    _time_fp8(result, config, spec if overrides else None, reps, torch, flush_l2, fp8_format)
+    _free_device_memory()   # the inputs and outputs went with _time_fp8's frame
+    return result
+
+
+def _time_fp8(result, config, forced, reps, torch, flush_l2, fp8_format):
+    import cuflash
+
+    from .fp8 import quantize_fp8
+
+    flops = result["flops"]
+    q, k, v = random_inputs(config.shape, "bf16")
+    (q8, q_descale), (k8, k_descale), (v8, v_descale) = (quantize_fp8(x, fp8_format, "tensor") for x in (q, k, v))
+
+    def fp8_call():
+        return cuflash.attention(q8, k8, v8, causal=config.causal, fp8_format=fp8_format, q_descale=q_descale,
+                                 k_descale=k_descale, v_descale=v_descale, out_dtype="bf16", spec=forced)
+
+    def bf16_call():
+        return cuflash.attention(q, k, v, causal=config.causal)
+
+    try:
+        ms = cuda_event_median_ms(fp8_call, reps=reps, flush_l2=flush_l2)
+        result.update(ms=ms, tflops=flops / ms / 1e9)
+        ours = fp8_call()
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        ours = None
+    peer = dict(ms=None, tflops=None, ratio=None, max_abs_diff=None, error=None)
+    try:
+        peer["ms"] = cuda_event_median_ms(bf16_call, reps=reps, flush_l2=flush_l2)
+        peer["tflops"] = flops / peer["ms"] / 1e9
+        if result["tflops"]:
+            peer["ratio"] = result["tflops"] / peer["tflops"]
+        if ours is not None:
+            peer["max_abs_diff"] = _max_abs_diff(ours, bf16_call())
+    except Exception as exc:
+        peer["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        peer["ms"] = peer["tflops"] = peer["ratio"] = None
+    result["peers"][BF16_PEER[0]] = peer
+    if torch is not None:
+        _time_torch_peers(result, torch, (q, k, v), None, ours, config, reps, flush_l2)
 
 
 def format_line(result: dict) -> str:
     config = BenchConfig(**{f: result[f] for f in BenchConfig.__dataclass_fields__ if f in result})
+    label = config.label
+    if config.dtype == FP8:
+        label = label.replace(f" {FP8} ", f" {FP8} {result.get('fp8_format', 'e4m3')} ", 1)
     if result["ms"] is None:
-        line = f"{config.label}: error: {result['error']}"
+        line = f"{label}: error: {result['error']}"
     else:
-        line = f"{config.label}: {result['ms']:.3f} ms, {result['tflops']:.1f} TFLOP/s"
+        line = f"{label}: {result['ms']:.3f} ms, {result['tflops']:.1f} TFLOP/s"
         if result.get("extra_bytes") is not None:
             qkv = config.batch * config.heads * config.seqlen * config.head_dim * 2
             line += f", extra memory {result['extra_bytes'] / 2**20:.1f} MiB ({result['extra_bytes'] / qkv:.2f}x q's bytes)"
@@ -387,16 +499,24 @@ def markdown_tables(report: dict) -> str:
         rows = [r for r in results if (r.get("mode", "fwd"), r["dtype"], r["head_dim"], r["causal"])
                 == (mode, dtype, head_dim, causal)]
         seqlens = [r["seqlen"] for r in rows]
+        fp8_format = rows[0].get("fp8_format", "e4m3")
+        note = (f"; FP8 {fp8_format} inputs quantized per tensor, bf16 output; the others bf16"
+                if dtype == FP8 else "")
         lines.append(f"**{mode} {dtype} head_dim={head_dim} {'causal' if causal else 'non-causal'}** "
-                     f"(TFLOP/s, {gpu})")
+                     f"(TFLOP/s, {gpu}{note})")
         lines.append("")
         lines.append("| impl | " + " | ".join(str(s) for s in seqlens) + " |")
         lines.append("|---|" + "---|" * len(seqlens))
-        lines.append("| cuflash | " + " | ".join(_fmt(r["tflops"]) for r in rows) + " |")
-        for key, (_, label) in TORCH_BACKENDS.items():
+        ours = f"cuflash FP8 {fp8_format}" if dtype == FP8 else "cuflash"
+        lines.append(f"| {ours} | " + " | ".join(_fmt(r["tflops"]) for r in rows) + " |")
+        for key, label in _peer_labels():
             if any(key in r["peers"] for r in rows):
                 cells = [_fmt(r["peers"].get(key, {}).get("tflops")) for r in rows]
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        if dtype == FP8:
+            ratios = [r["peers"].get(BF16_PEER[0], {}).get("ratio") for r in rows]
+            lines.append("| FP8 / bf16 (cuflash) | " + " | ".join("–" if x is None else f"{x:.2f}x" for x in ratios)
+                         + " |")
         lines.append("")
     overhead = report.get("overhead")
     if overhead:
@@ -429,7 +549,7 @@ def write_plot(report: dict, path: str) -> bool:
             rows = [r for r in results if r["head_dim"] == head_dim and r["causal"] == causal]
             seqlens = [r["seqlen"] for r in rows]
             series = {"cuflash": [r["tflops"] for r in rows]}
-            for key, (_, label) in TORCH_BACKENDS.items():
+            for key, label in _peer_labels():
                 if any(key in r["peers"] for r in rows):
                     series[label] = [r["peers"].get(key, {}).get("tflops") for r in rows]
             for label, values in series.items():
@@ -467,11 +587,119 @@ def measure_overhead(torch=None, calls: int = 2000) -> dict:
     return dict(problem=p, calls=calls, us_per_call=us)
 
 
+# -- FP8 error table --------------------------------------------------------------------------
+#: Problem of :func:`fp8_error_table`: per-head descales, bf16 output, not causal; the outlier
+#: inputs have 4 head-dim channels of q and k 50x larger and a softmax scale of 1 / (50 sqrt(d)).
+FP8_ERROR_PROBLEM = dict(batch=1, heads=2, seqlen=1024, granularity="head", out_dtype="bf16", outliers=4,
+                         outlier_factor=50.0, seed=5)
+
+
+def fp8_error_table(attention=None, *, head_dims=DEFAULT_HEAD_DIMS, formats=("e4m3", "e5m2"), xp=None,
+                    echo=None, **problem) -> list[dict]:
+    """FP8 attention's error against the float64 reference of the float inputs (before
+    quantization and rotation), per head dim, format, input kind (``"N(0,1)"`` or ``"outliers"``)
+    and rotation.
+
+    ``attention(q, k, v, **kwargs)`` computes the output from FP8 codes with the keyword arguments
+    of ``cuflash.attention`` (default: ``cuflash.attention`` on CuPy arrays; pass
+    :func:`cuflash.reference.attention_fp8_naive`'s output with ``xp=numpy`` to run on the CPU).
+    ``problem`` overrides :data:`FP8_ERROR_PROBLEM`. Each row holds ``max_error`` and
+    ``mean_error`` (|out - float64 reference|), ``kernel_max_error`` (against the float64 attention
+    of the dequantized inputs: what the kernel adds to quantization) and ``naive_max_error`` (the
+    same error of :func:`cuflash.reference.attention_fp8_naive`, the CPU model of the kernel).
+    """
+    import math
+
+    import numpy as np
+
+    from .testing import Fp8AttentionProblem, to_numpy
+
+    if attention is None:
+        import cupy
+
+        import cuflash
+        attention, xp = cuflash.attention, cupy
+    xp = np if xp is None else xp
+    p = dict(FP8_ERROR_PROBLEM, **problem)
+    rows = []
+    for head_dim in head_dims:
+        for fp8_format in formats:
+            for kind in ("N(0,1)", "outliers"):
+                for rotate in (False, True):
+                    outliers = kind == "outliers"
+                    fp8_problem = Fp8AttentionProblem(
+                        p["batch"], p["heads"], p["heads"], p["seqlen"], p["seqlen"], head_dim, fp8_format,
+                        p["granularity"], p["out_dtype"],
+                        scale=1 / (p["outlier_factor"] * math.sqrt(head_dim)) if outliers else None,
+                        outliers=p["outliers"] if outliers else 0, outlier_factor=p["outlier_factor"], rotate=rotate)
+                    inputs = fp8_problem.make_inputs(xp, seed=p["seed"])
+                    out = attention(inputs.q, inputs.k, inputs.v, **fp8_problem.attention_kwargs(inputs))
+                    out = to_numpy(out[0] if isinstance(out, tuple) else out).astype(np.float64)
+                    want, _ = fp8_problem.float_reference(inputs)
+                    dequantized, _ = fp8_problem.reference(inputs)
+                    naive, _ = fp8_problem.naive(inputs)
+                    error = np.abs(out - want)
+                    row = dict(head_dim=head_dim, fp8_format=fp8_format, inputs=kind, rotated=rotate,
+                               granularity=p["granularity"], out_dtype=p["out_dtype"], seqlen=p["seqlen"],
+                               max_error=float(error.max()), mean_error=float(error.mean()),
+                               kernel_max_error=float(np.abs(out - dequantized).max()),
+                               naive_max_error=float(np.abs(naive.astype(np.float64) - want).max()))
+                    rows.append(row)
+                    if echo is not None:
+                        echo(format_fp8_error_line(row))
+    return rows
+
+
+def format_fp8_error_line(row: dict) -> str:
+    rotated = "rotated" if row["rotated"] else "plain"
+    return (f"fp8 {row['fp8_format']} hd{row['head_dim']} {row['inputs']} {rotated}: max error {row['max_error']:.4f}, "
+            f"mean {row['mean_error']:.5f}, vs dequantized {row['kernel_max_error']:.4f}, "
+            f"naive model max {row['naive_max_error']:.4f}")
+
+
+def fp8_error_markdown(rows: list[dict], gpu: str | None = None) -> str:
+    """The README's FP8 error table: one row per (head dim, format, inputs, rotation)."""
+    if not rows:
+        return ""
+    first = rows[0]
+    lines = [f"**FP8 attention error against the float64 reference** ({gpu or 'GPU'}; {first['granularity']} "
+             f"descales, {first['out_dtype']} output, seqlen {first['seqlen']}, non-causal)", "",
+             "| head dim | format | inputs | rotation | max error | mean error | max error vs dequantized "
+             "| naive model max error |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['head_dim']} | {r['fp8_format']} | {r['inputs']} | {'yes' if r['rotated'] else 'no'} "
+                     f"| {r['max_error']:.4f} | {r['mean_error']:.5f} | {r['kernel_max_error']:.4f} "
+                     f"| {r['naive_max_error']:.4f} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _run_fp8_errors(args) -> int:
+    """``python -m cuflash bench --fp8-errors``: the error table on this GPU."""
+    from .cli import environment
+    rows = fp8_error_table(head_dims=args.head_dims, echo=print)
+    table = fp8_error_markdown(rows, environment().get("gpu"))
+    print()
+    print(table)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(dict(problem=FP8_ERROR_PROBLEM, rows=rows), handle, indent=2)
+        print(f"wrote {args.json}")
+    if args.md:
+        with open(args.md, "w") as handle:
+            handle.write(table + "\n")
+        print(f"wrote {args.md}")
+    return 0
+
+
 # -- driver -----------------------------------------------------------------------------------
 def run_benchmark(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(False, True),
                   dtype="bf16", total_tokens=16384, hidden=2048, reps=30, use_torch=True,
-                  spec_override=None, overhead=False, grid=True, flush_l2=True, mode="fwd", echo=print) -> dict:
-    """Run the benchmark and return its report (the ``--json`` content); ``echo`` gets each line."""
+                  spec_override=None, overhead=False, grid=True, flush_l2=True, mode="fwd", echo=print,
+                  fp8_format="e4m3") -> dict:
+    """Run the benchmark and return its report (the ``--json`` content); ``echo`` gets each line.
+    ``dtype="fp8"`` times FP8 inputs of ``fp8_format`` (see :func:`bench_fp8_config`)."""
     from .cli import environment
     from .compile import device_arch
 
@@ -486,6 +714,8 @@ def run_benchmark(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         environment=env,
         settings=dict(mode=mode, dtype=dtype, total_tokens=total_tokens, hidden=hidden, reps=reps,
+                      **(dict(fp8_format=fp8_format, fp8_granularity="tensor", fp8_out_dtype="bf16")
+                         if dtype == FP8 else {}),
                       spec_override=overrides or None, arch=arch, flush_l2=flush_l2,
                       timing="median of CUDA event pairs, L2 flushed before each" if flush_l2
                       else "median of CUDA event pairs"),
@@ -497,7 +727,7 @@ def run_benchmark(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(
     if grid:
         for config in paper_grid(head_dims, seqlens, causal, dtype, total_tokens, hidden, mode):
             result = bench_config(config, arch=arch, reps=reps, torch=torch, overrides=overrides,
-                                  flush_l2=flush_l2)
+                                  flush_l2=flush_l2, fp8_format=fp8_format)
             report["results"].append(result)
             echo(format_line(result))
     if overhead:
@@ -514,7 +744,14 @@ def add_arguments(parser):
     parser.add_argument("--head-dims", type=int, nargs="+", default=list(DEFAULT_HEAD_DIMS))
     parser.add_argument("--seqlens", type=int, nargs="+", default=list(DEFAULT_SEQLENS))
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
-    parser.add_argument("--dtype", default="bf16", help="fp16, bf16 or fp32 (default bf16)")
+    parser.add_argument("--dtype", default="bf16",
+                        help="fp16, bf16, fp32 or fp8 (default bf16); fp8: inputs quantized per tensor, bf16 output, "
+                             "timed beside cuflash bf16 and torch SDPA bf16 (forward only)")
+    parser.add_argument("--fp8-format", choices=("e4m3", "e5m2"), default="e4m3",
+                        help="format of --dtype fp8 (default e4m3)")
+    parser.add_argument("--fp8-errors", action="store_true",
+                        help="print FP8 attention's error against the float64 reference (e4m3 and e5m2, "
+                             "--head-dims, N(0,1) and outlier inputs, with and without the rotation) instead of timing")
     parser.add_argument("--total-tokens", type=int, default=16384, help="batch = total_tokens // seqlen")
     parser.add_argument("--hidden", type=int, default=2048, help="heads = hidden // head_dim")
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions per config (median)")
@@ -532,6 +769,20 @@ def add_arguments(parser):
     parser.add_argument("--no-grid", action="store_true", help="skip the grid (with --overhead)")
 
 
+def parse_bench_dtype(text: str, mode: str = "fwd") -> str:
+    """``--dtype`` -> the tag timed: fp16, bf16, fp32 (or an alias of one), or fp8 (forward only)."""
+    if text == FP8:
+        if mode != "fwd":
+            raise ValueError(f"--dtype fp8 times the forward only (got --mode {mode})")
+        return FP8
+    from . import dtypes
+    tag = dtypes.from_tag(text).tag
+    if tag not in BENCH_DTYPES:
+        raise ValueError(f"--dtype {text!r}: choose one of {', '.join(BENCH_DTYPES)} "
+                         f"(FP8 formats through --dtype fp8 --fp8-format)")
+    return tag
+
+
 def run(args) -> int:
     """``python -m cuflash bench``."""
     from .cli import causal_modes, gpu_status
@@ -539,9 +790,10 @@ def run(args) -> int:
     if not available:
         print(f"cuflash bench: error: needs a CUDA GPU: {reason}", file=sys.stderr)
         return 1
+    if getattr(args, "fp8_errors", False):
+        return _run_fp8_errors(args)
     try:
-        from . import dtypes
-        dtype = dtypes.from_tag(args.dtype).tag
+        dtype = parse_bench_dtype(args.dtype, args.mode)
         spec_override = parse_spec_override(args.spec_override)
         if args.family:
             spec_override["family"] = args.family
@@ -554,7 +806,7 @@ def run(args) -> int:
                            dtype=dtype, total_tokens=args.total_tokens, hidden=args.hidden, reps=args.reps,
                            use_torch=not args.no_torch, spec_override=spec_override,
                            overhead=args.overhead, grid=not args.no_grid, flush_l2=not args.no_flush_l2,
-                           mode=args.mode)
+                           mode=args.mode, fp8_format=args.fp8_format)
     tables = markdown_tables(report)
     print()
     print(tables)

@@ -134,6 +134,7 @@ def test_cupy_arrays_quantize_like_numpy(name, granularity):
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from cuflash import bench, cli  # noqa: E402
 from cuflash.testing import (MAX_PROBLEM_WORK, TOLERANCES, Fp8AttentionProblem,  # noqa: E402
                              assert_attention_close, fp8_attention_problems)
 
@@ -234,3 +235,92 @@ def test_fp8_strategy_respects_its_arguments():
         assert problem.causal and problem.layout == "bshd" and problem.heads == problem.heads_k
         assert problem.work <= MAX_PROBLEM_WORK and problem.outliers == 0
     check()
+
+
+# -- bench --dtype fp8 and --fp8-errors without a GPU ---------------------------------------------------
+
+def _fake_fp8_attention(calls):
+    def attention(q, k, v, *, causal=False, fp8_format=None, out_dtype=None, **kwargs):
+        calls.append(fp8_format)
+        shape = q.shape
+        return np.full(shape, 0.5 if fp8_format else 0.25, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    return attention
+
+
+def test_bench_fp8_config_times_fp8_beside_bf16(monkeypatch):
+    import cuflash
+    calls = []
+    monkeypatch.setattr(cuflash, "attention", _fake_fp8_attention(calls))
+    monkeypatch.setattr(bench, "random_inputs", lambda shape, tag, seed=0: tuple(
+        np.random.default_rng(seed + i).standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+        for i in range(3)))
+
+    def fake_timer(fn, reps=30, warmup=3, flush_l2=True):   # the FP8 call takes 1 ms, the bf16 one 1.5 ms
+        fn()
+        return 1.0 if calls[-1] == "e4m3" else 1.5
+
+    monkeypatch.setattr(bench, "cuda_event_median_ms", fake_timer)
+    monkeypatch.setattr(bench, "_free_device_memory", lambda: None)
+    config = bench.paper_grid(head_dims=(128,), seqlens=(1024,), causal=(True,), dtype="fp8")[0]
+    result = bench.bench_config(config, arch="sm90a", reps=2, fp8_format="e4m3")
+    assert result["error"] is None and result["spec"].startswith("fwd_e4m3obf16_hd128_causal")
+    assert result["fp8_format"] == "e4m3"
+    from cuflash.reference import attention_flops
+    flops = attention_flops(config.batch, config.heads, 1024, 1024, 128, True)
+    assert result["flops"] == flops and result["tflops"] == pytest.approx(flops / 1.0 / 1e9)
+    peer = result["peers"]["cuflash-bf16"]
+    assert peer["tflops"] == pytest.approx(flops / 1.5 / 1e9) and peer["ratio"] == pytest.approx(1.5)
+    assert peer["max_abs_diff"] == pytest.approx(0.25)
+    line = bench.format_line(result)
+    assert line.startswith("fwd fp8 e4m3 hd128 causal N=1024 b=16 h=16: 1.000 ms")
+    assert "| cuflash-bf16 " in line and "(1.50x)" in line
+    report = dict(environment=dict(gpu="Test GPU"), results=[result], overhead=None)
+    tables = bench.markdown_tables(report)
+    assert "**fwd fp8 head_dim=128 causal** (TFLOP/s, Test GPU; FP8 e4m3 inputs quantized per tensor" in tables
+    assert "| cuflash FP8 e4m3 |" in tables and "| cuflash bf16 |" in tables
+    assert "| FP8 / bf16 (cuflash) | 1.50x |" in tables
+    import json
+    json.dumps(report)
+    bwd = bench.bench_config(bench.BenchConfig(128, 1024, True, 16, 16, "fp8", "bwd"), arch="sm90a")
+    assert "forward only" in bwd["error"]
+
+
+def test_bench_dtype_parsing_and_cli_flags(monkeypatch, capsys):
+    assert bench.parse_bench_dtype("fp8") == "fp8" and bench.parse_bench_dtype("bfloat16") == "bf16"
+    with pytest.raises(ValueError, match="forward only"):
+        bench.parse_bench_dtype("fp8", "bwd")
+    with pytest.raises(ValueError, match="--dtype fp8 --fp8-format"):
+        bench.parse_bench_dtype("e4m3")
+    seen = {}
+    monkeypatch.setattr(cli, "gpu_status", lambda: (True, ""))
+    monkeypatch.setattr(bench, "run_benchmark", lambda **kwargs: seen.update(kwargs) or dict(
+        environment={}, results=[], overhead=None))
+    assert cli.main(["bench", "--dtype", "fp8", "--fp8-format", "e5m2", "--head-dims", "64"]) == 0
+    assert seen["dtype"] == "fp8" and seen["fp8_format"] == "e5m2" and seen["head_dims"] == [64]
+    assert cli.main(["bench", "--dtype", "fp8", "--mode", "bwd"]) == 2
+    assert "forward only" in capsys.readouterr().err
+    assert cli.main(["bench", "--dtype", "bf16"]) == 0 and seen["dtype"] == "bf16"
+
+
+def test_fp8_error_table_with_the_naive_model(monkeypatch, tmp_path, capsys):
+    from cuflash.reference import attention_fp8_naive
+    rows = bench.fp8_error_table(attention_fp8_naive, xp=np, head_dims=(64,), seqlen=128)
+    assert len(rows) == 2 * 2 * 2
+    for row in rows:
+        assert row["max_error"] == row["naive_max_error"] and 0 < row["mean_error"] <= row["max_error"]
+    by_key = {(r["fp8_format"], r["inputs"], r["rotated"]): r for r in rows}
+    assert by_key[("e4m3", "outliers", True)]["max_error"] < by_key[("e4m3", "outliers", False)]["max_error"]
+    table = bench.fp8_error_markdown(rows, "CPU")
+    assert "| head dim | format | inputs | rotation | max error | mean error |" in table
+    assert table.count("\n| 64 | e") == 8
+    # The command line, with the kernel replaced by the model.
+    monkeypatch.setattr(cli, "gpu_status", lambda: (True, ""))
+    monkeypatch.setattr(cli, "environment", lambda: dict(gpu="Test GPU"))
+    real = bench.fp8_error_table
+    monkeypatch.setattr(bench, "fp8_error_table", lambda **kwargs: real(
+        attention_fp8_naive, xp=np, seqlen=64, **kwargs))
+    md = tmp_path / "errors.md"
+    assert cli.main(["bench", "--fp8-errors", "--head-dims", "64", "--md", str(md)]) == 0
+    out = capsys.readouterr().out
+    assert "fp8 e5m2 hd64 outliers rotated: max error" in out
+    assert "| 64 | e5m2 | outliers | yes |" in md.read_text() and "(Test GPU;" in md.read_text()
