@@ -213,9 +213,12 @@ def v_operand(v, layout: str = "bhsd"):
     FP8 matrix products read both operands K-major, so P V needs V with the keys contiguous.
     The order inside each 16 keys is the one in which a thread's softmax probabilities already
     sit as the A operand (slot 4t + 2b + e holds key 8b + 2t + e), so they need no exchange
-    between threads; the sum over keys does not depend on their order. One pass over V.
+    between threads; the sum over keys does not depend on their order. One pass over V (on a
+    CuPy array, by a small kernel, templates/include/cuflash/fp8_v.cuh).
     """
     xp = _xp(v)
+    if xp is not np and v.shape[3] % 16 == 0:
+        return _v_operand_device(v, layout)
     vb = v if layout == "bhsd" else v.transpose(0, 2, 1, 3)
     b, h, s, d = vb.shape
     padded = -(-s // V_KEY_GROUP) * V_KEY_GROUP
@@ -227,6 +230,37 @@ def v_operand(v, layout: str = "bhsd"):
     grouped = vb.reshape(b, h, padded // 16, 2, 4, 2, d)          # (.., c, b', t, e, d)
     out = xp.ascontiguousarray(grouped.transpose(0, 1, 6, 2, 4, 3, 5))  # (.., d, c, t, b', e)
     return out.reshape(b, h, d, padded)
+
+
+def _v_operand_device(v, layout: str):
+    import cupy
+
+    from .compile import device_arch
+    from .render import headers_digest, include_dir
+    from .spec import nvrtc_arch
+
+    vb = v if layout == "bhsd" else v.transpose(0, 2, 1, 3)
+    b, h, s, d = vb.shape
+    if (vb.data.ptr | vb.strides[0] | vb.strides[1] | vb.strides[2] | d) % 16:
+        vb = cupy.ascontiguousarray(vb)
+    padded = -(-s // V_KEY_GROUP) * V_KEY_GROUP
+    out = cupy.empty((b, h, d, padded), dtype=cupy.uint8)
+    if out.size == 0:
+        return out
+    device = vb.data.device_id
+    kernel = _V_KERNELS.get(device)
+    if kernel is None:
+        options = ("-std=c++17", f"-arch={nvrtc_arch(device_arch(device))}", f"-I{include_dir()}",
+                   f"-DCUFLASH_HEADERS_DIGEST=0x{headers_digest()}")
+        module = cupy.RawModule(code='#include "cuflash/fp8_v.cuh"\n', options=options)
+        kernel = _V_KERNELS[device] = module.get_function("cuflash_fp8_v_operand")
+    kernel((-(-padded // 64), -(-d // 64), b * h), (256,),
+           (vb, out, np.int32(h), np.int32(s), np.int32(d), np.int32(padded),
+            np.int64(vb.strides[0]), np.int64(vb.strides[1]), np.int64(vb.strides[2])))
+    return out
+
+
+_V_KERNELS: dict = {}
 
 
 __all__ = ["FORMATS", "v_operand", "GRANULARITIES", "quantize_fp8", "dequantize_fp8", "to_fp8_bits", "from_fp8_bits",

@@ -57,6 +57,16 @@ def test_hopper_kernels_use_warpgroup_mma(spec, tmp_path):
         assert "LDGSTS" in code
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_kernel_uses_fp8_warpgroup_mma(fmt, tmp_path):
+    """Both products on FP8 tensor cores (QGMMA, k=32; P as e4m3), V^T by TMA, P packed by F2FP."""
+    code = sass(default_spec(128, fmt, True, "sm90a", out_dtype="bf16"), tmp_path)
+    kind = fmt.upper()
+    assert re.search(rf"QGMMA\.64x128x32\.F32\.{kind}\.{kind}", code)
+    assert re.search(rf"QGMMA\.64x128x32\.F32\.E4M3\.{kind}", code)
+    assert "UTMALDG.4D" in code and "F2FP" in code and "HMMA" not in code
+
+
 def test_hopper_forward_without_warp_specialization(tmp_path):
     """The cp.async wgmma schedule (no TMA) stays available through an explicit spec."""
     spec = KernelSpec(128, "bf16", True, 128, 128, 8, 2, "sm90a", family="wgmma")
