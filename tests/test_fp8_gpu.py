@@ -1,0 +1,158 @@
+"""cuflash.attention on FP8 inputs (the Hopper kernel) against the float64 reference of the
+dequantized inputs, with :func:`cuflash.reference.attention_fp8_naive` as the accuracy baseline.
+
+Every test draws fresh inputs quantized with :func:`cuflash.quantize_fp8`, poisons the output
+memory first and checks every element. The numerical tests need sm_90a (where the FP8 kernel
+runs); the bad-input tests run on any GPU.
+"""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import cuflash
+import cuflash.reference
+from cuflash import compile as compile_mod
+from cuflash.testing import Fp8AttentionProblem, assert_attention_close, fp8_attention_problems
+
+pytestmark = pytest.mark.gpu
+
+cupy = pytest.importorskip("cupy")
+
+
+@pytest.fixture(scope="module")
+def hopper():
+    if compile_mod.device_arch() != "sm90a":
+        pytest.skip("the FP8 kernel needs sm_90a")
+
+
+@pytest.fixture(scope="module")
+def warm_fp8_kernels(hopper):
+    """Compile the FP8 kernel set (head dims 64/128/256 x e4m3/e5m2 x causal x bf16/fp16 output)
+    once, in parallel processes."""
+    from cuflash.spec import all_fp8_specs
+
+    cuflash.warmup(all_fp8_specs(compile_mod.device_arch()), progress=False)
+
+
+def run_and_check(problem: Fp8AttentionProblem, poison, seed=None):
+    inputs = problem.make_inputs(cupy, seed=seed)
+    q_shape, _ = problem.shapes()
+    poison(math.prod(q_shape) * 2, problem.batch * problem.heads * problem.seqlen_q * 4)
+    out, lse = cuflash.attention(inputs.q, inputs.k, inputs.v, return_lse=True, **problem.attention_kwargs(inputs))
+    assert out.dtype == problem.out_numpy_dtype and out.shape == q_shape
+    assert lse.dtype == cupy.float32 and lse.shape == (problem.batch, problem.heads, problem.seqlen_q)
+    ref, ref_lse = problem.reference(inputs)
+    base, _ = problem.naive(inputs)
+    assert_attention_close(out, ref, problem.fp8_format, baseline=base, lse=lse, ref_lse=ref_lse)
+    return inputs, out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_every_kernel(fmt, head_dim, causal, warm_fp8_kernels, poison):
+    # Tails in both sequences, seqlen_q != seqlen_k both ways, GQA, both layouts, both descale
+    # granularities and both output dtypes: every kernel of the set runs once per output dtype.
+    for sq, sk, layout, granularity, out_dtype in ((113, 239, "bhsd", "tensor", "bf16"),
+                                                   (239, 113, "bshd", "head", "fp16")):
+        problem = Fp8AttentionProblem(2, 4, 2, sq, sk, head_dim, fmt, granularity, out_dtype, causal=causal,
+                                      layout=layout)
+        run_and_check(problem, poison)
+
+
+# The fixtures are module-wide or stateless helpers, safe to share between examples.
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(problem=fp8_attention_problems())
+def test_property_against_reference(problem, warm_fp8_kernels, poison):
+    run_and_check(problem, poison)
+
+
+@pytest.mark.parametrize("seqlens", [(1, 1), (1, 700), (700, 1), (128, 128), (129, 257), (257, 129)])
+def test_awkward_lengths(seqlens, warm_fp8_kernels, poison):
+    sq, sk = seqlens
+    for causal in (False, True):
+        run_and_check(Fp8AttentionProblem(1, 2, 1, sq, sk, 128, "e4m3", "head", causal=causal), poison)
+
+
+def test_fully_masked_rows_give_zero_and_minus_inf(warm_fp8_kernels, poison):
+    problem = Fp8AttentionProblem(1, 2, 2, 300, 100, 64, "e5m2", "head", "fp16", causal=True)
+    _, out, lse = run_and_check(problem, poison)
+    out, lse = cupy.asnumpy(out).astype(np.float32), cupy.asnumpy(lse)
+    assert np.all(out[:, :, :200] == 0) and not np.isnan(out).any()
+    assert np.all(lse[:, :, :200] == -np.inf) and np.all(np.isfinite(lse[:, :, 200:]))
+
+
+def test_descale_forms_and_int8_codes_agree(warm_fp8_kernels):
+    """A per-tensor descale as a 0-d array, a Python float or a (batch, heads) array of that one
+    value gives the same bits; int8 arrays are read as the same codes; None means 1."""
+    problem = Fp8AttentionProblem(2, 4, 2, 150, 150, 128, "e4m3", "tensor", causal=True)
+    inputs = problem.make_inputs(cupy, seed=0)
+    kwargs = problem.attention_kwargs(inputs)
+    want = cuflash.attention(inputs.q, inputs.k, inputs.v, **kwargs)
+    as_float = dict(kwargs, **{name: float(kwargs[name]) for name in ("q_descale", "k_descale", "v_descale")})
+    assert bool((cuflash.attention(inputs.q, inputs.k, inputs.v, **as_float) == want).all())
+    per_head = dict(kwargs, q_descale=cupy.full((2, 4), float(kwargs["q_descale"]), cupy.float32),
+                    k_descale=cupy.full((2, 2), float(kwargs["k_descale"]), cupy.float32))
+    assert bool((cuflash.attention(inputs.q, inputs.k, inputs.v, **per_head) == want).all())
+    signed = (x.view(cupy.int8) for x in (inputs.q, inputs.k, inputs.v))
+    assert bool((cuflash.attention(*signed, **kwargs) == want).all())
+    ones = dict(kwargs, q_descale=None, k_descale=None, v_descale=None)
+    out, lse = cuflash.attention(inputs.q, inputs.k, inputs.v, return_lse=True, **ones)
+    numpy_args = [cupy.asnumpy(x) for x in (inputs.q, inputs.k, inputs.v)]
+    reference_kwargs = {name: value for name, value in ones.items() if name != "out_dtype"}
+    ref, ref_lse = cuflash.reference.attention_fp8_reference(*numpy_args, **reference_kwargs)
+    base, _ = cuflash.reference.attention_fp8_naive(*numpy_args, **ones)
+    assert_attention_close(out, ref, "e4m3", baseline=base, lse=lse, ref_lse=ref_lse)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_rotation_lowers_the_error_on_outliers(head_dim, fmt, warm_fp8_kernels):
+    """q and k with 4 head-dim channels 50x larger: rotating both before quantizing (the same
+    orthogonal matrix, q k^T unchanged) lowers the error against the float64 attention of the
+    unrotated float inputs."""
+    errors = {}
+    for rotate in (False, True):
+        problem = Fp8AttentionProblem(1, 2, 2, 256, 256, head_dim, fmt, "head", scale=1 / (50 * math.sqrt(head_dim)),
+                                      outliers=4, rotate=rotate)
+        inputs = problem.make_inputs(cupy, seed=5)
+        out = cuflash.attention(inputs.q, inputs.k, inputs.v, **problem.attention_kwargs(inputs))
+        want, _ = problem.float_reference(inputs)
+        errors[rotate] = float(np.abs(cupy.asnumpy(out).astype(np.float64) - want).max())
+    assert errors[True] < errors[False], errors
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+def _codes(shape):
+    return cupy.random.randint(0, 0x7F, size=shape, dtype=cupy.int32).astype(cupy.uint8)
+
+
+def _half(shape):
+    return cupy.random.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16)
+
+
+def test_rejects_fp8_codes_without_a_format_and_16_bit_arrays_with_one():
+    x = _codes((1, 2, 8, 64))
+    with pytest.raises(TypeError, match="fp8_format"):
+        cuflash.attention(x, x, x)
+    with pytest.raises(TypeError):
+        cuflash.attention(_half((1, 2, 8, 64)), _half((1, 2, 8, 64)), _half((1, 2, 8, 64)), fp8_format="e4m3")
+    with pytest.raises(TypeError):
+        cuflash.attention(x, _half((1, 2, 8, 64)), x, fp8_format="e4m3")
+    with pytest.raises(ValueError, match="fp8_format='e3m4'"):
+        cuflash.attention(x, x, x, fp8_format="e3m4")
+
+
+@pytest.mark.parametrize("name,value", [
+    ("q_descale", (1, 3)), ("k_descale", (1, 2)), ("v_descale", (1, 1, 1)),   # shapes; q has 2 heads, k 1
+    ("q_descale", -1.0), ("k_descale", float("nan")), ("v_descale", float("inf")),
+    ("out_dtype", "fp32"), ("out_dtype", "e4m3"),
+])
+def test_rejects_bad_descales_and_out_dtypes(name, value):
+    q, kv = _codes((1, 2, 8, 64)), _codes((1, 1, 8, 64))
+    kwargs = {name: cupy.ones(value, cupy.float32) if isinstance(value, tuple) else value}
+    with pytest.raises((ValueError, TypeError), match=name):
+        cuflash.attention(q, kv, kv, fp8_format="e4m3", **kwargs)
