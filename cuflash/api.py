@@ -152,8 +152,6 @@ def _attention_fp8(q, k, v, *, causal, scale, return_lse, layout, family, spec, 
 
 def _attention_fp8_dequantized(q, k, v, problem: Problem, scales, return_lse):
     """FP8 codes -> the output dtype (times their descales) on the device, then the 16-bit kernel."""
-    import cupy
-
     fmt, layout = problem.dtype.tag, problem.layout
 
     def values(x, descale):

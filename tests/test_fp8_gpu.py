@@ -62,6 +62,14 @@ def test_every_kernel(fmt, head_dim, causal, warm_fp8_kernels, poison):
         run_and_check(problem, poison)
 
 
+@pytest.mark.parametrize("out_dtype", ["bf16", "fp16"])
+def test_head_dims_without_an_fp8_kernel_dequantize(out_dtype, poison):
+    """Head dim 96 has no FP8 kernel: the codes are dequantized on the device and the 16-bit
+    kernel runs, under the same contract and tolerance (any GPU)."""
+    problem = Fp8AttentionProblem(2, 4, 2, 150, 211, 96, "e4m3", "head", out_dtype, causal=True, layout="bshd")
+    run_and_check(problem, poison)
+
+
 # The fixtures are module-wide or stateless helpers, safe to share between examples.
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(problem=fp8_attention_problems())
