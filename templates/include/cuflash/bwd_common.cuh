@@ -55,14 +55,30 @@ struct DkdvWork {
     int steps;      // m_tiles * query heads per kv head
 };
 
+// Heads (kv head, batch pairs) per chunk of a causal K/V-outer grid; see dkdv_work.
+constexpr int kCausalHeadsPerChunk = 8;
+
 template <int kBM, int kBN, bool kCausal, class Params>
 __device__ __forceinline__ DkdvWork dkdv_work(const Params& p) {
     DkdvWork w;
-    // Key tiles in order: with a causal mask the first ones see the most queries, so the grid
-    // starts with its heaviest blocks.
-    w.n0 = blockIdx.x * kBN;
-    w.head_k = blockIdx.y;
-    w.batch = blockIdx.z;
+    int key_tile = blockIdx.x, head_batch = blockIdx.y + gridDim.y * blockIdx.z;
+    if constexpr (kCausal) {
+        // The grid is numbered again: a causal key tile's work falls with its index (the first
+        // sees every query, the last the fewest). Blocks start in the order of their linear
+        // index; head by head, each head would end on its long first tiles and the grid on the
+        // last head's. So the heads come in chunks of kCausalHeadsPerChunk, and within a chunk
+        // key tile by key tile, the heaviest first: the grid ends on short blocks, and the blocks
+        // in flight share the query tiles of a few heads in L2.
+        const int tiles = gridDim.x, heads = gridDim.y * gridDim.z;
+        const int linear = blockIdx.x + tiles * head_batch;
+        const int chunk = linear / (tiles * kCausalHeadsPerChunk), in_chunk = linear % (tiles * kCausalHeadsPerChunk);
+        const int chunk_heads = min(kCausalHeadsPerChunk, heads - chunk * kCausalHeadsPerChunk);
+        key_tile = in_chunk / chunk_heads;
+        head_batch = chunk * kCausalHeadsPerChunk + in_chunk % chunk_heads;
+    }
+    w.n0 = key_tile * kBN;
+    w.head_k = head_batch % gridDim.y;
+    w.batch = head_batch / gridDim.y;
     w.causal_offset = p.seqlen_k - p.seqlen_q;
     w.m_begin = 0;
     if constexpr (kCausal) {
