@@ -47,35 +47,55 @@ __device__ __forceinline__ void mask_scores(float (&s)[kMT][kNT][4], int n0, int
 // rescaling the output rows (rescale_output). row_max holds raw scores. kLog2Boost scales P
 // and the running sum by 2^kLog2Boost (FP8: P up to 256 keeps e4m3's precision; store_output
 // takes it out of the LSE, and the quotient O / sum does not see it).
+// slack > 0 (log2 units of P) keeps the running max until a tile raises it by more than slack:
+// P may then reach 2^slack, the sum and the output stay exact (both are relative to the max in
+// use), and most tiles leave alpha = 1, so rescale_output<true> skips the output rows.
 template <int kLog2Boost = 0, int kMT, int kNT>
 __device__ __forceinline__ void softmax_step(float (&s)[kMT][kNT][4], float (&row_max)[kMT][2],
                                              float (&row_sum)[kMT][2], float (&alphas)[kMT][2],
-                                             float scale_log2) {
+                                             float scale_log2, float slack = 0.f) {
+    constexpr int kChains = kNT >= 8 ? 4 : kNT >= 2 ? 2 : 1;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float tile_max = neg_inf();
+            // The max and the sum run in kChains independent chains, merged at the end: a single
+            // chain of kNT dependent instructions would leave the warp waiting on each result.
+            float chain_max[kChains];
+#pragma unroll
+            for (int c = 0; c < kChains; ++c) chain_max[c] = neg_inf();
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
-                tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                chain_max[nt % kChains] = fmaxf(chain_max[nt % kChains], fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+            float tile_max = chain_max[0];
+#pragma unroll
+            for (int c = 1; c < kChains; ++c) tile_max = fmaxf(tile_max, chain_max[c]);
             tile_max = quad_max(tile_max);
-            const float new_max = fmaxf(row_max[mt][r], tile_max);
+            // The running max moves only when the tile raises it by more than slack (a raise
+            // from -inf always counts; -inf to -inf gives NaN, which does not).
+            const float old_max = row_max[mt][r];
+            const bool moved = (tile_max - old_max) * scale_log2 > slack;
+            const float new_max = moved ? tile_max : old_max;
             // A row with nothing unmasked yet keeps max -inf; using 0 as its base keeps
             // exp2(-inf - base) at 0 rather than NaN.
             const float base = new_max == neg_inf() ? 0.f : new_max * scale_log2;
-            alphas[mt][r] = exp2_approx(row_max[mt][r] * scale_log2 - base);
+            alphas[mt][r] = moved ? exp2_approx(old_max * scale_log2 - base) : 1.f;
             row_max[mt][r] = new_max;
-            float tile_sum = 0.f;
+            float chain_sum[kChains];
+#pragma unroll
+            for (int c = 0; c < kChains; ++c) chain_sum[c] = 0.f;
             const float shift = kLog2Boost ? static_cast<float>(kLog2Boost) - base : -base;
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
                 for (int e = 2 * r; e < 2 * r + 2; ++e) {
                     s[mt][nt][e] = exp2_approx(fmaf(s[mt][nt][e], scale_log2, shift));
-                    tile_sum += s[mt][nt][e];
+                    chain_sum[nt % kChains] += s[mt][nt][e];
                 }
             }
+            float tile_sum = chain_sum[0];
+#pragma unroll
+            for (int c = 1; c < kChains; ++c) tile_sum += chain_sum[c];
             row_sum[mt][r] = row_sum[mt][r] * alphas[mt][r] + tile_sum;
         }
     }
