@@ -47,13 +47,10 @@ __device__ __forceinline__ void mask_scores(float (&s)[kMT][kNT][4], int n0, int
 // rescaling the output rows (rescale_output). row_max holds raw scores. kLog2Boost scales P
 // and the running sum by 2^kLog2Boost (FP8: P up to 256 keeps e4m3's precision; store_output
 // takes it out of the LSE, and the quotient O / sum does not see it).
-// slack > 0 (log2 units of P) keeps the running max until a tile raises it by more than slack:
-// P may then reach 2^slack, the sum and the output stay exact (both are relative to the max in
-// use), and most tiles leave alpha = 1, so rescale_output<true> skips the output rows.
 template <int kLog2Boost = 0, int kMT, int kNT>
 __device__ __forceinline__ void softmax_step(float (&s)[kMT][kNT][4], float (&row_max)[kMT][2],
                                              float (&row_sum)[kMT][2], float (&alphas)[kMT][2],
-                                             float scale_log2, float slack = 0.f) {
+                                             float scale_log2) {
     constexpr int kChains = kNT >= 8 ? 4 : kNT >= 2 ? 2 : 1;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
@@ -71,15 +68,11 @@ __device__ __forceinline__ void softmax_step(float (&s)[kMT][kNT][4], float (&ro
 #pragma unroll
             for (int c = 1; c < kChains; ++c) tile_max = fmaxf(tile_max, chain_max[c]);
             tile_max = quad_max(tile_max);
-            // The running max moves only when the tile raises it by more than slack (a raise
-            // from -inf always counts; -inf to -inf gives NaN, which does not).
-            const float old_max = row_max[mt][r];
-            const bool moved = (tile_max - old_max) * scale_log2 > slack;
-            const float new_max = moved ? tile_max : old_max;
+            const float new_max = fmaxf(row_max[mt][r], tile_max);
             // A row with nothing unmasked yet keeps max -inf; using 0 as its base keeps
             // exp2(-inf - base) at 0 rather than NaN.
             const float base = new_max == neg_inf() ? 0.f : new_max * scale_log2;
-            alphas[mt][r] = moved ? exp2_approx(old_max * scale_log2 - base) : 1.f;
+            alphas[mt][r] = exp2_approx(row_max[mt][r] * scale_log2 - base);
             row_max[mt][r] = new_max;
             float chain_sum[kChains];
 #pragma unroll
