@@ -58,8 +58,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             [batch, heads, seqlen_q] (``-inf`` for a row with no key to attend).
         layout: ``"bhsd"`` or ``"bshd"``; the output uses the same layout.
         family: kernel family, for tests and comparisons: ``"wgmma"`` (Hopper warpgroup MMAs,
-            sm_90a, head dims 64/96/128/192/256), ``"mma"`` (portable tensor-core kernel, fp16/bf16)
-            or ``"simt"`` (float32). Default: wgmma where it applies, else the dtype's portable one.
+            sm_90a, head dims 64/96/128/192/256; FP8: 64/128/256), ``"mma"`` (portable tensor-core
+            kernel, fp16/bf16, and FP8 codes converted to fp16 on chip) or ``"simt"`` (float32).
+            Default: wgmma where it applies, else the dtype's portable one.
         spec: force a :class:`cuflash.KernelSpec` (for tuning and comparisons); it must match the
             problem's head_dim, dtype and causality and the device's target.
         fp8_format: ``"e4m3"`` or ``"e5m2"``: q, k and v are 1-byte arrays (uint8) of FP8 codes
@@ -111,8 +112,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
 
 def _attention_fp8(q, k, v, *, causal, scale, return_lse, layout, family, spec, fp8_format, q_descale,
                    k_descale, v_descale, out_dtype):
-    """FP8 inputs: the Hopper FP8 kernel where there is one, else the codes dequantized on the
-    device (to the output dtype) through the 16-bit kernels."""
+    """FP8 inputs: the Hopper FP8 kernel where it has the head dim, else the portable kernel, which
+    converts the codes to fp16 on chip (family "mma"). Either reads the 1-byte codes only."""
     import cupy
 
     q, k, v = (x.view(cupy.uint8) if isinstance(x, cupy.ndarray) and x.dtype == cupy.int8 else x for x in (q, k, v))
@@ -121,15 +122,7 @@ def _attention_fp8(q, k, v, *, causal, scale, return_lse, layout, family, spec, 
                                  out_dtype=out_dtype)
     out_tag = scales.out_dtype.tag
     with _on_device(problem.device_id):
-        if spec is None:
-            try:
-                spec = select_spec(problem, family, out_tag)
-            except ValueError:
-                if family is not None:
-                    raise
-                return _attention_fp8_dequantized(q, k, v, problem, scales, return_lse)
-        else:
-            spec = _check_forced_spec(spec, problem, out_tag)
+        spec = select_spec(problem, family, out_tag) if spec is None else _check_forced_spec(spec, problem, out_tag)
         out = cupy.empty(problem.out_shape, dtype=scales.out_dtype.numpy)
         lse = cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
         if problem.empty:
@@ -141,26 +134,21 @@ def _attention_fp8(q, k, v, *, causal, scale, return_lse, layout, family, spec, 
             if problem.scale <= 0:
                 q, k, scale = _positive_scale(q, k, problem.scale)
                 problem = validate(q, k, v, causal=causal, scale=scale, layout=layout, fp8_format=fp8_format)
-            if not (readable_by_tma(q) and readable_by_tma(k)):
-                q, k = (x if readable_by_tma(x) else cupy.ascontiguousarray(x) for x in (q, k))
+            # Views the kernel's copies cannot read are copied once.
+            if spec.warp_specialized:  # TMA reads q and k; V is rearranged into a new array below
+                if not (readable_by_tma(q) and readable_by_tma(k)):
+                    q, k = (x if readable_by_tma(x) else cupy.ascontiguousarray(x) for x in (q, k))
+                    problem = validate(q, k, v, causal=causal, scale=scale, layout=layout, fp8_format=fp8_format)
+            elif not all(aligned_for_async_copy(x, spec.copy_alignment) for x in (q, k, v)):
+                # cp.async copies of 16 bytes, or 8 where the head dim is 8 mod 16
+                q, k, v = (x if aligned_for_async_copy(x, spec.copy_alignment) else cupy.ascontiguousarray(x)
+                           for x in (q, k, v))
                 problem = validate(q, k, v, causal=causal, scale=scale, layout=layout, fp8_format=fp8_format)
             kernel = _compile.get_kernel(spec, problem.device_id)
-            launch(kernel, spec, problem, q, k, _fp8.v_operand(v, layout), out, lse, _out_strides(out, layout),
-                   scales)
+            # The Hopper kernel reads V as V^T (fp8.v_operand); the portable one reads V as it is.
+            v_operand = _fp8.v_operand(v, layout) if spec.warp_specialized else v
+            launch(kernel, spec, problem, q, k, v_operand, out, lse, _out_strides(out, layout), scales)
     return (out, lse) if return_lse else out
-
-
-def _attention_fp8_dequantized(q, k, v, problem: Problem, scales, return_lse):
-    """FP8 codes -> the output dtype (times their descales) on the device, then the 16-bit kernel."""
-    fmt, layout = problem.dtype.tag, problem.layout
-
-    def values(x, descale):
-        factor = descale.reshape(()) if descale.ndim == 1 else \
-            descale[:, :, None, None] if layout == "bhsd" else descale[:, None, :, None]
-        return (_fp8.from_fp8_bits(x, fmt) * factor).astype(scales.out_dtype.numpy)
-
-    return attention(values(q, scales.q_descale), values(k, scales.k_descale), values(v, scales.v_descale),
-                     causal=problem.causal, scale=problem.scale, return_lse=return_lse, layout=layout)
 
 
 class _Nothing:

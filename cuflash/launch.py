@@ -85,15 +85,15 @@ def pack_params(problem: Problem, q, k, v, out, lse, out_strides, tile_counter: 
 
 def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides,
            scales: Fp8Scales | None = None) -> None:
-    """Launch on the current CuPy stream. FP8 (``spec.fp8``): v is V^T as fp8.v_operand lays it
-    out, and ``scales`` holds the descales."""
+    """Launch on the current CuPy stream. FP8 (``spec.fp8``): ``scales`` holds the descales; for
+    the Hopper kernel v is V^T as fp8.v_operand lays it out, for the portable one V itself."""
     if spec.warp_specialized:
         from .tma import forward_maps
         counter = _tile_counter(problem.device_id)
         args = (pack_params(problem, q, k, v, out, lse, out_strides, counter.data.ptr, scales),
                 forward_maps(spec, problem, q, k, v))
     else:
-        args = (pack_params(problem, q, k, v, out, lse, out_strides),)
+        args = (pack_params(problem, q, k, v, out, lse, out_strides, scales=scales),)
     kernel(grid(spec, problem), (spec.threads, 1, 1), args, shared_mem=spec.smem_bytes)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jinja2
 
+from . import dtypes
 from .spec import BWD_PARAM_FIELDS, PARAM_FIELDS, BwdSpec, KernelSpec, nvrtc_arch
 
 
@@ -81,4 +82,5 @@ def generate(spec: KernelSpec | BwdSpec) -> str:
         nvrtc_arch=nvrtc_arch(spec.arch),
         include_dir=include_dir(),
         wgmma_ns=sorted({spec.block_n, spec.padded_head_dim}),
+        elem_ctype=dtypes.from_tag(spec.dtype).ctype,
     )

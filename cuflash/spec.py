@@ -89,12 +89,15 @@ class KernelSpec:
         if not self.out_dtype:
             object.__setattr__(self, "out_dtype", "bf16" if self.dtype in dtypes.FP8_DTYPES else self.dtype)
         problems = _problem_fields(self.head_dim, self.dtype, self.arch)
-        if self.dtype in dtypes.FP8_DTYPES:
+        if self.dtype in dtypes.FP8_DTYPES and self.family == "mma":  # codes converted to fp16 on chip
+            if self.out_dtype not in dtypes.FP8_OUT_TAGS:
+                problems.append(f"out_dtype={self.out_dtype!r} (FP8 inputs: one of {dtypes.FP8_OUT_TAGS})")
+        elif self.dtype in dtypes.FP8_DTYPES:
             if self.out_dtype not in dtypes.FP8_OUT_TAGS:
                 problems.append(f"out_dtype={self.out_dtype!r} (FP8 inputs: one of {dtypes.FP8_OUT_TAGS})")
             if self.family != "wgmma" or not self.warp_specialized:
-                problems.append(f"FP8 inputs run on the warp-specialized wgmma kernel only (family={self.family!r}, "
-                                f"warp_specialized={self.warp_specialized})")
+                problems.append(f"FP8 inputs run on the warp-specialized wgmma kernel or the portable mma kernel "
+                                f"(family={self.family!r}, warp_specialized={self.warp_specialized})")
             if self.block_n != 128:
                 problems.append(f"block_n={self.block_n} must be 128 for FP8 (one 128-byte row of V^T per tile)")
         elif self.out_dtype != self.dtype:
@@ -178,12 +181,36 @@ class KernelSpec:
 
     @property
     def fp8(self) -> bool:
-        """Inputs are FP8 codes (e4m3 / e5m2): native FP8 wgmma, V read as V^T (fp8.v_operand)."""
+        """Inputs are FP8 codes (e4m3 / e5m2): native FP8 wgmma with V read as V^T (fp8.v_operand)
+        on Hopper, or converted to fp16 in shared memory by the portable kernel (converts_fp8)."""
         return self.dtype in dtypes.FP8_DTYPES
+
+    @property
+    def converts_fp8(self) -> bool:
+        """The portable kernel on FP8 codes: tiles are copied as bytes into a staging ring and
+        converted on chip to the fp16 tiles its mma.sync products read (fp8_tiles.cuh)."""
+        return self.fp8 and self.family == "mma"
 
     @property
     def elem_bytes(self) -> int:
         return dtypes.from_tag(self.dtype).itemsize
+
+    @property
+    def tile_elem_bytes(self) -> int:
+        """Bytes of one element in the shared-memory tiles that the products read: the input's,
+        except fp16 (2) for FP8 codes converted on chip."""
+        return 2 if self.converts_fp8 else self.elem_bytes
+
+    @property
+    def fp8_copy_bytes(self) -> int:
+        """converts_fp8: bytes of one cp.async of codes, 16, or 8 where head_dim is 8 mod 16 (a row
+        of codes is then not a whole number of 16-byte chunks)."""
+        return 16 if self.head_dim % 16 == 0 else 8
+
+    @property
+    def copy_alignment(self) -> int:
+        """Byte alignment the kernel's copies need of q, k, v's base and batch/head/row strides."""
+        return self.fp8_copy_bytes if self.converts_fp8 else _CHUNK
 
     @property
     def col_block_elems(self) -> int:
@@ -198,7 +225,7 @@ class KernelSpec:
     @property
     def chunks_per_row(self) -> int:
         """16-byte chunks in one head_dim row of a tile."""
-        return self.head_dim * self.elem_bytes // _CHUNK
+        return self.head_dim * self.tile_elem_bytes // _CHUNK
 
     @property
     def smem_row_chunks(self) -> int:
@@ -278,8 +305,29 @@ class KernelSpec:
         return self.q_tile_bytes
 
     @property
+    def kv_slots(self) -> int:
+        """mma: K (and V) tiles the products read from: the cp.async ring's num_stages, or two
+        fp16 tiles, converted while the other is read, for FP8 codes."""
+        return 2 if self.converts_fp8 else self.num_stages
+
+    @property
     def smem_v_offset(self) -> int:
-        return self.q_tile_bytes + self.num_stages * self.kv_tile_bytes
+        return self.q_tile_bytes + self.kv_slots * self.kv_tile_bytes
+
+    @property
+    def smem_q8_offset(self) -> int:
+        """converts_fp8: Q's codes, staged where the fp16 K/V tiles go (converted before them)."""
+        return self.smem_k_offset
+
+    @property
+    def smem_stage_offset(self) -> int:
+        """converts_fp8: the staging ring of K/V codes, num_stages slots of stage_slot_bytes."""
+        return self.q_tile_bytes + max(2 * self.kv_slots * self.kv_tile_bytes, self.block_m * self.head_dim)
+
+    @property
+    def stage_slot_bytes(self) -> int:
+        """converts_fp8: one slot of the staging ring, K's codes then V's, rows of head_dim bytes."""
+        return 2 * self.block_n * self.head_dim
 
     @functools.cached_property
     def smem_bytes(self) -> int:
@@ -291,6 +339,8 @@ class KernelSpec:
         if self.family == "wgmma":  # unpadded swizzled tiles, mbarriers, slack to align the base
             # warp-specialized: 2 + 4 * stages mbarriers and the current tile's number
             return self.smem_barriers_offset + (8 * (2 + 4 * self.num_stages) + 16) * self.warp_specialized + 1024
+        if self.converts_fp8:
+            return self.smem_stage_offset + self.num_stages * self.stage_slot_bytes
         return self.q_tile_bytes + 2 * self.num_stages * self.kv_tile_bytes
 
     @property
@@ -340,12 +390,18 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
     """The default specialization for a problem. ``family`` (default: :func:`default_family`)
     picks the kernel family; the mma family's tiles come from the tuned table (fastest spill-free
     candidate, see :mod:`cuflash.tune`), else the first candidate that fits the target. FP8
-    inputs (``dtype`` "e4m3"/"e5m2", output ``out_dtype``) have the Hopper kernel only."""
+    inputs (``dtype`` "e4m3"/"e5m2", output ``out_dtype``) run the Hopper FP8 kernel where it
+    has the head dim (family wgmma), else the portable kernel, which converts the codes on chip
+    (family mma, :func:`fp8_portable_spec`)."""
     entry = dtypes.from_tag(dtype)
+    if entry.tag in dtypes.FP8_DTYPES and (family == "mma" or family is None and not (
+            arch == "sm90a" and head_dim in FP8_WGMMA_DEFAULTS)):
+        return fp8_portable_spec(head_dim, entry.tag, causal, arch, out_dtype or "bf16")
     if entry.tag in dtypes.FP8_DTYPES:
         if arch != "sm90a" or head_dim not in FP8_WGMMA_DEFAULTS or family not in (None, "wgmma"):
-            raise ValueError(f"FP8 attention has a kernel for head dims {sorted(FP8_WGMMA_DEFAULTS)} on sm90a "
-                             f"(family wgmma); got head_dim={head_dim}, arch={arch}, family={family}")
+            raise ValueError(f"FP8 attention has a Hopper kernel (family wgmma) for head dims "
+                             f"{sorted(FP8_WGMMA_DEFAULTS)} on sm90a and the portable one (family mma) "
+                             f"everywhere; got head_dim={head_dim}, arch={arch!r}, family={family!r}")
         bm, bn, stages = FP8_WGMMA_DEFAULTS[head_dim]
         return KernelSpec(head_dim, entry.tag, causal, bm, bn, 4 + bm // 16, stages, arch, overlap=True,
                           family="wgmma", warp_specialized=True, pingpong=True, out_dtype=out_dtype or "bf16")
@@ -391,11 +447,54 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
     raise ValueError(f"no kernel for head_dim={head_dim}, dtype={dtype} fits the shared memory of {arch}")
 
 
+#: Tiles of the portable FP8 kernel, best first: (largest head_dim, block_m, block_n, num_warps,
+#: num_stages). 16 query rows per warp: the 16-bit defaults' 32 rows per warp hold 128
+#: accumulator registers at head dim 128 and sit at 250-255 registers from head dim 96 on, which
+#: leaves no room for the conversion (offline compiles spill); with 16 rows the FP8 kernels stay
+#: under about 250 at every head dim, and 8 warps share each tile's conversion. Shared memory
+#: holds Q and two K/V tiles in fp16 plus the staging ring of codes; smaller targets take the
+#: later rows.
+FP8_PORTABLE_CANDIDATES = (
+    (128, 128, 64, 8, 2), (256, 128, 32, 8, 2), (256, 64, 32, 4, 2), (256, 64, 16, 4, 2),
+)
+
+
+def fp8_portable_spec(head_dim: int, fmt: str, causal: bool, arch: str, out_dtype: str = "bf16") -> KernelSpec:
+    """The portable kernel for FP8 codes (family mma), which converts them to fp16 on chip: the
+    first row of :data:`FP8_PORTABLE_CANDIDATES` that covers the head dim and fits the target."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim} is not supported (multiples of 8 from 8 to 256)")
+    if arch not in SMEM_LIMIT:
+        raise ValueError(f"arch={arch!r} is not supported (one of {list(SMEM_LIMIT)})")
+    if fmt not in dtypes.FP8_DTYPES:
+        raise ValueError(f"fmt={fmt!r} is not an FP8 format (one of {sorted(dtypes.FP8_DTYPES)})")
+    for max_d, bm, bn, w, s in FP8_PORTABLE_CANDIDATES:
+        spec = _fits(dict(head_dim=head_dim, dtype=fmt, causal=causal, block_m=bm, block_n=bn, num_warps=w,
+                          num_stages=s, arch=arch, family="mma", out_dtype=out_dtype)) if head_dim <= max_d else None
+        if spec:
+            return spec
+    raise ValueError(f"no portable FP8 kernel for head_dim={head_dim}, {fmt} fits the shared memory of {arch}")
+
+
+#: Head dims of the portable FP8 set that the tests compile and run (every head dim has a kernel):
+#: those of the Hopper FP8 kernel, 96 (Hopper has none) and two that are not multiples of 32 or,
+#: at 72, of 16 (8-byte copies).
+FP8_PORTABLE_TEST_HEAD_DIMS = (64, 72, 80, 96, 128, 256)
+
+
 def all_fp8_specs(arch: str = "sm90a", causal=(False, True)) -> list[KernelSpec]:
-    """Every FP8 specialization of a target: formats x head dims x causal x output dtypes."""
+    """Every Hopper FP8 specialization of a target: formats x head dims x causal x output dtypes
+    (none off sm90a; the portable ones are :func:`all_fp8_portable_specs`)."""
     if arch != "sm90a":
         return []
     return [default_spec(d, t, c, arch, out_dtype=o) for t in dtypes.FP8_DTYPES for d in FP8_WGMMA_DEFAULTS
+            for c in causal for o in dtypes.FP8_OUT_TAGS]
+
+
+def all_fp8_portable_specs(arch: str, head_dims=FP8_PORTABLE_TEST_HEAD_DIMS, causal=(False, True)) -> list[KernelSpec]:
+    """The portable FP8 specializations (family mma) of a target: formats x head dims x causal x
+    output dtypes, the set the tests compile and warm up."""
+    return [fp8_portable_spec(d, t, c, arch, o) for t in dtypes.FP8_DTYPES for d in head_dims
             for c in causal for o in dtypes.FP8_OUT_TAGS]
 
 

@@ -201,10 +201,11 @@ def validate_fp8_scales(problem: Problem, *, q_descale, k_descale, v_descale, ou
                      kv_strides=strides(kd))
 
 
-def aligned_for_async_copy(x) -> bool:
-    """16-byte copies need a 16-byte aligned base and row/head/batch strides in whole 16-byte units."""
+def aligned_for_async_copy(x, alignment: int = 16) -> bool:
+    """16-byte copies need a 16-byte aligned base and row/head/batch strides in whole 16-byte units
+    (``alignment``: the size of a smaller copy, e.g. 8 for FP8 rows of 8 mod 16 codes)."""
     s0, s1, s2, _ = x.strides
-    return (x.data.ptr | s0 | s1 | s2) % 16 == 0
+    return (x.data.ptr | s0 | s1 | s2) % alignment == 0
 
 
 def readable_by_tma(x) -> bool:

@@ -36,6 +36,53 @@ def test_rounding_is_to_nearest_even_and_saturating(name):
     assert special.tolist() == [top, top | 0x80, top, top | 0x80, fmt.nan_code, 0x80]
 
 
+# -- the portable kernel's on-chip conversion (templates/include/cuflash/fp8_tiles.cuh) in NumPy --
+
+def _byte_perm(x, y, selector):
+    """CUDA's __byte_perm(x, y, s) on uint32 arrays: byte i of the result is byte (s >> 4i) & 7 of
+    the 8 bytes y:x (x's bytes 0-3, then y's)."""
+    pool = np.stack([(x >> (8 * b)) & 0xFF for b in range(4)] + [(y >> (8 * b)) & 0xFF for b in range(4)])
+    return sum(pool[(selector >> (4 * i)) & 7] << (8 * i) for i in range(4)).astype(np.uint32)
+
+
+def _fp8x4_to_fp16x4(codes, e4m3):
+    """fp8x4_to_fp16x4 step for step: uint32 words of 4 codes -> (lo, hi) words of 2 fp16 each."""
+    codes = codes.astype(np.uint32)
+    if e4m3:
+        magnitude = codes & np.uint32(0x7F7F7F7F)
+        flagged = magnitude | ((magnitude + np.uint32(0x01010101)) & np.uint32(0x80808080))
+        sign = (codes >> 7) & np.uint32(0x01010101)
+        return (_byte_perm(flagged, sign, 0x5140) << 7) & np.uint32(0xFFFFFFFF), \
+            (_byte_perm(flagged, sign, 0x7362) << 7) & np.uint32(0xFFFFFFFF)
+    zero = np.zeros_like(codes)
+    return _byte_perm(codes, zero, 0x1404), _byte_perm(codes, zero, 0x3424)
+
+
+def test_the_model_uses_the_kernel_constants():
+    from cuflash.render import include_dir
+    source = (include_dir() / "cuflash" / "fp8_tiles.cuh").read_text()
+    for constant in ("0x7f7f7f7fu", "0x01010101u", "0x80808080u", "(codes >> 7) & 0x01010101u", "0x5140) << 7",
+                     "0x7362) << 7", "__byte_perm(codes, 0u, 0x1404)", "__byte_perm(codes, 0u, 0x3424)"):
+        assert constant in source, constant
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_on_chip_conversion_of_every_code(name):
+    """Every code, in every byte position of a word: e5m2 gives its value as fp16, e4m3 its value
+    times 2^-8 (exactly, subnormals included; the kernel multiplies the 2^8 back in), and every
+    NaN code a NaN (e4m3 has no infinities; e5m2's stay infinities)."""
+    codes = np.arange(256, dtype=np.uint8)
+    words = np.stack([np.roll(codes, shift) for shift in range(4)], axis=-1).copy().view("<u4")[..., 0]
+    lo, hi = _fp8x4_to_fp16x4(words, name == "e4m3")
+    halves = np.stack([lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16], axis=-1).astype(np.uint16)
+    got = halves.view(np.float16).astype(np.float64).reshape(-1)
+    want = words.view(np.uint8).view(ML[name]).astype(np.float64).reshape(-1)
+    if name == "e4m3":
+        want = want * 2.0 ** -8
+    np.testing.assert_array_equal(got, want)  # NaN and infinity positions included
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
 @pytest.mark.parametrize("granularity,descale_shape", [("tensor", ()), ("head", (2, 3)), ("block", (2, 3, 3))])
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_quantize_round_trip_within_half_a_step(name, granularity, descale_shape):

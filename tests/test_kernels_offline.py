@@ -121,16 +121,92 @@ def test_fp8_specs_and_their_limits():
     spec = default_spec(64, "e5m2", False, "sm90a", out_dtype="fp16")
     assert (spec.padded_head_dim, spec.block_n, spec.out_dtype, spec.elem_bytes) == (128, 128, "fp16", 1)
     assert spec.name.startswith("fwd_e5m2ofp16_hd64_")
-    with pytest.raises(ValueError, match="FP8 attention has a kernel"):
-        default_spec(96, "e4m3", False, "sm90a")
-    with pytest.raises(ValueError, match="FP8 attention has a kernel"):
-        default_spec(128, "e4m3", False, "sm80")
+    with pytest.raises(ValueError, match="FP8 attention has a Hopper kernel"):
+        default_spec(96, "e4m3", False, "sm90a", family="wgmma")
+    with pytest.raises(ValueError, match="FP8 attention has a Hopper kernel"):
+        default_spec(128, "e4m3", False, "sm80", family="wgmma")
     with pytest.raises(ValueError, match="out_dtype"):
         spec.replace(out_dtype="fp32")
     with pytest.raises(ValueError, match="block_n"):
         spec.replace(block_n=64)
     with pytest.raises(ValueError, match="out_dtype"):
         default_spec(128, "bf16", False, "sm90a").replace(out_dtype="fp16")
+
+
+# -- the portable FP8 kernel (family mma: codes converted to fp16 on chip) -------------------------
+
+@pytest.mark.parametrize("spec", [s for arch in ("sm80", "sm90a") for s in
+                                  __import__("cuflash").spec.all_fp8_portable_specs(arch)], ids=lambda s: s.name)
+def test_portable_fp8_specs_compile_without_spills(spec):
+    pytest.importorskip("cupy")
+    report = compile_offline(spec)
+    assert f"for '{spec.arch.replace('sm', 'sm_')}'" in report.log
+    assert not report.spills, f"{spec.name}: {report.log}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm80", "sm86", "sm90a"])
+def test_portable_fp8_defaults_of_every_head_dim_compile_without_spills(arch):
+    pytest.importorskip("cupy")
+    from cuflash.spec import fp8_portable_spec
+    for head_dim in HEAD_DIMS:
+        for causal in (False, True):
+            report = compile_offline(fp8_portable_spec(head_dim, "e4m3", causal, arch))
+            assert not report.spills, f"{report.spec.name}: {report.log}"
+
+
+def test_portable_fp8_defaults_cover_every_head_dim_and_target():
+    """Off Hopper's FP8 head dims (and off Hopper) every FP8 problem has a portable kernel that
+    fits the target; names carry format and output dtype, so they stay unique."""
+    names = set()
+    for arch in ARCHS:
+        for head_dim in HEAD_DIMS:
+            for fmt in ("e4m3", "e5m2"):
+                for out_dtype in ("bf16", "fp16"):
+                    spec = default_spec(head_dim, fmt, True, arch, out_dtype=out_dtype)
+                    hopper = arch == "sm90a" and head_dim in (64, 128, 256)
+                    assert spec.family == ("wgmma" if hopper else "mma") and spec.out_dtype == out_dtype
+                    assert spec.smem_bytes <= cuflash.spec.SMEM_LIMIT[arch]
+                    names.add(spec.name)
+    assert len(names) == len(ARCHS) * len(HEAD_DIMS) * 2 * 2
+    spec = default_spec(96, "e5m2", False, "sm90a", out_dtype="fp16")
+    assert spec.name == "fwd_e5m2ofp16_hd96_m128n64w8s2_sm90a" and spec.converts_fp8
+    assert default_spec(128, "e4m3", False, "sm90a", family="mma").family == "mma"
+    assert default_spec(128, "e4m3", False, "sm86").block_n == 32  # the smaller shared memory
+    source = cuflash.generate(default_spec(72, "e4m3", True, "sm80"))
+    assert "kFp8CopyBytes = 8;" in source and "kE4M3 = true;" in source and "kOutBF16 = true;" in source
+    assert "typedef unsigned char Elem;" in source and "kBF16 = false;" in source  # fp16 products
+    assert "typedef unsigned short Elem;" in cuflash.generate(default_spec(72, "bf16", True, "sm80"))
+
+
+def test_portable_fp8_shared_memory_layout():
+    spec = default_spec(128, "e4m3", False, "sm80")
+    fp16_tile = spec.block_n * 272  # 128 fp16 columns: 16 chunks, padded to 17
+    assert (spec.smem_row_bytes, spec.kv_slots, spec.kv_tile_bytes) == (272, 2, fp16_tile)
+    assert spec.smem_v_offset == spec.smem_k_offset + 2 * fp16_tile
+    assert spec.smem_q8_offset == spec.smem_k_offset and spec.copy_alignment == 16
+    assert spec.smem_stage_offset == spec.q_tile_bytes + 4 * fp16_tile
+    assert spec.smem_bytes == spec.smem_stage_offset + spec.num_stages * 2 * spec.block_n * 128
+    assert default_spec(72, "e5m2", False, "sm80").copy_alignment == 8
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(family="simt"), "family='simt'"),
+    (dict(out_dtype="fp32"), "out_dtype='fp32'"),
+    (dict(out_dtype="e4m3"), "out_dtype='e4m3'"),
+    (dict(num_stages=2, overlap=True), "num_stages=2 must be at least 3 with overlap"),
+    (dict(block_m=96), "block_m=96"),
+    (dict(block_n=24), "block_n=24"),
+    (dict(warp_specialized=True), "warp_specialized"),
+    (dict(head_dim=256, block_n=128, arch="sm86"), "shared memory"),
+])
+def test_invalid_portable_fp8_specs_are_named(kwargs, match):
+    base = dict(head_dim=128, dtype="e4m3", causal=False, block_m=128, block_n=64, num_warps=8, num_stages=2,
+                arch="sm80", family="mma", out_dtype="bf16")
+    with pytest.raises(ValueError, match=re.escape(match)):
+        KernelSpec(**{**base, **kwargs})
+    with pytest.raises(ValueError, match="family='simt'"):
+        default_spec(128, "e4m3", False, "sm80", family="simt")
 
 
 def test_fp8_v_operand_orders_keys_like_the_probability_registers():

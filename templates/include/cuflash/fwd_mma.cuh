@@ -9,11 +9,21 @@
 // diagonal and the sequence tail) come first, and the running max is usually settled by the
 // time the unmasked tiles arrive.
 //
+// FP8 codes (kFp8, e4m3 / e5m2): the same products in fp16, on tiles converted on chip
+// (fp8_tiles.cuh). Q's codes are staged where the K/V tiles go and converted once. K/V codes
+// stream through a kStages-deep staging ring; after the products of step i each thread converts
+// its own copies of what step i+1 needs (K of step i+1+kOverlap, V of step i+1) into the other
+// of two fp16 K/V tiles, so the one barrier per step both publishes the conversions and frees
+// the tiles of step i-1. The descales of q and k (and e4m3's 2^16) join the softmax scale, v's
+// (and e4m3's 2^8) the output scale; the output is kOutBF16's type.
+//
 // The generated kernel provides Cfg with (all compile-time):
-//   kHeadDim, kBlockM, kBlockN, kWarps, kStages, kCausal, kBF16, kQInRegs, kOverlap,
-//   kChunksPerRow, kSmemRowBytes, kSmemQ, kSmemK, kSmemV, kKVTileBytes, and the Params struct.
+//   Elem, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kCausal, kBF16, kOutBF16, kFp8, kQInRegs,
+//   kOverlap, kChunksPerRow, kSmemRowBytes, kSmemQ, kSmemK, kSmemV, kKVTileBytes, the Params
+//   struct, and for FP8 kE4M3, kFp8CopyBytes, kFp8CopiesPerRow, kSmemQ8, kSmemStage, kStageBytes.
 #pragma once
 #include "cuflash/block.cuh"
+#include "cuflash/fp8_tiles.cuh"
 #include "cuflash/online_softmax.cuh"
 #include "cuflash/warp_mma.cuh"
 
@@ -31,7 +41,9 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
     constexpr int kKSteps = kK16 + (kTail8 ? 1 : 0);
     constexpr int kSTiles = kBN / 8;                   // n=8 tiles of S per warp row block
     constexpr int kOTiles = kD / 8;                    // n=8 tiles of O
-    constexpr bool kBF16 = Cfg::kBF16;
+    constexpr bool kBF16 = Cfg::kBF16;                 // operand type of the products
+    constexpr bool kFp8 = Cfg::kFp8;
+    constexpr int kSlots = kFp8 ? 2 : Cfg::kStages;    // K/V tiles the products read (step i: slot i % kSlots)
 
     extern __shared__ __align__(128) unsigned char smem[];
     const u32 smem_base = smem_addr(smem);
@@ -42,26 +54,78 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
     const int tid = threadIdx.x;
     const int lane = tid % 32;
     const int warp = tid / 32;
-    const BlockWork<unsigned short, kBM, kBN, Cfg::kCausal> work(p);
+    typedef typename Cfg::Elem Elem;
+    const BlockWork<Elem, kBM, kBN, Cfg::kCausal> work(p);
     const int m0 = work.m0, n_tiles = work.n_tiles, causal_offset = work.causal_offset;
-    const unsigned short *q = work.q, *k = work.k, *v = work.v;
+    const Elem *q = work.q, *k = work.k, *v = work.v;
 
+    // K/V tile `tile` into ring slot `slot` (FP8: the staging ring of codes)
     auto load_kv = [&](int tile, int slot) {
         const int n0 = tile * kBN;
-        load_tile_async<Cfg, kBN>(sK + slot * Cfg::kKVTileBytes, k + n0 * p.k_row_stride,
-                                  p.k_row_stride, p.seqlen_k - n0, tid);
-        load_tile_async<Cfg, kBN>(sV + slot * Cfg::kKVTileBytes, v + n0 * p.v_row_stride,
-                                  p.v_row_stride, p.seqlen_k - n0, tid);
+        if constexpr (kFp8) {
+            const u32 stage = smem_base + Cfg::kSmemStage + slot * Cfg::kStageBytes;
+            load_fp8_tile_async<Cfg, kBN>(stage, k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, tid);
+            load_fp8_tile_async<Cfg, kBN>(stage + kBN * kD, v + n0 * p.v_row_stride, p.v_row_stride,
+                                          p.seqlen_k - n0, tid);
+        } else {
+            load_tile_async<Cfg, kBN>(sK + slot * Cfg::kKVTileBytes, k + n0 * p.k_row_stride,
+                                      p.k_row_stride, p.seqlen_k - n0, tid);
+            load_tile_async<Cfg, kBN>(sV + slot * Cfg::kKVTileBytes, v + n0 * p.v_row_stride,
+                                      p.v_row_stride, p.seqlen_k - n0, tid);
+        }
+    };
+    // FP8: this thread's copies of step i's K (V) codes -> the fp16 tile of slot i % 2
+    auto convert_k = [&](int i) {
+        if constexpr (kFp8)
+            convert_fp8_tile<Cfg, kBN>(sK + (i % 2) * Cfg::kKVTileBytes,
+                                       smem_base + Cfg::kSmemStage + (i % Cfg::kStages) * Cfg::kStageBytes, tid);
+    };
+    auto convert_v = [&](int i) {
+        if constexpr (kFp8)
+            convert_fp8_tile<Cfg, kBN>(sV + (i % 2) * Cfg::kKVTileBytes,
+                                       smem_base + Cfg::kSmemStage + (i % Cfg::kStages) * Cfg::kStageBytes + kBN * kD,
+                                       tid);
     };
 
     // -- prologue: Q, then the first kStages-1 K/V tiles, one commit group each --
-    load_tile_async<Cfg, kBM>(sQ, q, p.q_row_stride, p.seqlen_q - m0, tid);
+    if constexpr (kFp8)
+        load_fp8_tile_async<Cfg, kBM>(smem_base + Cfg::kSmemQ8, q, p.q_row_stride, p.seqlen_q - m0, tid);
+    else
+        load_tile_async<Cfg, kBM>(sQ, q, p.q_row_stride, p.seqlen_q - m0, tid);
     cp_async_commit();
 #pragma unroll
     for (int s = 0; s < Cfg::kStages - 1; ++s) {
         if (s < n_tiles) load_kv(n_tiles - 1 - s, s);
         cp_async_commit();
     }
+    constexpr int kAhead = Cfg::kOverlap ? 1 : 0;
+    if constexpr (kFp8) {
+        // Q and the tiles of steps 0..kAhead have landed (this thread's copies): convert them.
+        cp_async_wait<Cfg::kStages - 2 - kAhead>();
+        convert_fp8_tile<Cfg, kBM>(sQ, smem_base + Cfg::kSmemQ8, tid);
+        __syncthreads();  // every thread has read its Q codes, which the fp16 K/V tiles overwrite
+        if (n_tiles > 0) {
+            convert_k(0);
+            convert_v(0);
+        }
+        if (kAhead && n_tiles > 1) convert_k(1);
+    }
+
+    // FP8: the descales of q and k scale the scores, v's the output (per batch and head, read
+    // from device memory; the output's in the epilogue, which keeps a register free in the loop);
+    // e4m3 tiles hold values times 2^-8. A negative product of descales (the max would become
+    // the min) makes the rows NaN, not wrong. 16-bit inputs read the scale from the parameters.
+    const int kv_descale = work.batch * p.kv_descale_batch_stride + work.head_k * p.kv_descale_head_stride;
+    float fp8_scale_log2 = 0.f;
+    if constexpr (kFp8) {
+        fp8_scale_log2 = p.scale_log2 * (Cfg::kE4M3 ? 65536.f : 1.f) * p.k_descale[kv_descale] *
+                         p.q_descale[work.batch * p.q_descale_batch_stride + work.head * p.q_descale_head_stride];
+        if (!(fp8_scale_log2 >= 0.f)) fp8_scale_log2 = __int_as_float(0x7fffffff);
+    }
+    auto scale_log2 = [&]() {
+        if constexpr (kFp8) return fp8_scale_log2;
+        else return p.scale_log2;
+    };
 
     // Per-lane byte offsets of the ldmatrix row addresses (fragment layouts of m16n8k16).
     const int warp_row0 = warp * 16 * kMTiles;
@@ -138,7 +202,7 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
     };
     // The overlapped schedule keeps one basic block per step, so it always rescales.
     auto softmax_step = [&](float (&acc_s)[kMTiles][kSTiles][4]) {
-        softmax_rescale<!Cfg::kOverlap>(acc_s, acc_o, row_max, row_sum, p.scale_log2);
+        softmax_rescale<!Cfg::kOverlap>(acc_s, acc_o, row_max, row_sum, scale_log2());
     };
 
     // -- O += P V for the tile in `slot`: two n=8 tiles of S form one A fragment of k=16 --
@@ -157,16 +221,25 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
 
     // Ring bookkeeping: tile t lives in slot t % kStages, one commit group per tile. Before step
     // i the groups committed are Q, tiles 0..kStages-2 and one per earlier step; the step needs
-    // tile i (plus tile i+1 when overlapping) complete.
-    constexpr int kAhead = Cfg::kOverlap ? 1 : 0;
+    // tile i (plus tile i+1 when overlapping) complete (FP8: converted; convert_next waits for
+    // the codes of tile i+1 (i+2) after step i, by the same count).
     auto wait_and_prefetch = [&](int i) {
-        cp_async_wait<Cfg::kStages - 2 - kAhead>();
-        // The tiles have landed for every thread, and every warp is done with tile i-1's slot,
-        // which the next copy overwrites.
+        if constexpr (!kFp8) cp_async_wait<Cfg::kStages - 2 - kAhead>();
+        // The tiles have landed (FP8: are converted) for every thread, and every warp is done
+        // with step i-1's slot, which the next copy (FP8: conversion) overwrites.
         __syncthreads();
         const int ahead = i + Cfg::kStages - 1;
         if (ahead < n_tiles) load_kv(n_tiles - 1 - ahead, ahead % Cfg::kStages);
         cp_async_commit();
+    };
+    // FP8, after the products of step i: convert K of step i+1+kAhead and V of step i+1 into the
+    // fp16 slots that step i-1 read (every warp has passed step i's barrier).
+    auto convert_next = [&](int i) {
+        if constexpr (kFp8) {
+            cp_async_wait<Cfg::kStages - 2 - kAhead>();
+            if (i + 1 + kAhead < n_tiles) convert_k(i + 1 + kAhead);
+            if (i + 1 < n_tiles) convert_v(i + 1);
+        }
     };
     auto load_q_registers = [&]() {
         if constexpr (Cfg::kQInRegs) {
@@ -191,16 +264,17 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
             wait_and_prefetch(i);
             if (i == 0) load_q_registers();
             float acc_s[kMTiles][kSTiles][4];
-            gemm_qk(acc_s, i % Cfg::kStages);
+            gemm_qk(acc_s, i % kSlots);
             apply_mask(acc_s, (n_tiles - 1 - i) * kBN);
             softmax_step(acc_s);
-            gemm_pv(acc_s, i % Cfg::kStages);
+            gemm_pv(acc_s, i % kSlots);
+            convert_next(i);
         }
     } else if (n_tiles > 0) {
         // Software pipeline: S of tile i+1 is computed while the softmax of tile i runs, so each
         // warp has independent tensor-core work to hide its softmax behind.
         float acc_s[kMTiles][kSTiles][4];
-        cp_async_wait<Cfg::kStages - 2>();
+        if constexpr (!kFp8) cp_async_wait<Cfg::kStages - 2>();
         __syncthreads();
         load_q_registers();
         gemm_qk(acc_s, 0);
@@ -208,9 +282,9 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
         for (int i = 0; i < n_tiles - 1; ++i) {
             wait_and_prefetch(i);
             float acc_next[kMTiles][kSTiles][4];
-            gemm_qk(acc_next, (i + 1) % Cfg::kStages);
+            gemm_qk(acc_next, (i + 1) % kSlots);
             softmax_step(acc_s);
-            gemm_pv(acc_s, i % Cfg::kStages);
+            gemm_pv(acc_s, i % kSlots);
             apply_mask(acc_next, (n_tiles - 2 - i) * kBN);
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt)
@@ -218,18 +292,22 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
                 for (int nt = 0; nt < kSTiles; ++nt)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = acc_next[mt][nt][e];
+            convert_next(i);
         }
+        if constexpr (kFp8) __syncthreads();  // V of the last step is converted
         softmax_step(acc_s);
-        gemm_pv(acc_s, (n_tiles - 1) % Cfg::kStages);
+        gemm_pv(acc_s, (n_tiles - 1) % kSlots);
     }
     cp_async_wait<0>();
 
-    // -- epilogue: normalize, write O in the input dtype and the natural-log LSE --
+    // -- epilogue: normalize, write O in the output dtype and the natural-log LSE --
     unsigned short* o = static_cast<unsigned short*>(p.o) + work.batch * p.o_batch_stride
                         + work.head * p.o_head_stride;
-    store_output<kBF16>(acc_o, row_max, row_sum, o, p.o_row_stride,
-                        p.lse + static_cast<long long>(work.bh) * p.seqlen_q, m0 + warp_row0, p.seqlen_q,
-                        lane, p.scale_log2);
+    float out_scale = 1.f;
+    if constexpr (kFp8) out_scale = p.v_descale[kv_descale] * (Cfg::kE4M3 ? 256.f : 1.f);
+    store_output<Cfg::kOutBF16>(acc_o, row_max, row_sum, o, p.o_row_stride,
+                                p.lse + static_cast<long long>(work.bh) * p.seqlen_q, m0 + warp_row0, p.seqlen_q,
+                                lane, scale_log2(), out_scale);
 }
 
 }  // namespace cuflash

@@ -30,6 +30,13 @@ __device__ __forceinline__ int ld_shared(u32 addr) {
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
     return value;
 }
+// 8 (16) bytes of shared memory by an 8 (16) byte aligned shared-space address.
+__device__ __forceinline__ void ld_shared_v2(u32 (&r)[2], u32 addr) {
+    asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void st_shared_v4(u32 addr, u32 a, u32 b, u32 c, u32 d) {
+    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" :: "r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
 
 // ---- asynchronous copies (global -> shared, 16 bytes, bypassing L1) ----
 // When `valid` is false nothing is read and the 16 bytes are zero-filled, so tile rows past the
@@ -37,6 +44,12 @@ __device__ __forceinline__ int ld_shared(u32 addr) {
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
     const int src_bytes = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+// 8 bytes (cp.async.cg moves 16 only; .ca also 4 and 8), for rows that are not whole 16-byte chunks.
+__device__ __forceinline__ void cp_async_8(u32 dst, const void* src, bool valid) {
+    const int src_bytes = valid ? 8 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n"
                  :: "r"(dst), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
