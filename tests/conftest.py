@@ -38,11 +38,11 @@ def warm_kernels():
     tests themselves only load cubins from the disk cache."""
     import cuflash
     from cuflash.compile import device_arch
-    from cuflash.spec import all_default_specs, all_fp8_specs
+    from cuflash.spec import all_default_specs, all_fp8_portable_specs, all_fp8_specs
 
     arch = device_arch()
-    cuflash.warmup(all_default_specs(arch) + all_default_specs(arch, family="mma") + all_fp8_specs(arch),
-                   progress=False)
+    cuflash.warmup(all_default_specs(arch) + all_default_specs(arch, family="mma") + all_fp8_specs(arch)
+                   + all_fp8_portable_specs(arch), progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,14 @@
-"""cuflash.attention on FP8 inputs (the Hopper kernel) against the float64 reference of the
-dequantized inputs, with :func:`cuflash.reference.attention_fp8_naive` as the accuracy baseline.
+"""cuflash.attention on FP8 inputs against the float64 reference of the dequantized inputs, with
+:func:`cuflash.reference.attention_fp8_naive` as the accuracy baseline: the Hopper FP8 kernel
+(sm_90a) and the portable one (``family="mma"``, any GPU of sm_80 and newer), which converts the
+codes to fp16 on chip.
 
 Every test draws fresh inputs quantized with :func:`cuflash.quantize_fp8`, poisons the output
-memory first and checks every element. The numerical tests need sm_90a (where the FP8 kernel
-runs); the bad-input tests run on any GPU.
+memory first and checks every element. The Hopper kernel's tests need sm_90a; the portable
+kernel's and the bad-input tests run on any GPU.
+
+The naive baseline rounds P to e4m3 (x 2^8) as the Hopper kernel does; the portable kernel keeps
+P in fp16, about 2^7 times finer, so for it the same rule is a looser bound, not a tight one.
 """
 import math
 
@@ -14,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 import cuflash
 import cuflash.reference
 from cuflash import compile as compile_mod
+from cuflash.spec import FP8_PORTABLE_TEST_HEAD_DIMS
 from cuflash.testing import Fp8AttentionProblem, assert_attention_close, fp8_attention_problems
 
 pytestmark = pytest.mark.gpu
@@ -36,11 +42,21 @@ def warm_fp8_kernels(hopper):
     cuflash.warmup(all_fp8_specs(compile_mod.device_arch()), progress=False)
 
 
-def run_and_check(problem: Fp8AttentionProblem, poison, seed=None):
+@pytest.fixture(scope="module")
+def warm_portable_fp8_kernels():
+    """Compile the portable FP8 set (spec.all_fp8_portable_specs: head dims 64/72/80/96/128/256 x
+    e4m3/e5m2 x causal x bf16/fp16 output) once, in parallel processes."""
+    from cuflash.spec import all_fp8_portable_specs
+
+    cuflash.warmup(all_fp8_portable_specs(compile_mod.device_arch()), progress=False)
+
+
+def run_and_check(problem: Fp8AttentionProblem, poison, seed=None, family=None):
     inputs = problem.make_inputs(cupy, seed=seed)
     q_shape, _ = problem.shapes()
     poison(math.prod(q_shape) * 2, problem.batch * problem.heads * problem.seqlen_q * 4)
-    out, lse = cuflash.attention(inputs.q, inputs.k, inputs.v, return_lse=True, **problem.attention_kwargs(inputs))
+    out, lse = cuflash.attention(inputs.q, inputs.k, inputs.v, return_lse=True, family=family,
+                                 **problem.attention_kwargs(inputs))
     assert out.dtype == problem.out_numpy_dtype and out.shape == q_shape
     assert lse.dtype == cupy.float32 and lse.shape == (problem.batch, problem.heads, problem.seqlen_q)
     ref, ref_lse = problem.reference(inputs)
@@ -63,11 +79,16 @@ def test_every_kernel(fmt, head_dim, causal, warm_fp8_kernels, poison):
 
 
 @pytest.mark.parametrize("out_dtype", ["bf16", "fp16"])
-def test_head_dims_without_an_fp8_kernel_dequantize(out_dtype, poison):
-    """Head dim 96 has no FP8 kernel: the codes are dequantized on the device and the 16-bit
-    kernel runs, under the same contract and tolerance (any GPU)."""
+def test_head_dim_96_runs_the_portable_fp8_kernel(out_dtype, warm_portable_fp8_kernels, poison, monkeypatch):
+    """Head dim 96 has no Hopper FP8 kernel: by default (on Hopper too) the portable kernel runs
+    on the codes themselves, under the same contract and tolerance (any GPU)."""
     problem = Fp8AttentionProblem(2, 4, 2, 150, 211, 96, "e4m3", "head", out_dtype, causal=True, layout="bshd")
+    launched = []
+    get_kernel = compile_mod.get_kernel
+    monkeypatch.setattr(compile_mod, "get_kernel", lambda spec, device: launched.append(spec) or get_kernel(spec, device))
     run_and_check(problem, poison)
+    want = cuflash.spec.default_spec(96, "e4m3", True, compile_mod.device_arch(), out_dtype=out_dtype)
+    assert launched == [want] and want.family == "mma" and want.converts_fp8, launched
 
 
 # The fixtures are module-wide or stateless helpers, safe to share between examples.
@@ -168,3 +189,125 @@ def test_rejects_bad_descales_and_out_dtypes(name, value):
     kwargs = {name: cupy.ones(value, cupy.float32) if isinstance(value, tuple) else value}
     with pytest.raises((ValueError, TypeError), match=name):
         cuflash.attention(q, kv, kv, fp8_format="e4m3", **kwargs)
+
+
+# -- the portable kernel (family "mma": FP8 codes converted to fp16 on chip; any GPU) -------------
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", FP8_PORTABLE_TEST_HEAD_DIMS)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_portable_every_kernel(fmt, head_dim, causal, warm_portable_fp8_kernels, poison):
+    # As test_every_kernel: tails, seqlen_q != seqlen_k both ways, GQA, both layouts, both descale
+    # granularities and both output dtypes (head dim 72 reads its rows in 8-byte copies).
+    for sq, sk, layout, granularity, out_dtype in ((113, 239, "bhsd", "tensor", "bf16"),
+                                                   (239, 113, "bshd", "head", "fp16")):
+        problem = Fp8AttentionProblem(2, 4, 2, sq, sk, head_dim, fmt, granularity, out_dtype, causal=causal,
+                                      layout=layout)
+        run_and_check(problem, poison, family="mma")
+
+
+@pytest.mark.parametrize("seqlens", [(1, 1), (1, 700), (700, 1), (128, 128), (129, 257), (257, 129)])
+def test_portable_awkward_lengths(seqlens, warm_portable_fp8_kernels, poison):
+    sq, sk = seqlens
+    for causal in (False, True):
+        run_and_check(Fp8AttentionProblem(1, 2, 1, sq, sk, 128, "e5m2", "head", causal=causal), poison,
+                      family="mma")
+
+
+# The fixtures are module-wide or stateless helpers, safe to share between examples.
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(problem=fp8_attention_problems(head_dims=FP8_PORTABLE_TEST_HEAD_DIMS, outliers=True))
+def test_portable_property_against_reference(problem, warm_portable_fp8_kernels, poison):
+    run_and_check(problem, poison, family="mma")
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_portable_fully_masked_rows_give_zero_and_minus_inf(fmt, warm_portable_fp8_kernels, poison):
+    problem = Fp8AttentionProblem(1, 2, 2, 300, 100, 64, fmt, "head", "fp16", causal=True)
+    _, out, lse = run_and_check(problem, poison, family="mma")
+    out, lse = cupy.asnumpy(out).astype(np.float32), cupy.asnumpy(lse)
+    assert np.all(out[:, :, :200] == 0) and not np.isnan(out).any()
+    assert np.all(lse[:, :, :200] == -np.inf) and np.all(np.isfinite(lse[:, :, 200:]))
+
+
+@pytest.mark.parametrize("head_dim", [64, 72])
+@pytest.mark.parametrize("fmt,nan_code", [("e4m3", 0xFF), ("e4m3", 0x7F), ("e5m2", 0x7E)])
+def test_portable_nan_codes_reach_only_their_rows_and_columns(fmt, nan_code, head_dim, warm_portable_fp8_kernels):
+    """A NaN code in q makes its output row NaN; in k, the rows that attend that key (causal:
+    from query j - (seqlen_k - seqlen_q) on); in v (no mask), that column of every row. Everything
+    else keeps the bits of the run without the NaN."""
+    sq, sk, j = 150, 211, 100
+    problem = Fp8AttentionProblem(1, 2, 1, sq, sk, head_dim, fmt, "head", "bf16", causal=True)
+    inputs = problem.make_inputs(cupy, seed=3)
+    kwargs = problem.attention_kwargs(inputs)
+
+    def run(q, k, v, **extra):
+        out, lse = cuflash.attention(q, k, v, return_lse=True, family="mma", **dict(kwargs, **extra))
+        return cupy.asnumpy(out).astype(np.float32), cupy.asnumpy(lse)
+
+    def poisoned(x, index):
+        x = x.copy()
+        x[index] = nan_code
+        return x
+
+    for causal in (False, True):
+        clean, clean_lse = run(inputs.q, inputs.k, inputs.v, causal=causal)
+        assert np.isfinite(clean).all()
+        # q: row 17 of head 1
+        out, lse = run(poisoned(inputs.q, (0, 1, 17, 5)), inputs.k, inputs.v, causal=causal)
+        expected = np.zeros(out.shape, bool)
+        expected[0, 1, 17] = True
+        assert np.array_equal(np.isnan(out), expected)
+        assert np.array_equal(np.isnan(lse), expected[..., 0])
+        np.testing.assert_array_equal(out[~expected], clean[~expected])
+        # k: key j of the one kv head, seen by both query heads
+        out, lse = run(inputs.q, poisoned(inputs.k, (0, 0, j, 3)), inputs.v, causal=causal)
+        rows = np.arange(sq) >= (j - (sk - sq) if causal else 0)
+        expected = np.broadcast_to(rows[None, None, :, None], out.shape)
+        assert np.array_equal(np.isnan(out), expected), causal
+        assert np.array_equal(np.isnan(lse), expected[..., 0])
+        np.testing.assert_array_equal(out[~expected], clean[~expected])
+        np.testing.assert_array_equal(lse[~expected[..., 0]], clean_lse[~expected[..., 0]])
+    # v: column 7 of key j (no mask: every row attends it)
+    clean, _ = run(inputs.q, inputs.k, inputs.v, causal=False)
+    out, lse = run(inputs.q, inputs.k, poisoned(inputs.v, (0, 0, j, 7)), causal=False)
+    expected = np.zeros(out.shape, bool)
+    expected[..., 7] = True
+    assert np.array_equal(np.isnan(out), expected) and np.isfinite(lse).all()
+    np.testing.assert_array_equal(out[~expected], clean[~expected])
+
+
+@pytest.mark.parametrize("family", ["mma", "wgmma"])
+def test_negative_descale_product_gives_nan_rows(family, warm_portable_fp8_kernels, poison):
+    """Device descales are not read back: a head whose q and k factors multiply to a negative
+    number gets NaN rows (O and LSE); the other heads are unaffected."""
+    if family == "wgmma" and compile_mod.device_arch() != "sm90a":
+        pytest.skip("the Hopper FP8 kernel needs sm_90a")
+    problem = Fp8AttentionProblem(2, 4, 2, 100, 130, 128, "e4m3", "head", "bf16", causal=True)
+    inputs = problem.make_inputs(cupy, seed=1)
+    kwargs = problem.attention_kwargs(inputs)
+    want, want_lse = cuflash.attention(inputs.q, inputs.k, inputs.v, return_lse=True, family=family, **kwargs)
+    q_descale = inputs.q_descale.copy()
+    q_descale[1, 2] *= -1
+    out, lse = cuflash.attention(inputs.q, inputs.k, inputs.v, return_lse=True, family=family,
+                                 **dict(kwargs, q_descale=q_descale))
+    out, lse, want, want_lse = (cupy.asnumpy(x).astype(np.float32) for x in (out, lse, want, want_lse))
+    assert np.isnan(out[1, 2]).all() and np.isnan(lse[1, 2]).all()
+    others = np.ones(out.shape[:2], bool)
+    others[1, 2] = False
+    np.testing.assert_array_equal(out[others], want[others])
+    np.testing.assert_array_equal(lse[others], want_lse[others])
+
+
+def test_portable_reads_misaligned_views(warm_portable_fp8_kernels):
+    """Views whose rows the 16-byte (head dim 72: 8-byte) copies cannot read are copied once,
+    with the same result; the output of the codes themselves is unchanged."""
+    for head_dim, layout in ((64, "bhsd"), (72, "bshd")):
+        problem = Fp8AttentionProblem(1, 2, 2, 70, 90, head_dim, "e4m3", "tensor", "bf16", layout=layout)
+        inputs = problem.make_inputs(cupy, seed=2)
+        kwargs = problem.attention_kwargs(inputs)
+        want = cuflash.attention(inputs.q, inputs.k, inputs.v, family="mma", **kwargs)
+        wide = cupy.zeros(inputs.q.shape[:3] + (head_dim + 1,), cupy.uint8)
+        wide[..., 1:] = inputs.q
+        out = cuflash.attention(wide[..., 1:], inputs.k, inputs.v, family="mma", **kwargs)
+        assert bool((out.view(cupy.uint16) == want.view(cupy.uint16)).all())
