@@ -77,53 +77,27 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     """
     import cupy
 
+    if fp8_format is None:
+        for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale),
+                            ("out_dtype", out_dtype)):
+            if value is not None:
+                raise ValueError(f"{name} applies to FP8 inputs only; pass fp8_format='e4m3' or 'e5m2'")
+    else:  # int8 views of the codes are read as the same bytes
+        q, k, v = (x.view(cupy.uint8) if isinstance(x, cupy.ndarray) and x.dtype == cupy.int8 else x
+                   for x in (q, k, v))
+
+    def checked(q, k, v, scale):
+        return validate(q, k, v, causal=causal, scale=scale, layout=layout, fp8_format=fp8_format)
+
+    problem = checked(q, k, v, scale)
+    scales = None
     if fp8_format is not None:
-        return _attention_fp8(q, k, v, causal=causal, scale=scale, return_lse=return_lse, layout=layout,
-                              family=family, spec=spec, fp8_format=fp8_format, q_descale=q_descale,
-                              k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype)
-    for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale),
-                        ("out_dtype", out_dtype)):
-        if value is not None:
-            raise ValueError(f"{name} applies to FP8 inputs only; pass fp8_format='e4m3' or 'e5m2'")
-    problem = validate(q, k, v, causal=causal, scale=scale, layout=layout)
-    with _on_device(problem.device_id):
-        out = cupy.empty(problem.out_shape, dtype=q.dtype)
-        lse = cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
-        if problem.empty:
-            pass
-        elif problem.seqlen_k == 0:
-            out.fill(0)
-            lse.fill(-cupy.inf)
-        else:
-            spec = select_spec(problem, family) if spec is None else _check_forced_spec(spec, problem)
-            if problem.scale <= 0:
-                q, k, scale = _positive_scale(q, k, problem.scale)
-                problem = validate(q, k, v, causal=causal, scale=scale, layout=layout)
-            readable = readable_by_tma if spec.warp_specialized else aligned_for_async_copy
-            if spec.async_copies and not (readable(q) and readable(k) and readable(v)):
-                # 16-byte copies (and TMA) need aligned rows; a view they cannot read is copied once.
-                q, k, v = (x if readable(x) else cupy.ascontiguousarray(x) for x in (q, k, v))
-                problem = validate(q, k, v, causal=causal, scale=scale, layout=layout)
-            kernel = _compile.get_kernel(spec, problem.device_id)
-            out_strides = _out_strides(out, layout)
-            launch(kernel, spec, problem, q, k, v, out, lse, out_strides)
-    return (out, lse) if return_lse else out
-
-
-def _attention_fp8(q, k, v, *, causal, scale, return_lse, layout, family, spec, fp8_format, q_descale,
-                   k_descale, v_descale, out_dtype):
-    """FP8 inputs: the Hopper FP8 kernel where it has the head dim, else the portable kernel, which
-    converts the codes to fp16 on chip (family "mma"). Either reads the 1-byte codes only."""
-    import cupy
-
-    q, k, v = (x.view(cupy.uint8) if isinstance(x, cupy.ndarray) and x.dtype == cupy.int8 else x for x in (q, k, v))
-    problem = validate(q, k, v, causal=causal, scale=scale, layout=layout, fp8_format=fp8_format)
-    scales = validate_fp8_scales(problem, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                 out_dtype=out_dtype)
-    out_tag = scales.out_dtype.tag
+        scales = validate_fp8_scales(problem, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                     out_dtype=out_dtype)
+    out_tag = scales.out_dtype.tag if scales else None
     with _on_device(problem.device_id):
         spec = select_spec(problem, family, out_tag) if spec is None else _check_forced_spec(spec, problem, out_tag)
-        out = cupy.empty(problem.out_shape, dtype=scales.out_dtype.numpy)
+        out = cupy.empty(problem.out_shape, dtype=scales.out_dtype.numpy if scales else q.dtype)
         lse = cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
         if problem.empty:
             pass
@@ -133,22 +107,26 @@ def _attention_fp8(q, k, v, *, causal, scale, return_lse, layout, family, spec, 
         else:
             if problem.scale <= 0:
                 q, k, scale = _positive_scale(q, k, problem.scale)
-                problem = validate(q, k, v, causal=causal, scale=scale, layout=layout, fp8_format=fp8_format)
-            # Views the kernel's copies cannot read are copied once.
-            if spec.warp_specialized:  # TMA reads q and k; V is rearranged into a new array below
-                if not (readable_by_tma(q) and readable_by_tma(k)):
-                    q, k = (x if readable_by_tma(x) else cupy.ascontiguousarray(x) for x in (q, k))
-                    problem = validate(q, k, v, causal=causal, scale=scale, layout=layout, fp8_format=fp8_format)
-            elif not all(aligned_for_async_copy(x, spec.copy_alignment) for x in (q, k, v)):
-                # cp.async copies of 16 bytes, or 8 where the head dim is 8 mod 16
-                q, k, v = (x if aligned_for_async_copy(x, spec.copy_alignment) else cupy.ascontiguousarray(x)
-                           for x in (q, k, v))
-                problem = validate(q, k, v, causal=causal, scale=scale, layout=layout, fp8_format=fp8_format)
+                problem = checked(q, k, v, scale)
+            if not all(_readable(spec, x, is_v) for x, is_v in ((q, False), (k, False), (v, True))):
+                # A view the kernel's copies cannot read is copied once.
+                q, k, v = (x if _readable(spec, x, is_v) else cupy.ascontiguousarray(x)
+                           for x, is_v in ((q, False), (k, False), (v, True)))
+                problem = checked(q, k, v, scale)
             kernel = _compile.get_kernel(spec, problem.device_id)
-            # The Hopper kernel reads V as V^T (fp8.v_operand); the portable one reads V as it is.
-            v_operand = _fp8.v_operand(v, layout) if spec.warp_specialized else v
+            # The Hopper FP8 kernel reads V as V^T (fp8.v_operand); every other kernel reads V as it is.
+            v_operand = _fp8.v_operand(v, layout) if spec.fp8 and spec.warp_specialized else v
             launch(kernel, spec, problem, q, k, v_operand, out, lse, _out_strides(out, layout), scales)
     return (out, lse) if return_lse else out
+
+
+def _readable(spec: KernelSpec, x, is_v: bool) -> bool:
+    """Whether the kernel's copies can read x in place: TMA (the warp-specialized kernels; the
+    Hopper FP8 kernel reads a rearranged copy of V instead), or cp.async copies of
+    ``spec.copy_alignment`` bytes (16, or 8 for FP8 rows of 8 mod 16 codes)."""
+    if spec.warp_specialized:
+        return (spec.fp8 and is_v) or readable_by_tma(x)
+    return not spec.async_copies or aligned_for_async_copy(x, spec.copy_alignment)
 
 
 class _Nothing:

@@ -65,17 +65,21 @@ def run_and_check(problem: Fp8AttentionProblem, poison, seed=None, family=None):
     return inputs, out, lse
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_every_kernel(fmt, head_dim, causal, warm_fp8_kernels, poison):
-    # Tails in both sequences, seqlen_q != seqlen_k both ways, GQA, both layouts, both descale
-    # granularities and both output dtypes: every kernel of the set runs once per output dtype.
+def check_every_kernel(fmt, head_dim, causal, poison, family=None):
+    """Tails in both sequences, seqlen_q != seqlen_k both ways, GQA, both layouts, both descale
+    granularities and both output dtypes: every kernel of a set runs once per output dtype."""
     for sq, sk, layout, granularity, out_dtype in ((113, 239, "bhsd", "tensor", "bf16"),
                                                    (239, 113, "bshd", "head", "fp16")):
         problem = Fp8AttentionProblem(2, 4, 2, sq, sk, head_dim, fmt, granularity, out_dtype, causal=causal,
                                       layout=layout)
-        run_and_check(problem, poison)
+        run_and_check(problem, poison, family=family)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_every_kernel(fmt, head_dim, causal, warm_fp8_kernels, poison):
+    check_every_kernel(fmt, head_dim, causal, poison)
 
 
 @pytest.mark.parametrize("out_dtype", ["bf16", "fp16"])
@@ -197,13 +201,8 @@ def test_rejects_bad_descales_and_out_dtypes(name, value):
 @pytest.mark.parametrize("head_dim", FP8_PORTABLE_TEST_HEAD_DIMS)
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_portable_every_kernel(fmt, head_dim, causal, warm_portable_fp8_kernels, poison):
-    # As test_every_kernel: tails, seqlen_q != seqlen_k both ways, GQA, both layouts, both descale
-    # granularities and both output dtypes (head dim 72 reads its rows in 8-byte copies).
-    for sq, sk, layout, granularity, out_dtype in ((113, 239, "bhsd", "tensor", "bf16"),
-                                                   (239, 113, "bshd", "head", "fp16")):
-        problem = Fp8AttentionProblem(2, 4, 2, sq, sk, head_dim, fmt, granularity, out_dtype, causal=causal,
-                                      layout=layout)
-        run_and_check(problem, poison, family="mma")
+    # Head dim 72 reads its rows in 8-byte copies.
+    check_every_kernel(fmt, head_dim, causal, poison, family="mma")
 
 
 @pytest.mark.parametrize("seqlens", [(1, 1), (1, 700), (700, 1), (128, 128), (129, 257), (257, 129)])
