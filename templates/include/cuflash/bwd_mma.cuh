@@ -38,7 +38,9 @@ __device__ __forceinline__ void load_row_stats_async(u32 s_lse2, u32 s_delta, co
 
 // P = exp2(S * scale_log2 - lse2) in place on one warp's C fragments, 0 where masked.
 // kRowStats: the row statistics follow the fragment rows (dQ kernel) instead of its columns
-// (dK/dV kernel, whose rows are keys). allowed(row, col) is consulted only when `masked`.
+// (dK/dV kernel, whose rows are keys). allowed(row, col) is consulted only when `masked`, in a
+// branch that every lane of the block takes alike: unmasked tiles (all but the causal diagonal
+// and the sequence tails) do not execute the per-element tests at all.
 template <bool kRowStats, int kNT, class Allowed>
 __device__ __forceinline__ void recompute_probs(float (&s)[kNT][4], const float* s_lse2, float scale_log2,
                                                 int lane, bool masked, Allowed allowed) {
@@ -48,8 +50,15 @@ __device__ __forceinline__ void recompute_probs(float (&s)[kNT][4], const float*
         for (int e = 0; e < 4; ++e) {
             const int row = lane / 4 + (e >> 1) * 8;
             const int col = nt * 8 + 2 * (lane % 4) + (e & 1);
-            const float prob = exp2_approx(fmaf(s[nt][e], scale_log2, -s_lse2[kRowStats ? row : col]));
-            s[nt][e] = masked && !allowed(row, col) ? 0.f : prob;
+            s[nt][e] = exp2_approx(fmaf(s[nt][e], scale_log2, -s_lse2[kRowStats ? row : col]));
+        }
+    }
+    if (masked) {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (!allowed(lane / 4 + (e >> 1) * 8, nt * 8 + 2 * (lane % 4) + (e & 1))) s[nt][e] = 0.f;
         }
     }
 }
