@@ -100,8 +100,34 @@ def _dtype_entry(dtype) -> dtypes.DType:
 
 # -- problems -------------------------------------------------------------------------------------
 
+class _ProblemGeometry:
+    """What an attention problem's fields (batch, heads, heads_k, seqlen_q, seqlen_k, head_dim,
+    causal, layout, scale) imply, shared by AttentionProblem and Fp8AttentionProblem."""
+
+    @property
+    def softmax_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+
+    @property
+    def work(self) -> int:
+        """``batch * heads * seqlen_q * seqlen_k * head_dim``: the size of the reference's job."""
+        return self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
+
+    def flops(self) -> int:
+        return reference.attention_flops(self.batch, self.heads, self.seqlen_q, self.seqlen_k,
+                                         self.head_dim, self.causal)
+
+    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(q_shape, kv_shape)`` in this problem's layout."""
+        if self.layout == "bhsd":
+            return ((self.batch, self.heads, self.seqlen_q, self.head_dim),
+                    (self.batch, self.heads_k, self.seqlen_k, self.head_dim))
+        return ((self.batch, self.seqlen_q, self.heads, self.head_dim),
+                (self.batch, self.seqlen_k, self.heads_k, self.head_dim))
+
+
 @dataclass(frozen=True)
-class AttentionProblem:
+class AttentionProblem(_ProblemGeometry):
     """One attention problem: shapes, dtype, mask, layout and memory layout of the inputs."""
 
     batch: int
@@ -149,27 +175,6 @@ class AttentionProblem:
     @property
     def numpy_dtype(self) -> np.dtype:
         return dtypes.DTYPES[self.dtype].numpy
-
-    @property
-    def softmax_scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
-
-    @property
-    def work(self) -> int:
-        """``batch * heads * seqlen_q * seqlen_k * head_dim``: the size of the reference's job."""
-        return self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
-
-    def flops(self) -> int:
-        return reference.attention_flops(self.batch, self.heads, self.seqlen_q, self.seqlen_k,
-                                         self.head_dim, self.causal)
-
-    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(q_shape, kv_shape)`` in this problem's layout."""
-        if self.layout == "bhsd":
-            return ((self.batch, self.heads, self.seqlen_q, self.head_dim),
-                    (self.batch, self.heads_k, self.seqlen_k, self.head_dim))
-        return ((self.batch, self.seqlen_q, self.heads, self.head_dim),
-                (self.batch, self.seqlen_k, self.heads_k, self.head_dim))
 
     def make_inputs(self, xp=np, seed: int | None = None):
         """Random N(0, 1) ``(q, k, v)`` in this problem's dtype and layout, on ``xp`` (numpy or cupy).
@@ -240,7 +245,7 @@ class Fp8Inputs:
 
 
 @dataclass(frozen=True)
-class Fp8AttentionProblem:
+class Fp8AttentionProblem(_ProblemGeometry):
     """One attention problem on FP8 inputs: shapes, format, descale granularity, output dtype.
 
     Inputs are drawn N(0, 1) in float32; ``outliers`` head-dim channels of q and k are made
@@ -307,26 +312,6 @@ class Fp8AttentionProblem:
     @property
     def out_numpy_dtype(self) -> np.dtype:
         return dtypes.from_tag(self.out_dtype).numpy
-
-    @property
-    def softmax_scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
-
-    @property
-    def work(self) -> int:
-        return self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
-
-    def flops(self) -> int:
-        return reference.attention_flops(self.batch, self.heads, self.seqlen_q, self.seqlen_k,
-                                         self.head_dim, self.causal)
-
-    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(q_shape, kv_shape)`` in this problem's layout."""
-        if self.layout == "bhsd":
-            return ((self.batch, self.heads, self.seqlen_q, self.head_dim),
-                    (self.batch, self.heads_k, self.seqlen_k, self.head_dim))
-        return ((self.batch, self.seqlen_q, self.heads, self.head_dim),
-                (self.batch, self.seqlen_k, self.heads_k, self.head_dim))
 
     def rotation(self) -> np.ndarray | None:
         """The rotation applied to q and k (None without ``rotate``); the same for every seed."""
