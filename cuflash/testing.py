@@ -104,6 +104,21 @@ class _ProblemGeometry:
     """What an attention problem's fields (batch, heads, heads_k, seqlen_q, seqlen_k, head_dim,
     causal, layout, scale) imply, shared by AttentionProblem and Fp8AttentionProblem."""
 
+    def _geometry_problems(self) -> list[str]:
+        """What is wrong with the sizes, the head grouping and the layout (empty when nothing)."""
+        problems = []
+        for name in ("batch", "heads", "heads_k", "head_dim"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be at least 1")
+        for name in ("seqlen_q", "seqlen_k"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} must be non-negative")
+        if self.heads_k >= 1 and self.heads % self.heads_k:
+            problems.append(f"heads={self.heads} must be a multiple of heads_k={self.heads_k}")
+        if self.layout not in reference.LAYOUTS:
+            problems.append(f"layout={self.layout!r} (choose one of {reference.LAYOUTS})")
+        return problems
+
     @property
     def softmax_scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
@@ -144,17 +159,7 @@ class AttentionProblem(_ProblemGeometry):
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", dtypes.from_tag(self.dtype).tag)
-        problems = []
-        for name in ("batch", "heads", "heads_k", "head_dim"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name}={getattr(self, name)} must be at least 1")
-        for name in ("seqlen_q", "seqlen_k"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name}={getattr(self, name)} must be non-negative")
-        if self.heads_k >= 1 and self.heads % self.heads_k:
-            problems.append(f"heads={self.heads} must be a multiple of heads_k={self.heads_k}")
-        if self.layout not in reference.LAYOUTS:
-            problems.append(f"layout={self.layout!r} (choose one of {reference.LAYOUTS})")
+        problems = self._geometry_problems()
         if problems:
             raise ValueError("invalid attention problem: " + "; ".join(problems))
 
@@ -271,23 +276,13 @@ class Fp8AttentionProblem(_ProblemGeometry):
     rotate: bool = False
 
     def __post_init__(self):
-        problems = []
-        for name in ("batch", "heads", "heads_k", "head_dim"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name}={getattr(self, name)} must be at least 1")
-        for name in ("seqlen_q", "seqlen_k"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name}={getattr(self, name)} must be non-negative")
-        if self.heads_k >= 1 and self.heads % self.heads_k:
-            problems.append(f"heads={self.heads} must be a multiple of heads_k={self.heads_k}")
+        problems = self._geometry_problems()
         if self.fp8_format not in FP8_FORMATS:
             problems.append(f"fp8_format={self.fp8_format!r} (choose one of {FP8_FORMATS})")
         if self.granularity not in FP8_GRANULARITIES:
             problems.append(f"granularity={self.granularity!r} (choose one of {FP8_GRANULARITIES})")
         if self.out_dtype not in FP8_OUT_DTYPES:
             problems.append(f"out_dtype={self.out_dtype!r} (choose one of {FP8_OUT_DTYPES})")
-        if self.layout not in reference.LAYOUTS:
-            problems.append(f"layout={self.layout!r} (choose one of {reference.LAYOUTS})")
         if not 0 <= self.outliers <= self.head_dim:
             problems.append(f"outliers={self.outliers} must be between 0 and head_dim={self.head_dim}")
         if problems:
