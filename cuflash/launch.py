@@ -92,6 +92,9 @@ def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_st
         counter = _tile_counter(problem.device_id)
         args = (pack_params(problem, q, k, v, out, lse, out_strides, counter.data.ptr, scales),
                 forward_maps(spec, problem, q, k, v))
+        if spec.tma_store:
+            from .tma import output_map
+            args += (output_map(problem, out, out_strides, spec.out_dtype),)
     else:
         args = (pack_params(problem, q, k, v, out, lse, out_strides, scales=scales),)
     kernel(grid(spec, problem), (spec.threads, 1, 1), args, shared_mem=spec.smem_bytes)

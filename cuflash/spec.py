@@ -248,9 +248,32 @@ class KernelSpec:
         return self.num_warps // 4 - self.warp_specialized
 
     @property
-    def smem_barriers_offset(self) -> int:
-        """wgmma: byte offset of the mbarriers, after Q and the K/V ring."""
+    def smem_o_offset(self) -> int:
+        """wgmma: byte offset of the output staging tile (tma_store), after Q and the K/V ring."""
         return (self.block_m + 2 * self.num_stages * self.block_n) * self.padded_head_dim * self.elem_bytes
+
+    @property
+    def o_stage_bytes(self) -> int:
+        """Warp-specialized kernel: the 16-bit output tile, block_m rows of 64-column swizzled
+        blocks, that the TMA store reads."""
+        return self.block_m * ceil_div(self.head_dim, 64) * 64 * 2
+
+    @functools.cached_property
+    def tma_store(self) -> bool:
+        """The warp-specialized kernel writes O through shared memory with TMA stores where the
+        staging tile fits beside Q and the K/V ring and the registers allow it (two consumer
+        warpgroups, output rows of at most 128 columns: elsewhere the epilogue spills); elsewhere
+        each thread stores its fragments."""
+        if not self.warp_specialized or self.arch not in SMEM_LIMIT:
+            return False
+        if self.compute_warpgroups != 2 or self.padded_head_dim > 128:
+            return False
+        return self._smem_bytes(self.o_stage_bytes) <= SMEM_LIMIT[self.arch]
+
+    @property
+    def smem_barriers_offset(self) -> int:
+        """wgmma: byte offset of the mbarriers, after Q, the K/V ring and the output tile."""
+        return self.smem_o_offset + (self.o_stage_bytes if self.tma_store else 0)
 
     @property
     def padded_head_dim(self) -> int:
@@ -336,12 +359,17 @@ class KernelSpec:
             floats = (self.block_m * (d + 1) + self.block_n * (d + 1) + self.block_n * d
                       + self.block_m * (self.block_n + 1))
             return floats * 4
-        if self.family == "wgmma":  # unpadded swizzled tiles, mbarriers, slack to align the base
-            # warp-specialized: 2 + 4 * stages mbarriers and the current tile's number
-            return self.smem_barriers_offset + (8 * (2 + 4 * self.num_stages) + 16) * self.warp_specialized + 1024
+        if self.family == "wgmma":
+            return self._smem_bytes(self.o_stage_bytes if self.tma_store else 0)
         if self.converts_fp8:
             return self.smem_stage_offset + self.num_stages * self.stage_slot_bytes
         return self.q_tile_bytes + 2 * self.num_stages * self.kv_tile_bytes
+
+    def _smem_bytes(self, o_stage_bytes: int) -> int:
+        """wgmma: unpadded swizzled tiles (Q, the K/V ring, the output tile if staged), then
+        (warp-specialized) 2 + 4 * stages mbarriers and the current tile's number, and slack to
+        align the base."""
+        return self.smem_o_offset + o_stage_bytes + (8 * (2 + 4 * self.num_stages) + 16) * self.warp_specialized + 1024
 
     @property
     def min_blocks_per_sm(self) -> int:

@@ -19,6 +19,7 @@ from .validate import Problem
 #: Bytes of one encoded map (CUtensorMap), as the kernel's TensorMap struct holds it.
 MAP_BYTES = 128
 _MAPS = np.dtype((np.void, 3 * MAP_BYTES))
+_MAP = np.dtype((np.void, MAP_BYTES))
 
 
 def _driver():
@@ -57,13 +58,15 @@ def _encode(ptr: int, dims: tuple, strides: tuple, box: tuple, dtype_tag: str) -
     return struct.pack("<16Q", *(int(word) for word in tensor_map.opaque))
 
 
-def _map(x, problem: Problem, heads: int, rows: int, strides: tuple, box: tuple, row_len: int) -> bytes:
-    """Map of a (row_len, rows, heads, batch) tensor with (batch, head, row) element strides."""
+def _map(x, problem: Problem, heads: int, rows: int, strides: tuple, box: tuple, row_len: int,
+         dtype_tag: str | None = None) -> bytes:
+    """Map of a (row_len, rows, heads, batch) tensor with (batch, head, row) element strides, of
+    the problem's dtype unless told."""
     extents = (problem.batch, heads, rows)
     # An extent of 1 may carry any stride (validate.readable_by_tma); give the driver one it accepts.
     batch_s, head_s, row_s = (s * x.itemsize if e > 1 else 16 for e, s in zip(extents, strides))
     return _encode(x.data.ptr, (row_len, rows, heads, problem.batch), (row_s, head_s, batch_s), box,
-                   problem.dtype.tag)
+                   dtype_tag or problem.dtype.tag)
 
 
 def forward_maps(spec: KernelSpec, problem: Problem, q, k, v) -> np.ndarray:
@@ -91,3 +94,10 @@ def forward_maps(spec: KernelSpec, problem: Problem, q, k, v) -> np.ndarray:
 
 
 _forward_maps: dict = {}
+
+
+def output_map(problem: Problem, out, out_strides: tuple, out_tag: str) -> np.ndarray:
+    """The out_map kernel parameter of a kernel with ``spec.tma_store``: O (16-bit, ``out_tag``)
+    in boxes of 64 columns by 64 rows, one consumer warpgroup's rows."""
+    raw = _map(out, problem, problem.heads, problem.seqlen_q, out_strides, (64, 64), problem.head_dim, out_tag)
+    return np.frombuffer(raw, dtype=_MAP)

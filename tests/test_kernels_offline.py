@@ -78,8 +78,9 @@ def test_every_default_spec_renders_and_fits(arch):
         source = cuflash.generate(spec)
         assert f"{spec.name}(const FwdParams params" in source
         assert f"kHeadDim = {spec.padded_head_dim};" in source
-        if spec.warp_specialized:  # the tensor maps travel as a second, by-value parameter
-            assert "const __grid_constant__ cuflash::FwdTensorMaps maps)" in source
+        if spec.warp_specialized:  # the tensor maps travel as by-value parameters (O's with tma_store)
+            assert "const __grid_constant__ cuflash::FwdTensorMaps maps" in source
+            assert ("const __grid_constant__ cuflash::TensorMap out_map)" in source) == spec.tma_store
 
 
 #: A representative set: powers of two, head dims that are 8 mod 16, odd multiples of 8, and the

@@ -52,6 +52,7 @@ def test_hopper_kernels_use_warpgroup_mma(spec, tmp_path):
     assert "HMMA" not in code
     if spec.warp_specialized:  # TMA copies, registers moved from the producer to the consumers
         assert "UTMALDG.4D" in code and "LDGSTS" not in code
+        assert ("UTMASTG.4D" in code) == spec.tma_store  # the output through TMA stores where it fits
         assert "USETMAXREG.DEALLOC" in code and "USETMAXREG.TRY_ALLOC" in code
     else:
         assert "LDGSTS" in code

@@ -49,7 +49,8 @@ struct FwdTensorMaps {
 };
 
 template <class Cfg>
-__device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, const FwdTensorMaps& maps) {
+__device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, const FwdTensorMaps& maps,
+                                             const TensorMap* out_map) {
     constexpr int kBM = Cfg::kBlockM;
     constexpr int kBN = Cfg::kBlockN;
     constexpr int kNT = kBN / 8;            // n=8 tiles of S per warp
@@ -269,11 +270,42 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             release(empty_v(slot_of(c)));
             ring += n_tiles;
         }
-        unsigned short* o = static_cast<unsigned short*>(p.o) + work.batch * p.o_batch_stride + work.head * p.o_head_stride;
-        store_output<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost>(
-            acc_o, row_max, row_sum, o, p.o_row_stride, p.lse + static_cast<long long>(work.bh) * p.seqlen_q,
-            work.m0 + warp_row0, p.seqlen_q, lane, scale_log2, out_scale);
+        float* lse_rows = p.lse + static_cast<long long>(work.bh) * p.seqlen_q;
+        if constexpr (Cfg::kTmaStore) {
+            // Through shared memory: the warpgroup's 64 rows go into its rows of the staging tile
+            // (64-column swizzled blocks, Q's layout) and leave as TMA stores, which clip rows past
+            // seqlen_q and columns past the head dim. The staging rows are reused once the
+            // warpgroup's last stores have read them. One thread of the warpgroup issues the
+            // stores; named barrier 4 + group (1..3 take turns, 14 and 15 hand over tiles) orders
+            // its 128 threads.
+            const bool store_leader = tid % 128 == 0;
+            const int store_barrier = 4 + group;
+            const u32 sO = smem_base + Cfg::kSmemO;
+            if (store_leader) bulk_wait_group_read<0>();
+            named_barrier_sync(store_barrier, 128);
+            finish_output<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost>(
+                acc_o, row_max, row_sum, lse_rows, work.m0 + warp_row0, p.seqlen_q, lane, scale_log2, out_scale,
+                [&](int row, int nt, u32 packed) {
+                    st_shared(sO + swizzled_offset(warp_row0 + row, nt, kBM) + (lane % 4) * 4, static_cast<int>(packed));
+                });
+            fence_proxy_async();  // written through the generic proxy, read by the TMA store
+            named_barrier_sync(store_barrier, 128);
+            if (store_leader) {
+#pragma unroll
+                for (int cb = 0; cb < (Cfg::kHeadDimStored + 63) / 64; ++cb)
+                    tma_store_4d(out_map, sO + cb * kBM * 128 + group * 64 * 128, cb * 64, work.m0 + group * 64,
+                                 work.head, work.batch);
+                bulk_commit_group();
+            }
+        } else {
+            unsigned short* o = static_cast<unsigned short*>(p.o) + work.batch * p.o_batch_stride + work.head * p.o_head_stride;
+            store_output<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost>(
+                acc_o, row_max, row_sum, o, p.o_row_stride, lse_rows, work.m0 + warp_row0, p.seqlen_q, lane,
+                scale_log2, out_scale);
+        }
     }
+    if constexpr (Cfg::kTmaStore)
+        if (tid % 128 == 0) bulk_wait_group<0>();  // the block's shared memory outlives its last stores
     if constexpr (Cfg::kPingPong)
         if (group == 0) take_turn();
 }

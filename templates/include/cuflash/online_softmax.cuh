@@ -146,33 +146,47 @@ __device__ __forceinline__ void fp8_probs_operand(u32 (&a)[4], const float (&s)[
     a[3] = pack4_e4m3(s[4 * kk + 2][2], s[4 * kk + 2][3], s[4 * kk + 3][2], s[4 * kk + 3][3]);
 }
 
-// Normalize and store a warp's output rows (16-bit dtype) and the natural-log LSE: the first
-// kStoredTiles n=8 column tiles (all of them when 0; fewer when the head dim was padded).
+// Normalize a warp's output rows (to a 16-bit dtype), hand them to write(row, nt, packed), and
+// store the natural-log LSE: row counts from row0 (rows at or past seqlen_q are skipped), packed
+// holds this lane's two values of n=8 column tile nt (columns 8 nt + 2 (lane % 4), + 1), for
+// the first kStoredTiles tiles (all of them when 0; fewer when the head dim was padded).
 // A row whose sum is 0 saw no key: O = 0, LSE = -inf. A NaN sum stays NaN. The rows are
 // multiplied by out_scale (FP8: v's descale); kLog2Boost is softmax_step's.
-template <bool kBF16, int kStoredTiles = 0, int kLog2Boost = 0, int kMT, int kOT>
-__device__ __forceinline__ void store_output(const float (&o)[kMT][kOT][4], const float (&row_max)[kMT][2],
-                                             const float (&row_sum)[kMT][2], unsigned short* out,
-                                             long long out_row_stride, float* lse_rows, int row0,
-                                             int seqlen_q, int lane, float scale_log2, float out_scale = 1.f) {
+template <bool kBF16, int kStoredTiles = 0, int kLog2Boost = 0, int kMT, int kOT, class Write>
+__device__ __forceinline__ void finish_output(const float (&o)[kMT][kOT][4], const float (&row_max)[kMT][2],
+                                              const float (&row_sum)[kMT][2], float* lse_rows, int row0,
+                                              int seqlen_q, int lane, float scale_log2, float out_scale,
+                                              Write write) {
     constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float sum = quad_sum(row_sum[mt][r]);
-            const int row = row0 + mt * 16 + lane / 4 + r * 8;
+            const int local_row = mt * 16 + lane / 4 + r * 8;
+            const int row = row0 + local_row;
             if (row >= seqlen_q) continue;
             const float inv = sum == 0.f ? 0.f : out_scale / sum;
-            u32* o_row = reinterpret_cast<u32*>(out + row * out_row_stride) + lane % 4;
 #pragma unroll
             for (int nt = 0; nt < (kStoredTiles ? kStoredTiles : kOT); ++nt)
-                o_row[nt * 4] = pack2<kBF16>(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv);
+                write(local_row, nt, pack2<kBF16>(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv));
             if (lane % 4 == 0)
                 lse_rows[row] = sum == 0.f ? neg_inf()
                                            : row_max[mt][r] * scale_log2 * kLn2 + logf(sum) - kLog2Boost * kLn2;
         }
     }
+}
+
+// finish_output into global memory: out holds the rows, out_row_stride elements apart.
+template <bool kBF16, int kStoredTiles = 0, int kLog2Boost = 0, int kMT, int kOT>
+__device__ __forceinline__ void store_output(const float (&o)[kMT][kOT][4], const float (&row_max)[kMT][2],
+                                             const float (&row_sum)[kMT][2], unsigned short* out,
+                                             long long out_row_stride, float* lse_rows, int row0,
+                                             int seqlen_q, int lane, float scale_log2, float out_scale = 1.f) {
+    finish_output<kBF16, kStoredTiles, kLog2Boost>(
+        o, row_max, row_sum, lse_rows, row0, seqlen_q, lane, scale_log2, out_scale, [&](int row, int nt, u32 packed) {
+            reinterpret_cast<u32*>(out + (row0 + row) * out_row_stride)[nt * 4 + lane % 4] = packed;
+        });
 }
 
 }  // namespace cuflash

@@ -36,6 +36,19 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 b
         : "memory");
 }
 
+// Copy one box of a 4-d tensor from shared memory at src to global memory (coordinates innermost
+// first), in this thread's bulk async-group. Elements out of the tensor's bounds are not written.
+__device__ __forceinline__ void tma_store_4d(const TensorMap* map, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+                 :: "l"(reinterpret_cast<u64>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// At most N of this thread's bulk groups still read their shared memory (.read) or still run.
+template <int N>
+__device__ __forceinline__ void bulk_wait_group_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_group() { asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory"); }
+
 // Named barriers (ids 1-15; 0 is __syncthreads): `threads` counts every thread that syncs or
 // arrives, a multiple of 32. arrive does not wait.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
