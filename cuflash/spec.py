@@ -98,8 +98,9 @@ class KernelSpec:
             if self.family != "wgmma" or not self.warp_specialized:
                 problems.append(f"FP8 inputs run on the warp-specialized wgmma kernel or the portable mma kernel "
                                 f"(family={self.family!r}, warp_specialized={self.warp_specialized})")
-            if self.block_n != 128:
-                problems.append(f"block_n={self.block_n} must be 128 for FP8 (one 128-byte row of V^T per tile)")
+            if self.block_n % 64 or not 64 <= self.block_n <= 256:
+                problems.append(f"block_n={self.block_n} must be a multiple of 64 from 64 to 256 for FP8 "
+                                f"(V^T tiles are read in boxes of 64 or 128 keys)")
         elif self.out_dtype != self.dtype:
             problems.append(f"out_dtype={self.out_dtype!r} must equal dtype={self.dtype!r} (only FP8 inputs choose it)")
         if self.num_warps not in (1, 2, 4, 8, 12, 16):
@@ -216,6 +217,12 @@ class KernelSpec:
     def col_block_elems(self) -> int:
         """wgmma: elements of one 128-byte column block (the swizzle's span; one TMA box wide)."""
         return 128 // self.elem_bytes
+
+    @property
+    def fp8_v_box_keys(self) -> int:
+        """FP8 wgmma: keys per TMA box of V^T: 128 (a 128-byte swizzled row) when block_n is a
+        multiple of 128, else 64 (64-byte swizzle), so that block_n = 192 needs no padding."""
+        return 128 if self.block_n % 128 == 0 else 64
 
     @property
     def pv_k(self) -> int:

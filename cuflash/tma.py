@@ -35,10 +35,10 @@ _DATA_TYPES = {"bf16": "BFLOAT16", "fp16": "FLOAT16", "e4m3": "UINT8", "e5m2": "
 
 
 @functools.lru_cache(maxsize=4096)
-def _encode(ptr: int, dims: tuple, strides: tuple, box: tuple, dtype_tag: str) -> bytes:
+def _encode(ptr: int, dims: tuple, strides: tuple, box: tuple, dtype_tag: str, swizzle: int = 128) -> bytes:
     """One map of a 4-d tensor (innermost dim first; 16-bit floats or FP8 bytes), read in boxes
-    of box[0] elements (128 bytes, the swizzle's span) by box[1] rows, 128-byte swizzle, zeros
-    out of bounds."""
+    of box[0] elements (the swizzle's span: 128 bytes, or 64) by box[1] rows, zeros out of
+    bounds."""
     driver = _driver()
     dtype = getattr(driver.CUtensorMapDataType, "CU_TENSOR_MAP_DATA_TYPE_" + _DATA_TYPES[dtype_tag])
     err, tensor_map = driver.cuTensorMapEncodeTiled(
@@ -48,7 +48,7 @@ def _encode(ptr: int, dims: tuple, strides: tuple, box: tuple, dtype_tag: str) -
         [driver.cuuint32_t(b) for b in (*box, 1, 1)],
         [driver.cuuint32_t(1)] * 4,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}B"),
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     )
@@ -59,14 +59,14 @@ def _encode(ptr: int, dims: tuple, strides: tuple, box: tuple, dtype_tag: str) -
 
 
 def _map(x, problem: Problem, heads: int, rows: int, strides: tuple, box: tuple, row_len: int,
-         dtype_tag: str | None = None) -> bytes:
+         dtype_tag: str | None = None, swizzle: int = 128) -> bytes:
     """Map of a (row_len, rows, heads, batch) tensor with (batch, head, row) element strides, of
     the problem's dtype unless told."""
     extents = (problem.batch, heads, rows)
     # An extent of 1 may carry any stride (validate.readable_by_tma); give the driver one it accepts.
     batch_s, head_s, row_s = (s * x.itemsize if e > 1 else 16 for e, s in zip(extents, strides))
     return _encode(x.data.ptr, (row_len, rows, heads, problem.batch), (row_s, head_s, batch_s), box,
-                   dtype_tag or problem.dtype.tag)
+                   dtype_tag or problem.dtype.tag, swizzle)
 
 
 def forward_maps(spec: KernelSpec, problem: Problem, q, k, v) -> np.ndarray:
@@ -80,10 +80,11 @@ def forward_maps(spec: KernelSpec, problem: Problem, q, k, v) -> np.ndarray:
         cols, d = spec.col_block_elems, problem.head_dim
         raw = (_map(q, problem, problem.heads, problem.seqlen_q, problem.q_strides, (cols, spec.block_m), d)
                + _map(k, problem, problem.heads_k, problem.seqlen_k, problem.k_strides, (cols, spec.block_n), d))
-        if spec.fp8:  # V^T [batch, heads_k, head_dim, keys]: boxes of block_n keys by every head-dim row
+        if spec.fp8:  # V^T [batch, heads_k, head_dim, keys]: boxes of 128 or 64 keys by every head-dim row
             b_s, h_s, r_s, _ = (s // v.itemsize for s in v.strides)
-            raw += _map(v, problem, problem.heads_k, d, (b_s, h_s, r_s), (spec.block_n, spec.padded_head_dim),
-                        v.shape[3])
+            keys = spec.fp8_v_box_keys
+            raw += _map(v, problem, problem.heads_k, d, (b_s, h_s, r_s), (keys, spec.padded_head_dim),
+                        v.shape[3], swizzle=keys)
         else:
             raw += _map(v, problem, problem.heads_k, problem.seqlen_k, problem.v_strides, (cols, spec.block_n), d)
         maps = np.frombuffer(raw, dtype=_MAPS)

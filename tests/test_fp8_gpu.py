@@ -51,11 +51,11 @@ def warm_portable_fp8_kernels():
     cuflash.warmup(all_fp8_portable_specs(compile_mod.device_arch()), progress=False)
 
 
-def run_and_check(problem: Fp8AttentionProblem, poison, seed=None, family=None):
+def run_and_check(problem: Fp8AttentionProblem, poison, seed=None, family=None, spec=None):
     inputs = problem.make_inputs(cupy, seed=seed)
     q_shape, _ = problem.shapes()
     poison(math.prod(q_shape) * 2, problem.batch * problem.heads * problem.seqlen_q * 4)
-    out, lse = cuflash.attention(inputs.q, inputs.k, inputs.v, return_lse=True, family=family,
+    out, lse = cuflash.attention(inputs.q, inputs.k, inputs.v, return_lse=True, family=family, spec=spec,
                                  **problem.attention_kwargs(inputs))
     assert out.dtype == problem.out_numpy_dtype and out.shape == q_shape
     assert lse.dtype == cupy.float32 and lse.shape == (problem.batch, problem.heads, problem.seqlen_q)
@@ -80,6 +80,24 @@ def check_every_kernel(fmt, head_dim, causal, poison, family=None):
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_every_kernel(fmt, head_dim, causal, warm_fp8_kernels, poison):
     check_every_kernel(fmt, head_dim, causal, poison)
+
+
+@pytest.mark.parametrize("block_n", [64, 192])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_key_tiles_in_64_key_boxes(fmt, causal, block_n, hopper, poison):
+    """Key tiles that are not a multiple of 128 read V^T in 64-key boxes with 64-byte swizzle."""
+    import dataclasses
+
+    from cuflash.spec import default_spec
+
+    for sq, sk, layout, granularity, out_dtype in ((113, 239, "bhsd", "tensor", "bf16"),
+                                                   (300, 451, "bshd", "head", "fp16")):
+        spec = dataclasses.replace(default_spec(128, fmt, causal, "sm90a", out_dtype=out_dtype), block_n=block_n)
+        assert spec.fp8_v_box_keys == 64
+        problem = Fp8AttentionProblem(2, 4, 2, sq, sk, 128, fmt, granularity, out_dtype, causal=causal,
+                                      layout=layout)
+        run_and_check(problem, poison, spec=spec)
 
 
 @pytest.mark.parametrize("out_dtype", ["bf16", "fp16"])

@@ -129,7 +129,8 @@ def test_fp8_specs_and_their_limits():
     with pytest.raises(ValueError, match="out_dtype"):
         spec.replace(out_dtype="fp32")
     with pytest.raises(ValueError, match="block_n"):
-        spec.replace(block_n=64)
+        spec.replace(block_n=96)
+    assert (spec.replace(block_n=192).fp8_v_box_keys, spec.fp8_v_box_keys) == (64, 128)
     with pytest.raises(ValueError, match="out_dtype"):
         default_spec(128, "bf16", False, "sm90a").replace(out_dtype="fp16")
 

@@ -60,7 +60,7 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[Cfg::kHeadDim / 8][4],
 #pragma unroll
     for (int kk = 0; kk < Cfg::kBlockN / Cfg::kPVStep; ++kk) {
         if constexpr (Cfg::kFp8)
-            Cfg::wgmma_pv(acc_o, probs[kk], smem_desc(v_tile + kk * 32, 16, 1024), 1);
+            Cfg::wgmma_pv(acc_o, probs[kk], fp8_v_desc<Cfg::kVBoxKeys, Cfg::kHeadDim>(v_tile, kk), 1);
         else
             Cfg::wgmma_pv(acc_o, probs[kk], smem_desc(v_tile + kk * 2048, Cfg::kVLeadingBytes, Cfg::kVStrideBytes), 1);
     }

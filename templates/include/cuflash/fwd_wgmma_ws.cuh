@@ -149,9 +149,14 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 const u32 dst = ring_base + slot * Cfg::kKVTileBytes;
                 mbar_arrive_expect_tx(full + 8 * slot, kTileBytes);
                 const int n0 = (n_tiles - 1 - t) * kBN;
-                if (Cfg::kFp8 && is_v) {  // V^T: kBN keys (128 bytes) by kHeadDim rows
-                    tma_load_4d(dst, map, full + 8 * slot, n0, 0, work.head_k, work.batch);
-                    return;
+                if constexpr (Cfg::kFp8) {
+                    if (is_v) {  // V^T: boxes of kVBoxKeys keys (bytes) by kHeadDim rows
+#pragma unroll
+                        for (int kb = 0; kb < kBN / Cfg::kVBoxKeys; ++kb)
+                            tma_load_4d(dst + kb * Cfg::kHeadDim * Cfg::kVBoxKeys, map, full + 8 * slot,
+                                        n0 + kb * Cfg::kVBoxKeys, 0, work.head_k, work.batch);
+                        return;
+                    }
                 }
 #pragma unroll
                 for (int cb = 0; cb < kColBlocks; ++cb)

@@ -23,6 +23,24 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 leading_bytes, u32 stride
            | (1ull << 62);
 }
 
+// The same with 64-byte swizzle (layout type 2): 8-row atoms of 512 bytes.
+__device__ __forceinline__ u64 smem_desc_64b(u32 addr, u32 leading_bytes, u32 stride_bytes) {
+    return static_cast<u64>((addr & 0x3FFFF) >> 4)
+           | (static_cast<u64>(leading_bytes >> 4) << 16)
+           | (static_cast<u64>(stride_bytes >> 4) << 32)
+           | (2ull << 62);
+}
+
+// FP8 V^T (K-major B operand of P V): k-step kk (32 keys) of a tile of kHeadDim rows stored as
+// boxes of kBoxKeys keys, each box kHeadDim rows of kBoxKeys bytes swizzled by its width.
+template <int kBoxKeys, int kHeadDim>
+__device__ __forceinline__ u64 fp8_v_desc(u32 v_tile, int kk) {
+    constexpr int kStepsPerBox = kBoxKeys / 32;
+    const u32 addr = v_tile + (kk / kStepsPerBox) * kHeadDim * kBoxKeys + (kk % kStepsPerBox) * 32;
+    if constexpr (kBoxKeys == 128) return smem_desc(addr, 16, 1024);
+    else return smem_desc_64b(addr, 16, 512);
+}
+
 // Registers that wgmma reads or accumulates into were written by ordinary instructions.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
