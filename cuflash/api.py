@@ -66,6 +66,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
         fp8_format: ``"e4m3"`` or ``"e5m2"``: q, k and v are 1-byte arrays (uint8) of FP8 codes
             (:func:`cuflash.quantize_fp8`), and the scores are
             ``scale * (q * q_descale) @ (k * k_descale)^T``, the values ``v * v_descale``.
+            ``v`` may also be a :class:`cuflash.PreparedV` (:func:`cuflash.prepare_v`): V's codes
+            rearranged once for the Hopper FP8 kernel, e.g. a KV cache, instead of on every call.
         q_descale, k_descale, v_descale: FP8 descale factors: a positive number (default 1), or
             a float32 CuPy array shaped () or, one per (batch, head), (batch, heads) for q and
             (batch, heads_k) for k and v.
@@ -85,6 +87,13 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     else:  # int8 views of the codes are read as the same bytes
         q, k, v = (x.view(cupy.uint8) if isinstance(x, cupy.ndarray) and x.dtype == cupy.int8 else x
                    for x in (q, k, v))
+    prepared_v = v if isinstance(v, _fp8.PreparedV) else None
+    if prepared_v is not None:  # V^T made once by cuflash.prepare_v; validated through a stand-in
+        if fp8_format is None:
+            raise TypeError("v is a cuflash.PreparedV (FP8 codes); pass fp8_format='e4m3' or 'e5m2'")
+        if prepared_v.layout != layout:
+            raise ValueError(f"v was prepared for layout={prepared_v.layout!r}; this call has layout={layout!r}")
+        v = prepared_v.stand_in()
 
     def checked(q, k, v, scale):
         return validate(q, k, v, causal=causal, scale=scale, layout=layout, fp8_format=fp8_format)
@@ -97,6 +106,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     out_tag = scales.out_dtype.tag if scales else None
     with _on_device(problem.device_id):
         spec = select_spec(problem, family, out_tag) if spec is None else _check_forced_spec(spec, problem, out_tag)
+        if prepared_v is not None and not (spec.fp8 and spec.warp_specialized):
+            raise ValueError(f"a prepared V is read by the Hopper FP8 kernel only (head dims 64/128/256 on sm90a); "
+                             f"this call runs {spec.name}: pass V itself")
         out = cupy.empty(problem.out_shape, dtype=scales.out_dtype.numpy if scales else q.dtype)
         lse = cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
         if problem.empty:
@@ -115,7 +127,10 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
                 problem = checked(q, k, v, scale)
             kernel = _compile.get_kernel(spec, problem.device_id)
             # The Hopper FP8 kernel reads V as V^T (fp8.v_operand); every other kernel reads V as it is.
-            v_operand = _fp8.v_operand(v, layout) if spec.fp8 and spec.warp_specialized else v
+            if prepared_v is not None:
+                v_operand = prepared_v.data
+            else:
+                v_operand = _fp8.v_operand(v, layout) if spec.fp8 and spec.warp_specialized else v
             launch(kernel, spec, problem, q, k, v_operand, out, lse, _out_strides(out, layout), scales)
     return (out, lse) if return_lse else out
 

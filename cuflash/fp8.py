@@ -263,5 +263,41 @@ def _v_operand_device(v, layout: str):
 _V_KERNELS: dict = {}
 
 
-__all__ = ["FORMATS", "v_operand", "GRANULARITIES", "quantize_fp8", "dequantize_fp8", "to_fp8_bits", "from_fp8_bits",
+@dataclass(frozen=True, eq=False)
+class PreparedV:
+    """V's FP8 codes already in the Hopper FP8 kernel's layout (:func:`v_operand`), made once by
+    :func:`prepare_v` and passed to :func:`cuflash.attention` as ``v``: a KV cache kept this way
+    skips the per-call rearrangement (one pass over all of V). ``shape`` and ``layout`` are the
+    original V's; ``data`` is the V^T array, uint8 [batch, heads_k, head_dim, keys padded to 16]."""
+
+    data: object
+    shape: tuple
+    layout: str
+
+    def stand_in(self):
+        """A view shaped like the original V over ``data`` (for validation only: its bytes are
+        not V's)."""
+        from cupy.lib.stride_tricks import as_strided
+
+        return as_strided(self.data, shape=self.shape, strides=(0, 0, 0, 1))
+
+
+def prepare_v(v, layout: str = "bhsd") -> PreparedV:
+    """V's FP8 codes (a uint8 or int8 CuPy array in ``layout``) rearranged once into the layout
+    the Hopper FP8 kernel reads, for repeated calls of :func:`cuflash.attention` with
+    ``fp8_format`` set (head dims 64, 128 and 256 on sm_90a; other calls need V itself)."""
+    import cupy
+
+    if not isinstance(v, cupy.ndarray) or v.dtype.itemsize != 1 or v.ndim != 4:
+        raise TypeError(f"prepare_v takes a 4-d CuPy array of FP8 codes (uint8 or int8); got "
+                        f"{type(v).__name__} {getattr(v, 'dtype', '')} {getattr(v, 'shape', '')}")
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout={layout!r} is not supported; use 'bhsd' or 'bshd'")
+    v = v.view(cupy.uint8)
+    if v.size and v.strides[-1] != 1:
+        raise ValueError(f"v must be contiguous in its last dim; got v.strides={v.strides}")
+    return PreparedV(v_operand(v, layout), tuple(v.shape), layout)
+
+
+__all__ = ["FORMATS", "v_operand", "prepare_v", "PreparedV", "GRANULARITIES", "quantize_fp8", "dequantize_fp8", "to_fp8_bits", "from_fp8_bits",
            "random_rotation"]

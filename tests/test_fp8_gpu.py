@@ -181,6 +181,41 @@ def test_rotation_lowers_the_error_on_outliers(head_dim, fmt, warm_fp8_kernels):
 
 # -- bad input ----------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_prepared_v_gives_the_same_bits(layout, warm_fp8_kernels, poison):
+    """V rearranged once (cuflash.prepare_v, a KV cache) gives bit-identical results to V passed
+    as is, call after call."""
+    problem = Fp8AttentionProblem(2, 4, 2, 77, 300, 128, "e4m3", "head", "bf16", causal=True, layout=layout)
+    inputs = problem.make_inputs(cupy)
+    kwargs = problem.attention_kwargs(inputs)
+    prepared = cuflash.prepare_v(inputs.v, layout=layout)
+    assert isinstance(prepared, cuflash.PreparedV) and prepared.shape == inputs.v.shape
+    want, want_lse = cuflash.attention(inputs.q, inputs.k, inputs.v, return_lse=True, **kwargs)
+    for _ in range(2):
+        poison(math.prod(want.shape) * 2, want_lse.size * 4)
+        got, got_lse = cuflash.attention(inputs.q, inputs.k, prepared, return_lse=True, **kwargs)
+        assert bool((got.view(cupy.uint16) == want.view(cupy.uint16)).all())
+        assert bool((got_lse == want_lse).all())
+
+
+def test_prepared_v_is_for_the_hopper_kernel_and_its_own_call(hopper):
+    q = k = _codes((1, 2, 40, 128))
+    prepared = cuflash.prepare_v(_codes((1, 2, 40, 128)))
+    with pytest.raises(TypeError, match="fp8_format"):
+        cuflash.attention(q, k, prepared)
+    with pytest.raises(ValueError, match="layout='bhsd'"):
+        cuflash.attention(q, k, prepared, fp8_format="e4m3", layout="bshd")
+    with pytest.raises(ValueError, match="Hopper FP8 kernel only"):
+        cuflash.attention(q, k, prepared, fp8_format="e4m3", family="mma")
+    with pytest.raises(ValueError, match="k.shape"):
+        cuflash.attention(q, _codes((1, 2, 41, 128)), prepared, fp8_format="e4m3")
+    q96 = _codes((1, 2, 40, 96))
+    with pytest.raises(ValueError, match="Hopper FP8 kernel only"):
+        cuflash.attention(q96, q96, cuflash.prepare_v(q96), fp8_format="e4m3")
+    with pytest.raises(TypeError, match="FP8 codes"):
+        cuflash.prepare_v(_half((1, 2, 40, 128)))
+
+
 def _codes(shape):
     return cupy.random.randint(0, 0x7F, size=shape, dtype=cupy.int32).astype(cupy.uint8)
 
