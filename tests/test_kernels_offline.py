@@ -293,7 +293,8 @@ def test_tensor_maps_describe_q_k_v_in_kernel_order(monkeypatch):
 
     calls = []
 
-    def encode(ptr, dims, strides, box, dtype_tag):
+    def encode(ptr, dims, strides, box, dtype_tag, swizzle=128):
+        assert swizzle == 128
         calls.append((ptr, dims, strides, box, dtype_tag))
         return bytes([len(calls)]) * tma.MAP_BYTES
 
