@@ -42,6 +42,9 @@ FP8 = "fp8"
 BENCH_DTYPES = ("fp16", "bf16", "fp32", FP8)
 #: Key and table label of cuflash's bf16 kernel, timed beside FP8 at the same shape.
 BF16_PEER = ("cuflash-bf16", "cuflash bf16")
+#: Key and table label of cuflash's FP8 call on a V made once by ``prepare_v`` (a KV cache), timed
+#: where the kernel takes one (the Hopper FP8 kernel).
+PREPARED_V_PEER = ("cuflash-fp8-prepared-v", "cuflash FP8, V from prepare_v")
 
 _L2_FLUSH_BYTES = 256 * 2**20
 _SPEC_OVERRIDE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "overlap", "warp_specialized", "pingpong")
@@ -291,7 +294,7 @@ def _max_abs_diff(a, b) -> float:
 
 def _peer_labels():
     """(key, table label) of every peer a result may hold, in table order."""
-    return [BF16_PEER] + [(key, label) for key, (_, label) in TORCH_BACKENDS.items()]
+    return [BF16_PEER, PREPARED_V_PEER] + [(key, label) for key, (_, label) in TORCH_BACKENDS.items()]
 
 
 # -- one configuration ------------------------------------------------------------------------
@@ -435,6 +438,10 @@ def _time_fp8(result, config, forced, reps, torch, flush_l2, fp8_format):
     def bf16_call():
         return cuflash.attention(q, k, v, causal=config.causal)
 
+    def prepared_call(prepared):
+        return cuflash.attention(q8, k8, prepared, causal=config.causal, fp8_format=fp8_format, q_descale=q_descale,
+                                 k_descale=k_descale, v_descale=v_descale, out_dtype="bf16", spec=forced)
+
     try:
         ms = cuda_event_median_ms(fp8_call, reps=reps, flush_l2=flush_l2)
         result.update(ms=ms, tflops=flops / ms / 1e9)
@@ -454,6 +461,18 @@ def _time_fp8(result, config, forced, reps, torch, flush_l2, fp8_format):
         peer["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         peer["ms"] = peer["tflops"] = peer["ratio"] = None
     result["peers"][BF16_PEER[0]] = peer
+    prepared = None
+    try:
+        prepared = cuflash.prepare_v(v8)
+        prepared_call(prepared)
+    except (TypeError, ValueError):  # a kernel that reads V itself (or inputs off the GPU)
+        prepared = None
+    if prepared is not None:
+        ms = cuda_event_median_ms(lambda: prepared_call(prepared), reps=reps, flush_l2=flush_l2)
+        tflops = flops / ms / 1e9
+        result["peers"][PREPARED_V_PEER[0]] = dict(
+            ms=ms, tflops=tflops, ratio=tflops / peer["tflops"] if peer["tflops"] else None, error=None,
+            max_abs_diff=_max_abs_diff(ours, prepared_call(prepared)) if ours is not None else None)
     if torch is not None:
         _time_torch_peers(result, torch, (q, k, v), None, ours, config, reps, flush_l2)
 
@@ -517,6 +536,10 @@ def markdown_tables(report: dict) -> str:
             ratios = [r["peers"].get(BF16_PEER[0], {}).get("ratio") for r in rows]
             lines.append("| FP8 / bf16 (cuflash) | " + " | ".join("–" if x is None else f"{x:.2f}x" for x in ratios)
                          + " |")
+            ratios = [r["peers"].get(PREPARED_V_PEER[0], {}).get("ratio") for r in rows]
+            if any(x is not None for x in ratios):
+                lines.append("| FP8, V from prepare_v / bf16 (cuflash) | "
+                             + " | ".join("–" if x is None else f"{x:.2f}x" for x in ratios) + " |")
         lines.append("")
     overhead = report.get("overhead")
     if overhead:
