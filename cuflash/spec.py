@@ -405,8 +405,10 @@ SIMT_DEFAULTS = (
 WGMMA_DEFAULTS = {64: (192, 128, 2), 96: (128, 128, 2), 128: (128, 128, 2), 192: (128, 96, 2), 256: (128, 80, 2)}
 
 #: Tiles of the FP8 Hopper kernel: head_dim -> (block_m, block_n, num_stages), same schedule; keys
-#: come 128 per tile (one 128-byte swizzled row of V^T), head dim 64 is computed padded to 128.
-FP8_WGMMA_DEFAULTS = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 128, 2)}
+#: come in multiples of 64 (V^T is read in boxes of 128 keys, or 64 where block_n needs them),
+#: head dim 64 is computed padded to 128. 192 keys per tile beat 128 on the H200 at head dims 64
+#: and 128 (README); head dim 256 has no registers for them.
+FP8_WGMMA_DEFAULTS = {64: (128, 192, 2), 128: (128, 192, 2), 256: (128, 128, 2)}
 
 
 def default_family(head_dim: int, dtype: str, arch: str) -> str:

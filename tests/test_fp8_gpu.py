@@ -82,11 +82,12 @@ def test_every_kernel(fmt, head_dim, causal, warm_fp8_kernels, poison):
     check_every_kernel(fmt, head_dim, causal, poison)
 
 
-@pytest.mark.parametrize("block_n", [64, 192])
+@pytest.mark.parametrize("block_n", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_key_tiles_in_64_key_boxes(fmt, causal, block_n, hopper, poison):
-    """Key tiles that are not a multiple of 128 read V^T in 64-key boxes with 64-byte swizzle."""
+def test_key_tiles_other_than_the_default(fmt, causal, block_n, hopper, poison):
+    """Key tiles that are not a multiple of 128 (the default 192 among them) read V^T in 64-key
+    boxes with 64-byte swizzle, multiples of 128 in 128-key boxes with 128-byte swizzle."""
     import dataclasses
 
     from cuflash.spec import default_spec
@@ -94,7 +95,7 @@ def test_key_tiles_in_64_key_boxes(fmt, causal, block_n, hopper, poison):
     for sq, sk, layout, granularity, out_dtype in ((113, 239, "bhsd", "tensor", "bf16"),
                                                    (300, 451, "bshd", "head", "fp16")):
         spec = dataclasses.replace(default_spec(128, fmt, causal, "sm90a", out_dtype=out_dtype), block_n=block_n)
-        assert spec.fp8_v_box_keys == 64
+        assert spec.fp8_v_box_keys == (64 if block_n % 128 else 128)
         problem = Fp8AttentionProblem(2, 4, 2, sq, sk, 128, fmt, granularity, out_dtype, causal=causal,
                                       layout=layout)
         run_and_check(problem, poison, spec=spec)
