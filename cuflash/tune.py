@@ -21,6 +21,7 @@ import concurrent.futures
 import math
 import os
 import pprint
+import statistics
 import sys
 from pathlib import Path
 
@@ -97,7 +98,12 @@ WGMMA_CANDIDATES = {
     192: [(128, 96, 2), (128, 112, 2), (128, 64, 3)],
     256: [(128, 80, 2), (128, 64, 2), (128, 48, 3)],
 }
-TUNE_SEQLENS = (2048, 8192)
+#: Sequence lengths the Hopper candidates are timed at (the score is their geometric mean), and
+#: the rounds: each round times every candidate once per length, and a candidate's rate at a
+#: length is its median over the rounds. Interleaving matters: the H200's clock moves by up to
+#: ~15% within a run, so candidates timed one after the other were ranked by when they ran.
+TUNE_SEQLENS = (1024, 4096, 16384)
+TUNE_ROUNDS = 5
 
 
 def wgmma_spec(head_dim: int, causal: bool, shape) -> KernelSpec:
@@ -139,8 +145,9 @@ def _tflops(spec: KernelSpec, seqlen: int, reps: int) -> float:
 
 
 def tune_wgmma(head_dims, processes: int, reps: int = 10, timer=_tflops, spill_free=_spill_free,
-               warm=None, log=print) -> dict:
-    """Time every candidate; return {(head_dim, causal): (block_m, block_n, num_stages)}."""
+               warm=None, log=print, rounds: int = TUNE_ROUNDS) -> dict:
+    """Time every candidate in interleaved rounds; return {(head_dim, causal): (block_m, block_n,
+    num_stages)}."""
     specs = {(d, c): [s for s in wgmma_candidates(d, c) if spill_free(s)]
              for d in head_dims for c in (False, True)}
     if warm is None:
@@ -149,9 +156,14 @@ def tune_wgmma(head_dims, processes: int, reps: int = 10, timer=_tflops, spill_f
     warm([s for row in specs.values() for s in row])
     table = {}
     for key, row in specs.items():
+        samples = {(spec, n): [] for spec in row for n in TUNE_SEQLENS}
+        for _ in range(rounds):
+            for n in TUNE_SEQLENS:
+                for spec in row:
+                    samples[spec, n].append(timer(spec, n, reps))
         scores = {}
         for spec in row:
-            rates = [timer(spec, n, reps) for n in TUNE_SEQLENS]
+            rates = [statistics.median(samples[spec, n]) for n in TUNE_SEQLENS]
             scores[spec] = math.exp(sum(math.log(r) for r in rates) / len(rates))
             log(f"hd{key[0]} {'causal' if key[1] else 'full'} m{spec.block_m}n{spec.block_n}s{spec.num_stages}: "
                 + " ".join(f"{n}={r:.1f}" for n, r in zip(TUNE_SEQLENS, rates)) + " TFLOP/s")
