@@ -8,8 +8,11 @@ from :func:`cuflash.reference.attention_flops` (causal counts only the allowed p
 
 Timing: warm-up calls first (the first call compiles), then one CUDA event pair per repetition
 with the L2 cache flushed before each (as ``triton.testing.do_bench`` does); the median is
-reported. torch is optional and never imported at module level; it reads the same CuPy buffers
-through DLPack, and both libraries are synchronized around every timed region.
+reported. The implementations of a configuration (cuflash and its peers) are timed in interleaved
+rounds, each round a share of the repetitions of every one in turn: the GPU clock moves within a
+run (the H200's between 1680 and 1980 MHz), and timed one after the other, a later one was
+measured up to 10-15% slower. torch is optional and never imported at module level; it reads the
+same CuPy buffers through DLPack, and both libraries are synchronized around every timed region.
 
 FP8 (``dtype="fp8"``, forward only): cuflash on inputs quantized per tensor (e4m3 unless told,
 bf16 output), and in the same run cuflash's bf16 kernel and torch SDPA (bf16) on the same values;
@@ -26,6 +29,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 
 DEFAULT_HEAD_DIMS = (64, 128, 256)
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -45,6 +49,11 @@ BF16_PEER = ("cuflash-bf16", "cuflash bf16")
 #: Key and table label of cuflash's FP8 call on a V made once by ``prepare_v`` (a KV cache), timed
 #: where the kernel takes one (the Hopper FP8 kernel).
 PREPARED_V_PEER = ("cuflash-fp8-prepared-v", "cuflash FP8, V from prepare_v")
+
+#: Interleaved rounds the repetitions of a configuration's implementations are split over.
+BENCH_ROUNDS = 5
+#: Key of cuflash's own call among the timed implementations (not a peer key).
+_OURS = "cuflash"
 
 _L2_FLUSH_BYTES = 256 * 2**20
 _SPEC_OVERRIDE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "overlap", "warp_specialized", "pingpong")
@@ -126,8 +135,9 @@ def first_call_seconds(fn):
     return time.perf_counter() - start, result
 
 
-def cuda_event_median_ms(fn, reps: int = 30, warmup: int = 3, flush_l2: bool = True) -> float:
-    """Median milliseconds of ``fn()`` on CuPy's current stream, one event pair per repetition."""
+def cuda_event_times_ms(fn, reps: int = 30, warmup: int = 3, flush_l2: bool = True) -> list[float]:
+    """Milliseconds of each of ``reps`` calls of ``fn()`` on CuPy's current stream, one event pair
+    per repetition."""
     import cupy
     for _ in range(warmup):
         fn()
@@ -144,11 +154,17 @@ def cuda_event_median_ms(fn, reps: int = 30, warmup: int = 3, flush_l2: bool = T
         pairs.append((start, end))
     pairs[-1][1].synchronize()
     _synchronize_all()
-    return statistics.median(cupy.cuda.get_elapsed_time(s, e) for s, e in pairs)
+    return [cupy.cuda.get_elapsed_time(s, e) for s, e in pairs]
 
 
-def torch_event_median_ms(fn, reps: int = 30, warmup: int = 3, flush_l2: bool = True) -> float:
-    """Median milliseconds of ``fn()`` on torch's current stream, one event pair per repetition."""
+def cuda_event_median_ms(fn, reps: int = 30, warmup: int = 3, flush_l2: bool = True) -> float:
+    """Median milliseconds of ``fn()`` on CuPy's current stream (:func:`cuda_event_times_ms`)."""
+    return statistics.median(cuda_event_times_ms(fn, reps, warmup, flush_l2))
+
+
+def torch_event_times_ms(fn, reps: int = 30, warmup: int = 3, flush_l2: bool = True) -> list[float]:
+    """Milliseconds of each of ``reps`` calls of ``fn()`` on torch's current stream, one event pair
+    per repetition."""
     import torch
     _synchronize_all()
     for _ in range(warmup):
@@ -166,7 +182,50 @@ def torch_event_median_ms(fn, reps: int = 30, warmup: int = 3, flush_l2: bool = 
         end.record()
         pairs.append((start, end))
     _synchronize_all()
-    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+    return [s.elapsed_time(e) for s, e in pairs]
+
+
+def torch_event_median_ms(fn, reps: int = 30, warmup: int = 3, flush_l2: bool = True) -> float:
+    """Median milliseconds of ``fn()`` on torch's current stream (:func:`torch_event_times_ms`)."""
+    return statistics.median(torch_event_times_ms(fn, reps, warmup, flush_l2))
+
+
+def event_timer(times_ms, fn, flush_l2: bool = True, warmup: int = 3):
+    """A timer of ``fn`` for :func:`interleaved_median_ms`: ``reps -> [ms per repetition]`` through
+    ``times_ms`` (:func:`cuda_event_times_ms` or :func:`torch_event_times_ms`), with ``warmup``
+    calls before its first repetitions (the first call compiles) and one before each later share."""
+    def timer(reps: int) -> list[float]:
+        nonlocal warmup
+        times = times_ms(fn, reps, warmup, flush_l2)
+        warmup = 1
+        return times
+    return timer
+
+
+def split_reps(reps: int, rounds: int) -> list[int]:
+    """``reps`` split as evenly as possible over ``rounds`` rounds (fewer when ``reps`` is smaller:
+    each round has at least one)."""
+    rounds = max(1, min(rounds, reps))
+    return [reps // rounds + (i < reps % rounds) for i in range(rounds)]
+
+
+def interleaved_median_ms(timers: dict, reps: int, rounds: int = BENCH_ROUNDS) -> dict:
+    """Time ``{name: timer}`` (timers of :func:`event_timer`) in interleaved rounds: each round
+    times every one in turn for its share of ``reps`` (:func:`split_reps`), so that the GPU clock,
+    which moves within a run, weighs on all alike. Returns ``{name: median ms over all its
+    repetitions}``, or the exception a timer raised; one that raised is left out of the later
+    rounds."""
+    times = {name: [] for name in timers}
+    failed = {}
+    for share in split_reps(reps, rounds):
+        for name, timer in timers.items():
+            if name in failed:
+                continue
+            try:
+                times[name].extend(timer(share))
+            except Exception as exc:
+                failed[name] = exc
+    return {name: failed[name] if name in failed else statistics.median(times[name]) for name in timers}
 
 
 def host_overhead_us(fn, calls: int = 2000, warmup: int = 100) -> float:
@@ -275,7 +334,10 @@ def backward_extra_bytes(q, k, v, out, lse, dout, causal) -> int:
 
 
 def _free_device_memory():
+    import gc
+
     import cupy
+    gc.collect()   # an exception recorded by the timing holds its frames (and their arrays) in a cycle
     cupy.get_default_memory_pool().free_all_blocks()
 
 
@@ -314,12 +376,12 @@ def _spec_for(config: BenchConfig, arch: str, overrides: dict):
 
 def bench_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=None,
                  overrides: dict | None = None, flush_l2: bool = True, fp8_format: str = "e4m3") -> dict:
-    """Time cuflash (and torch SDPA's backends when ``torch`` is given) on one configuration;
-    ``config.dtype == "fp8"`` goes to :func:`bench_fp8_config`."""
+    """Time cuflash (and torch SDPA's backends when ``torch`` is given) on one configuration, in
+    interleaved rounds (:func:`interleaved_median_ms`); ``config.dtype == "fp8"`` goes to
+    :func:`bench_fp8_config`."""
     if config.dtype == FP8:
         return bench_fp8_config(config, arch=arch, reps=reps, torch=torch, overrides=overrides, flush_l2=flush_l2,
                                 fp8_format=fp8_format)
-    import cuflash
     from .reference import attention_flops
 
     flops = int(_MODE_FLOPS[config.mode] * attention_flops(config.batch, config.heads, config.seqlen, config.seqlen,
@@ -327,7 +389,6 @@ def bench_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=None,
     result = dict(asdict(config), direction=config.mode, flops=flops, spec=None, ms=None, tflops=None,
                   error=None, peers={}, extra_bytes=None)
     overrides = dict(overrides or {})
-    deterministic = bool(overrides.get("deterministic", False))
     try:
         spec = _spec_for(config, arch, overrides)
     except (ValueError, TypeError) as exc:
@@ -335,7 +396,15 @@ def bench_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=None,
         return result
     result["spec"] = spec.name
     forced = spec if set(overrides) - {"deterministic"} else None
+    _time_config(result, config, forced, overrides, reps, torch, flush_l2)
+    _free_device_memory()   # the inputs and outputs went with _time_config's frame
+    return result
 
+
+def _time_config(result, config, forced, overrides, reps, torch, flush_l2):
+    import cuflash
+
+    deterministic = bool(overrides.get("deterministic", False))
     q, k, v = random_inputs(config.shape, config.dtype)
     dout = random_inputs(config.shape, config.dtype, seed=1)[0] if config.mode != "fwd" else None
     if config.mode == "fwd":
@@ -352,45 +421,91 @@ def bench_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=None,
             out, backward = cuflash.attention_with_grad(q, k, v, causal=config.causal, deterministic=deterministic,
                                                         family=overrides.get("family"))
             return out, backward(dout)
-    try:
-        ms = cuda_event_median_ms(ours_call, reps=reps, flush_l2=flush_l2)
-        result.update(ms=ms, tflops=flops / ms / 1e9)
-        ours = ours_call() if config.mode == "fwd" else None
+
+    def output():   # after the timing: the output the peers are checked against, the backward's memory
         if config.mode == "bwd":
             result["extra_bytes"] = backward_extra_bytes(q, k, v, fwd_out, fwd_lse, dout, config.causal)
-    except Exception as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        ours = None
+        return ours_call() if config.mode == "fwd" else None
 
-    if torch is not None:
-        _time_torch_peers(result, torch, (q, k, v), dout, ours, config, reps, flush_l2)
-    del q, k, v, ours
-    _free_device_memory()
-    return result
+    torch_calls = _torch_calls(torch, (q, k, v), dout, config) if torch is not None else {}
+    timed = _time_interleaved({_OURS: ours_call}, torch_calls, reps, flush_l2)
+    ours = _record_ours(result, timed[_OURS], output)
+    _record_torch_peers(result, torch_calls, timed, ours)
 
 
-def _time_torch_peers(result, torch, qkv, dout, ours, config, reps, flush_l2):
-    """Time torch SDPA's backends on ``qkv`` (CuPy arrays read through DLPack) into
-    ``result["peers"]``; ``ratio`` is cuflash's TFLOP/s over the peer's."""
-    flops = result["flops"]
+def _torch_calls(torch, qkv, dout, config) -> dict:
+    """torch SDPA's calls on ``qkv`` (CuPy arrays read through DLPack), by backend key; a call that
+    cannot be built is replaced by one raising its exception (reported like a failed timing)."""
     qt, kt, vt = (to_torch(x) for x in qkv)
     dt = to_torch(dout) if dout is not None else None
+    calls = {}
     for key in TORCH_BACKENDS:
-        peer = dict(ms=None, tflops=None, ratio=None, max_abs_diff=None, error=None)
         try:
-            call = _torch_sdpa(torch, key, qt, kt, vt, config.causal, config.mode, dt)
-            peer["ms"] = torch_event_median_ms(call, reps=reps, flush_l2=flush_l2)
-            peer["tflops"] = flops / peer["ms"] / 1e9
-            if result["tflops"]:
-                peer["ratio"] = result["tflops"] / peer["tflops"]
-            if ours is not None:
-                theirs = _from_torch(call())
-                _synchronize_all()
-                peer["max_abs_diff"] = _max_abs_diff(ours, theirs)
+            calls[key] = _torch_sdpa(torch, key, qt, kt, vt, config.causal, config.mode, dt)
         except Exception as exc:
-            peer["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            peer["ms"] = peer["tflops"] = peer["ratio"] = None
-        result["peers"][key] = peer
+            calls[key] = _raising(exc)
+    return calls
+
+
+def _raising(exc):
+    """A call that raises ``exc``."""
+    def call():
+        raise exc
+    return call
+
+
+def _time_interleaved(cuflash_calls: dict, torch_calls: dict, reps: int, flush_l2: bool) -> dict:
+    """:func:`interleaved_median_ms` of cuflash's calls (CuPy events) and torch's (torch events),
+    in that order in each round."""
+    timers = {name: event_timer(cuda_event_times_ms, call, flush_l2) for name, call in cuflash_calls.items()}
+    timers.update((key, event_timer(torch_event_times_ms, call, flush_l2)) for key, call in torch_calls.items())
+    return interleaved_median_ms(timers, reps)
+
+
+def _record_ours(result, outcome, output):
+    """Put cuflash's timing ``outcome`` (ms, or the exception its call raised) into ``result`` and
+    return ``output()`` (the output the peers are checked against); None after an error."""
+    try:
+        if isinstance(outcome, Exception):
+            raise outcome
+        result.update(ms=outcome, tflops=result["flops"] / outcome / 1e9)
+        return output()
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        return None
+
+
+def _peer_entry(outcome, flops: int, ours_tflops, ours=None, output=None) -> dict:
+    """A peer of ``result["peers"]`` from its timing ``outcome`` (ms, or the exception its call
+    raised): ``ratio`` is ``ours_tflops`` over the peer's, ``max_abs_diff`` of ``output()`` (the
+    peer's output) against ``ours`` when that is given; an error keeps the first line of its message."""
+    peer = dict(ms=None, tflops=None, ratio=None, max_abs_diff=None, error=None)
+    try:
+        if isinstance(outcome, Exception):
+            raise outcome
+        peer["ms"], peer["tflops"] = outcome, flops / outcome / 1e9
+        if ours_tflops:
+            peer["ratio"] = ours_tflops / peer["tflops"]
+        if ours is not None:
+            peer["max_abs_diff"] = _max_abs_diff(ours, output())
+    except Exception as exc:
+        peer["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        peer["ms"] = peer["tflops"] = peer["ratio"] = None
+    return peer
+
+
+def _torch_output(call):
+    """A torch call's output as a CuPy array, both libraries synchronized."""
+    theirs = _from_torch(call())
+    _synchronize_all()
+    return theirs
+
+
+def _record_torch_peers(result, torch_calls: dict, timed: dict, ours):
+    """torch SDPA's backends into ``result["peers"]``; ``ratio`` is cuflash's TFLOP/s over the peer's."""
+    for key, call in torch_calls.items():
+        result["peers"][key] = _peer_entry(timed[key], result["flops"], result["tflops"], ours,
+                                           partial(_torch_output, call))
 
 
 def bench_fp8_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=None, overrides: dict | None = None,
@@ -398,8 +513,8 @@ def bench_fp8_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=No
     """Time cuflash's FP8 forward on one configuration (``config.dtype == "fp8"``): inputs drawn in
     bf16 and quantized per tensor to ``fp8_format``, bf16 output. In the same run: cuflash's bf16
     kernel on the bf16 inputs (peer :data:`BF16_PEER`, whose ``ratio`` is FP8 / bf16) and, when
-    ``torch`` is given, torch SDPA's backends on them. ``max_abs_diff`` of a peer is against the
-    FP8 output."""
+    ``torch`` is given, torch SDPA's backends on them, all timed in interleaved rounds
+    (:func:`interleaved_median_ms`). ``max_abs_diff`` of a peer is against the FP8 output."""
     from .reference import attention_flops
 
     flops = attention_flops(config.batch, config.heads, config.seqlen, config.seqlen, config.head_dim, config.causal)
@@ -438,43 +553,27 @@ def _time_fp8(result, config, forced, reps, torch, flush_l2, fp8_format):
     def bf16_call():
         return cuflash.attention(q, k, v, causal=config.causal)
 
-    def prepared_call(prepared):
+    def prepared_call():
         return cuflash.attention(q8, k8, prepared, causal=config.causal, fp8_format=fp8_format, q_descale=q_descale,
                                  k_descale=k_descale, v_descale=v_descale, out_dtype="bf16", spec=forced)
 
-    try:
-        ms = cuda_event_median_ms(fp8_call, reps=reps, flush_l2=flush_l2)
-        result.update(ms=ms, tflops=flops / ms / 1e9)
-        ours = fp8_call()
-    except Exception as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        ours = None
-    peer = dict(ms=None, tflops=None, ratio=None, max_abs_diff=None, error=None)
-    try:
-        peer["ms"] = cuda_event_median_ms(bf16_call, reps=reps, flush_l2=flush_l2)
-        peer["tflops"] = flops / peer["ms"] / 1e9
-        if result["tflops"]:
-            peer["ratio"] = result["tflops"] / peer["tflops"]
-        if ours is not None:
-            peer["max_abs_diff"] = _max_abs_diff(ours, bf16_call())
-    except Exception as exc:
-        peer["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        peer["ms"] = peer["tflops"] = peer["ratio"] = None
-    result["peers"][BF16_PEER[0]] = peer
-    prepared = None
+    calls = {_OURS: fp8_call, BF16_PEER[0]: bf16_call}
     try:
         prepared = cuflash.prepare_v(v8)
-        prepared_call(prepared)
+        prepared_call()
+        calls[PREPARED_V_PEER[0]] = prepared_call
     except (TypeError, ValueError):  # a kernel that reads V itself (or inputs off the GPU)
-        prepared = None
-    if prepared is not None:
-        ms = cuda_event_median_ms(lambda: prepared_call(prepared), reps=reps, flush_l2=flush_l2)
-        tflops = flops / ms / 1e9
-        result["peers"][PREPARED_V_PEER[0]] = dict(
-            ms=ms, tflops=tflops, ratio=tflops / peer["tflops"] if peer["tflops"] else None, error=None,
-            max_abs_diff=_max_abs_diff(ours, prepared_call(prepared)) if ours is not None else None)
-    if torch is not None:
-        _time_torch_peers(result, torch, (q, k, v), None, ours, config, reps, flush_l2)
+        pass
+    torch_calls = _torch_calls(torch, (q, k, v), None, config) if torch is not None else {}
+    timed = _time_interleaved(calls, torch_calls, reps, flush_l2)
+    ours = _record_ours(result, timed[_OURS], fp8_call)
+    bf16 = result["peers"][BF16_PEER[0]] = _peer_entry(timed[BF16_PEER[0]], flops, result["tflops"], ours, bf16_call)
+    if PREPARED_V_PEER[0] in timed:
+        peer = _peer_entry(timed[PREPARED_V_PEER[0]], flops, None, ours, prepared_call)
+        if peer["tflops"] and bf16["tflops"]:   # FP8 on the prepared V over cuflash bf16
+            peer["ratio"] = peer["tflops"] / bf16["tflops"]
+        result["peers"][PREPARED_V_PEER[0]] = peer
+    _record_torch_peers(result, torch_calls, timed, ours)
 
 
 def format_line(result: dict) -> str:
@@ -740,8 +839,8 @@ def run_benchmark(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(
                       **(dict(fp8_format=fp8_format, fp8_granularity="tensor", fp8_out_dtype="bf16")
                          if dtype == FP8 else {}),
                       spec_override=overrides or None, arch=arch, flush_l2=flush_l2,
-                      timing="median of CUDA event pairs, L2 flushed before each" if flush_l2
-                      else "median of CUDA event pairs"),
+                      timing=f"median of CUDA event pairs in {BENCH_ROUNDS} interleaved rounds"
+                      + (", L2 flushed before each" if flush_l2 else "")),
         results=[],
         overhead=None,
     )

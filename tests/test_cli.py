@@ -147,6 +147,109 @@ def test_parse_spec_override():
         bench.parse_spec_override("block_m=big")
 
 
+def test_bench_split_reps_over_rounds():
+    assert bench.split_reps(30, 5) == [6] * 5 and bench.split_reps(32, 5) == [7, 7, 6, 6, 6]
+    assert bench.split_reps(2, 5) == [1, 1] and bench.split_reps(1, 5) == [1]
+    for reps in range(1, 40):
+        shares = bench.split_reps(reps, bench.BENCH_ROUNDS)
+        assert sum(shares) == reps and min(shares) >= 1 and max(shares) - min(shares) <= 1
+
+
+def test_bench_interleaved_rounds_with_fake_timers():
+    order = []
+
+    def timer(name, fail_at_call=None):
+        values = iter(range(1, 100))   # the repetitions' ms: 1, 2, 3, ... in the order timed
+        calls = 0
+
+        def time(reps):
+            nonlocal calls
+            calls += 1
+            order.append((name, reps))
+            if calls == fail_at_call:
+                raise RuntimeError("no kernel\nsecond line")
+            return [next(values) for _ in range(reps)]
+        return time
+
+    timed = bench.interleaved_median_ms({"a": timer("a"), "b": timer("b", fail_at_call=2), "c": timer("c")},
+                                        reps=7, rounds=3)
+    # Round-robin, 3 + 2 + 2 repetitions; "b" raised in the second round and was left out of the third.
+    assert order == [("a", 3), ("b", 3), ("c", 3), ("a", 2), ("b", 2), ("c", 2), ("a", 2), ("c", 2)]
+    # The median over all 7 repetitions (1..7), not the median of the rounds' medians (2, 4.5, 6.5).
+    assert timed["a"] == timed["c"] == 4
+    assert isinstance(timed["b"], RuntimeError) and str(timed["b"]).startswith("no kernel")
+    assert list(timed) == ["a", "b", "c"]
+
+
+def test_bench_event_timer_warms_up_fully_once():
+    seen = []
+
+    def times_ms(fn, reps, warmup, flush_l2):
+        seen.append((reps, warmup, flush_l2))
+        return [1.0] * reps
+
+    timer = bench.event_timer(times_ms, lambda: None, flush_l2=False)
+    assert timer(4) == [1.0] * 4 and timer(2) == [1.0] * 2 and timer(2) == [1.0] * 2
+    assert seen == [(4, 3, False), (2, 1, False), (2, 1, False)]
+
+
+def test_bench_config_times_cuflash_and_torch_peers_interleaved(monkeypatch):
+    import numpy as np
+
+    import cuflash
+    order = []
+    fail = {}
+
+    def attention(q, k, v, *, causal=False, spec=None):
+        if "cuflash" in fail:
+            raise fail["cuflash"]
+        return np.full(q.shape, 0.25, dtype=np.float32)
+
+    def torch_sdpa(torch, key, q, k, v, causal, mode="fwd", dout=None):
+        if key == "cudnn":
+            raise RuntimeError("no cuDNN kernel\nfor these inputs")
+        return lambda: np.full(q.shape, 0.5, dtype=np.float32)
+
+    def fake_times(label, ms):
+        def times(fn, reps=30, warmup=3, flush_l2=True):
+            order.append(label)
+            fn()
+            return [ms] * reps
+        return times
+
+    monkeypatch.setattr(cuflash, "attention", attention)
+    monkeypatch.setattr(bench, "random_inputs", lambda shape, tag, seed=0: tuple(
+        np.random.default_rng(seed + i).standard_normal(shape, dtype=np.float32) for i in range(3)))
+    monkeypatch.setattr(bench, "_torch_sdpa", torch_sdpa)
+    for name in ("to_torch", "_from_torch"):
+        monkeypatch.setattr(bench, name, lambda x: x)
+    monkeypatch.setattr(bench, "_synchronize_all", lambda: None)
+    monkeypatch.setattr(bench, "_free_device_memory", lambda: None)
+    monkeypatch.setattr(bench, "cuda_event_times_ms", fake_times("cuflash", 2.0))
+    monkeypatch.setattr(bench, "torch_event_times_ms", fake_times("torch", 4.0))
+    config = bench.BenchConfig(128, 1024, True, 16, 16, "bf16")
+    result = bench.bench_config(config, arch="sm90a", reps=10, torch=object())
+    # cuflash and torch flash alternate over the rounds; cuDNN's call, which could not be built, raised
+    # in the first round and was left out of the others.
+    assert order == ["cuflash", "torch", "torch"] + ["cuflash", "torch"] * (bench.BENCH_ROUNDS - 1)
+    assert result["error"] is None and result["ms"] == 2.0
+    assert result["tflops"] == pytest.approx(result["flops"] / 2.0 / 1e9)
+    flash, cudnn = result["peers"]["flash"], result["peers"]["cudnn"]
+    assert flash["ms"] == 4.0 and flash["ratio"] == pytest.approx(2.0) and flash["max_abs_diff"] == 0.25
+    assert flash["error"] is None
+    assert cudnn == dict(ms=None, tflops=None, ratio=None, max_abs_diff=None, error="RuntimeError: no cuDNN kernel")
+    assert bench.format_line(result).endswith("| flash {:.1f} (2.00x) | cudnn n/a".format(flash["tflops"]))
+
+    # cuflash failing: its error (the whole message, as before), the peer still timed in every round.
+    order.clear()
+    fail["cuflash"] = ValueError("no kernel\nfor this shape")
+    result = bench.bench_config(config, arch="sm90a", reps=10, torch=object())
+    assert result["error"] == "ValueError: no kernel\nfor this shape" and result["ms"] is None
+    assert order == ["cuflash", "torch", "torch"] + ["torch"] * (bench.BENCH_ROUNDS - 1)
+    flash = result["peers"]["flash"]
+    assert flash["ms"] == 4.0 and flash["ratio"] is None and flash["max_abs_diff"] is None
+
+
 def _fake_result(seqlen, tflops, flash, cudnn):
     config = bench.BenchConfig(head_dim=128, seqlen=seqlen, causal=True, batch=16384 // seqlen, heads=16, dtype="bf16")
     result = dict(config.__dict__, direction="fwd", flops=1, spec="fwd_bf16_hd128_causal_m128n64w4s2_sm90a",

@@ -286,9 +286,14 @@ def test_fp8_strategy_respects_its_arguments():
 
 # -- bench --dtype fp8 and --fp8-errors without a GPU ---------------------------------------------------
 
+class _FakePreparedV:
+    def __init__(self, v):
+        self.v = v
+
+
 def _fake_fp8_attention(calls):
     def attention(q, k, v, *, causal=False, fp8_format=None, out_dtype=None, **kwargs):
-        calls.append(fp8_format)
+        calls.append("prepared" if isinstance(v, _FakePreparedV) else fp8_format)
         shape = q.shape
         return np.full(shape, 0.5 if fp8_format else 0.25, dtype=np.float32).astype(ml_dtypes.bfloat16)
     return attention
@@ -298,15 +303,19 @@ def test_bench_fp8_config_times_fp8_beside_bf16(monkeypatch):
     import cuflash
     calls = []
     monkeypatch.setattr(cuflash, "attention", _fake_fp8_attention(calls))
+    monkeypatch.setattr(cuflash, "prepare_v", _FakePreparedV)
     monkeypatch.setattr(bench, "random_inputs", lambda shape, tag, seed=0: tuple(
         np.random.default_rng(seed + i).standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
         for i in range(3)))
+    timed = []
+    ms = {"e4m3": 1.0, None: 1.5, "prepared": 0.75}   # the FP8 call, the bf16 one, FP8 on a prepared V
 
-    def fake_timer(fn, reps=30, warmup=3, flush_l2=True):   # the FP8 call takes 1 ms, the bf16 one 1.5 ms
+    def fake_times(fn, reps=30, warmup=3, flush_l2=True):
         fn()
-        return 1.0 if calls[-1] == "e4m3" else 1.5
+        timed.append((calls[-1], reps, warmup))
+        return [ms[calls[-1]]] * reps
 
-    monkeypatch.setattr(bench, "cuda_event_median_ms", fake_timer)
+    monkeypatch.setattr(bench, "cuda_event_times_ms", fake_times)
     monkeypatch.setattr(bench, "_free_device_memory", lambda: None)
     config = bench.paper_grid(head_dims=(128,), seqlens=(1024,), causal=(True,), dtype="fp8")[0]
     result = bench.bench_config(config, arch="sm90a", reps=2, fp8_format="e4m3")
@@ -318,6 +327,12 @@ def test_bench_fp8_config_times_fp8_beside_bf16(monkeypatch):
     peer = result["peers"]["cuflash-bf16"]
     assert peer["tflops"] == pytest.approx(flops / 1.5 / 1e9) and peer["ratio"] == pytest.approx(1.5)
     assert peer["max_abs_diff"] == pytest.approx(0.25)
+    prepared = result["peers"]["cuflash-fp8-prepared-v"]
+    assert prepared["tflops"] == pytest.approx(flops / 0.75 / 1e9) and prepared["ratio"] == pytest.approx(2.0)
+    assert prepared["max_abs_diff"] == 0 and prepared["error"] is None
+    # Interleaved: 2 repetitions over 2 rounds of 1, the first round warming up as before, the second once.
+    assert timed == [("e4m3", 1, 3), (None, 1, 3), ("prepared", 1, 3), ("e4m3", 1, 1), (None, 1, 1),
+                     ("prepared", 1, 1)]
     line = bench.format_line(result)
     assert line.startswith("fwd fp8 e4m3 hd128 causal N=1024 b=16 h=16: 1.000 ms")
     assert "| cuflash-bf16 " in line and "(1.50x)" in line
@@ -326,6 +341,7 @@ def test_bench_fp8_config_times_fp8_beside_bf16(monkeypatch):
     assert "**fwd fp8 head_dim=128 causal** (TFLOP/s, Test GPU; FP8 e4m3 inputs quantized per tensor" in tables
     assert "| cuflash FP8 e4m3 |" in tables and "| cuflash bf16 |" in tables
     assert "| FP8 / bf16 (cuflash) | 1.50x |" in tables
+    assert "| FP8, V from prepare_v / bf16 (cuflash) | 2.00x |" in tables
     import json
     json.dumps(report)
     bwd = bench.bench_config(bench.BenchConfig(128, 1024, True, 16, 16, "fp8", "bwd"), arch="sm90a")
