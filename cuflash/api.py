@@ -6,7 +6,7 @@ import functools
 from . import compile as _compile
 from . import fp8 as _fp8
 from .launch import launch
-from .spec import KernelSpec, default_spec
+from .spec import SHORT_SEQLEN, KernelSpec, default_spec
 from .validate import Problem, aligned_for_async_copy, readable_by_tma, validate, validate_fp8_scales
 
 _arch_of_device: dict[int, str] = {}
@@ -20,14 +20,17 @@ def _arch(device_id: int) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _default(head_dim: int, dtype: str, causal: bool, device_id: int, family, out_dtype=None) -> KernelSpec:
-    return default_spec(head_dim, dtype, causal, _arch(device_id), family, out_dtype)
+def _default(head_dim: int, dtype: str, causal: bool, device_id: int, family, out_dtype, seqlen: int) -> KernelSpec:
+    return default_spec(head_dim, dtype, causal, _arch(device_id), family, out_dtype, seqlen)
 
 
 def select_spec(problem: Problem, family: str | None = None, out_dtype: str | None = None) -> KernelSpec:
     """The specialization cuflash runs for a validated problem on its device (of ``family``, or
-    of the default family there; FP8 inputs: writing ``out_dtype``)."""
-    return _default(problem.head_dim, problem.dtype.tag, problem.causal, problem.device_id, family, out_dtype)
+    of the default family there; FP8 inputs: writing ``out_dtype``; tiles by length class)."""
+    # Lengths past SHORT_SEQLEN all take the long tiles: one cache entry for them.
+    seqlen = min(max(problem.seqlen_q, problem.seqlen_k), SHORT_SEQLEN + 1)
+    return _default(problem.head_dim, problem.dtype.tag, problem.causal, problem.device_id, family, out_dtype,
+                    seqlen)
 
 
 def _check_forced_spec(spec, problem: Problem, out_dtype: str | None = None) -> KernelSpec:

@@ -370,7 +370,7 @@ def _spec_for(config: BenchConfig, arch: str, overrides: dict):
             overrides.pop(key, None)
         spec = default_bwd_spec(config.head_dim, config.dtype, config.causal, arch, deterministic, family)
     else:
-        spec = default_spec(config.head_dim, config.dtype, config.causal, arch, family)
+        spec = default_spec(config.head_dim, config.dtype, config.causal, arch, family, seqlen=config.seqlen)
     return spec.replace(**overrides) if overrides else spec
 
 

@@ -147,7 +147,7 @@ def cmd_info(args) -> int:
         from .spec import default_spec
         arch = env["arch"] if available and env["arch"] else (args.arch or FALLBACK_ARCH)
         try:
-            spec = default_spec(args.head_dim, args.dtype, args.causal, args.arch or arch)
+            spec = default_spec(args.head_dim, args.dtype, args.causal, args.arch or arch, seqlen=args.seqlen)
         except ValueError as exc:
             print(f"cuflash info: error: {exc}", file=sys.stderr)
             return 2
@@ -225,16 +225,16 @@ def cmd_warmup(args) -> int:
     if not available:
         return _fail("warmup", f"needs a CUDA GPU to pick the target and fill the cache: {reason}", 1)
     from . import compile as compiler
-    from .spec import default_spec
+    from .spec import CLASS_SEQLENS, default_spec
     arch = compiler.device_arch()
     try:
-        specs = [default_spec(d, t, c, arch)
-                 for t in args.dtypes for d in args.head_dims for c in causal_modes(args.causal)]
+        specs = [default_spec(d, t, c, arch, seqlen=n) for t in args.dtypes for d in args.head_dims
+                 for c in causal_modes(args.causal) for n in CLASS_SEQLENS]
         if args.backward:
             from .spec import default_bwd_spec
             specs += [default_bwd_spec(d, t, c, arch, det) for t in args.dtypes for d in args.head_dims
                       for c in causal_modes(args.causal) for det in (False, True)]
-            specs = list(dict.fromkeys(specs))
+        specs = list(dict.fromkeys(specs))
     except (ValueError, TypeError) as exc:
         return _fail("warmup", str(exc), 2)
     print(f"compiling {len(specs)} kernels for {arch} into {compiler.cache_dir()}")
@@ -267,7 +267,7 @@ def _demo_gpu() -> int:
 
     p = DEMO_PROBLEM
     arch = device_arch()
-    spec = default_spec(p["head_dim"], p["dtype"], p["causal"], arch)
+    spec = default_spec(p["head_dim"], p["dtype"], p["causal"], arch, seqlen=p["seqlen"])
     env = environment()
     print(f"cuflash demo on {env['gpu']} ({arch}): {p['dtype']}, batch {p['batch']}, heads {p['heads']}, "
           f"seqlen {p['seqlen']}, head_dim {p['head_dim']}, {'causal' if p['causal'] else 'non-causal'}")
@@ -327,7 +327,7 @@ def _demo_offline() -> int:
     from .spec import default_spec
 
     p = DEMO_PROBLEM
-    spec = default_spec(p["head_dim"], p["dtype"], p["causal"], FALLBACK_ARCH)
+    spec = default_spec(p["head_dim"], p["dtype"], p["causal"], FALLBACK_ARCH, seqlen=p["seqlen"])
     nvrtc = environment()["nvrtc"]
     print(f"1. The demo's kernel, compiled offline for sm_90a with NVRTC {nvrtc}:")
     try:
@@ -389,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--head-dim", type=int, help="also say which kernel (and family) this problem uses")
     info.add_argument("--dtype", default="bf16")
     info.add_argument("--causal", action="store_true")
+    info.add_argument("--seqlen", type=int, help="the longer of the query and key lengths (the Hopper kernel's "
+                                                "tiles depend on it; default: long)")
     info.add_argument("--arch", help=f"target tag (default: this GPU's, else {FALLBACK_ARCH})")
     info.set_defaults(handler=cmd_info)
 

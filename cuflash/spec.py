@@ -401,8 +401,19 @@ SIMT_DEFAULTS = (
 #: warp-specialized schedule (a TMA producer warpgroup and block_m/64 ping-pong consumer
 #: warpgroups of 64 query rows; 3 consumers at head dim 64, where the softmax outweighs the
 #: matrix products). Timed on the H200 (README); ``python -m cuflash tune --family wgmma`` writes
-#: measured choices per (head_dim, causal) to tuned_defaults.WGMMA_TABLE, which takes precedence.
+#: measured choices per (head_dim, causal, length class) to tuned_defaults.WGMMA_TABLE, which
+#: takes precedence.
 WGMMA_DEFAULTS = {64: (192, 128, 2), 96: (128, 128, 2), 128: (128, 128, 2), 192: (128, 96, 2), 256: (128, 80, 2)}
+
+#: The Hopper kernel's tiles may differ for short sequences, where the causal diagonal and each
+#: tile's fixed costs weigh more: a problem whose longer sequence (queries or keys) has at most
+#: SHORT_SEQLEN tokens takes the table's "short" entry, any other the "long" one.
+SHORT_SEQLEN = 2048
+
+
+def length_class(seqlen: int | None) -> str:
+    """``"short"`` for at most :data:`SHORT_SEQLEN` tokens, ``"long"`` beyond or when unknown."""
+    return "short" if seqlen is not None and seqlen <= SHORT_SEQLEN else "long"
 
 #: Tiles of the FP8 Hopper kernel: head_dim -> (block_m, block_n, num_stages), same schedule; keys
 #: come in multiples of 64 (V^T is read in boxes of 128 keys, or 64 where block_n needs them),
@@ -423,10 +434,12 @@ def default_family(head_dim: int, dtype: str, arch: str) -> str:
 
 
 def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str | None = None,
-                 out_dtype: str | None = None) -> KernelSpec:
+                 out_dtype: str | None = None, seqlen: int | None = None) -> KernelSpec:
     """The default specialization for a problem. ``family`` (default: :func:`default_family`)
     picks the kernel family; the mma family's tiles come from the tuned table (fastest spill-free
-    candidate, see :mod:`cuflash.tune`), else the first candidate that fits the target. FP8
+    candidate, see :mod:`cuflash.tune`), else the first candidate that fits the target; the
+    Hopper family's from its timed table, by ``seqlen`` (the longer of the problem's query and key
+    lengths; None: long) through :func:`length_class`. FP8
     inputs (``dtype`` "e4m3"/"e5m2", output ``out_dtype``) run the Hopper FP8 kernel where it
     has the head dim (family wgmma), else the portable kernel, which converts the codes on chip
     (family mma, :func:`fp8_portable_spec`)."""
@@ -455,7 +468,7 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
                              f"got head_dim={head_dim}, dtype={entry.tag}, arch={arch}")
         from .tuned_defaults import WGMMA_TABLE  # written by ``python -m cuflash tune --family wgmma``
 
-        bm, bn, stages = WGMMA_TABLE.get((head_dim, causal), WGMMA_DEFAULTS[head_dim])
+        bm, bn, stages = WGMMA_TABLE.get((head_dim, causal, length_class(seqlen)), WGMMA_DEFAULTS[head_dim])
         return KernelSpec(head_dim, entry.tag, causal, bm, bn, 4 + bm // 16, stages, arch, overlap=True,
                           family="wgmma", warp_specialized=True, pingpong=True)
     if (family == "mma") != entry.tensor_core:
@@ -535,17 +548,24 @@ def all_fp8_portable_specs(arch: str, head_dims=FP8_PORTABLE_TEST_HEAD_DIMS, cau
             for c in causal for o in dtypes.FP8_OUT_TAGS]
 
 
+#: One sequence length of each length class (:func:`length_class`).
+CLASS_SEQLENS = (SHORT_SEQLEN, None)
+
+
 def all_default_specs(arch: str, dtype_tags=None, causal=(False, True), family=None) -> list[KernelSpec]:
-    """Every default specialization for a target (of one family, or of the default ones): the set
-    ``warmup`` and the tests compile."""
+    """Every default specialization for a target (of one family, or of the default ones), both
+    length classes: the set ``warmup`` and the tests compile."""
     tags = dtype_tags or list(dtypes.DTYPES)
     if family == "wgmma":
-        return [default_spec(d, t, c, arch, "wgmma") for t in tags if dtypes.DTYPES[t].tensor_core
-                for d in WGMMA_DEFAULTS for c in causal]
-    if family is not None:
-        return [default_spec(d, t, c, arch, family) for t in tags
-                if (family == "mma") == dtypes.DTYPES[t].tensor_core for d in HEAD_DIMS for c in causal]
-    return [default_spec(d, t, c, arch) for t in tags for d in HEAD_DIMS for c in causal]
+        specs = [default_spec(d, t, c, arch, "wgmma", seqlen=n) for t in tags if dtypes.DTYPES[t].tensor_core
+                 for d in WGMMA_DEFAULTS for c in causal for n in CLASS_SEQLENS]
+    elif family is not None:
+        specs = [default_spec(d, t, c, arch, family) for t in tags
+                 if (family == "mma") == dtypes.DTYPES[t].tensor_core for d in HEAD_DIMS for c in causal]
+    else:
+        specs = [default_spec(d, t, c, arch, seqlen=n) for t in tags for d in HEAD_DIMS for c in causal
+                 for n in CLASS_SEQLENS]
+    return list(dict.fromkeys(specs))
 
 
 # -- backward ----------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ the MMA and convert mnemonics and get the same register allocation, so one entry
 The Hopper family (``--family wgmma``, on an sm_90 GPU): for every head dim of the
 warp-specialized kernel and both masks, every candidate (block_m, block_n, stages) that fits
 and compiles without spills is timed on the benchmark's problems (bf16, 16k tokens, hidden 2048)
-and the fastest, by geometric mean over the sequence lengths, is kept.
+and the fastest, by geometric mean over the sequence lengths of a length class, is kept per
+class: sequences up to ``spec.SHORT_SEQLEN`` ("short") and longer ones ("long").
 
 Both tables live in ``cuflash/tuned_defaults.py``, which :func:`cuflash.spec.default_spec` reads;
 writing one keeps the other.
@@ -73,9 +74,10 @@ def write_table(table: dict | None = None, wgmma_table: dict | None = None, path
         "TABLE, the mma family. Key: (arch, head_dim, causal), for fp16 and bf16 alike. Value:\n"
         "(block_m, block_n, num_warps, num_stages, overlap): the fastest candidate that fits the\n"
         "target and compiles without spills.\n\n"
-        "WGMMA_TABLE, the warp-specialized Hopper kernel (sm90a). Key: (head_dim, causal). Value:\n"
-        "(block_m, block_n, num_stages): the fastest spill-free candidate timed on the GPU; head\n"
-        'dims it lacks take spec.WGMMA_DEFAULTS.\n"""\n'
+        "WGMMA_TABLE, the warp-specialized Hopper kernel (sm90a). Key: (head_dim, causal, length\n"
+        'class: "short" for sequences up to spec.SHORT_SEQLEN, else "long"). Value: (block_m,\n'
+        "block_n, num_stages): the fastest spill-free candidate timed on the GPU; head dims it lacks\n"
+        'take spec.WGMMA_DEFAULTS.\n"""\n'
         f"TABLE = {body}\n\n"
         f"WGMMA_TABLE = {wgmma_body}\n")
 
@@ -98,11 +100,12 @@ WGMMA_CANDIDATES = {
     192: [(128, 96, 2), (128, 112, 2), (128, 64, 3)],
     256: [(128, 80, 2), (128, 64, 2), (128, 48, 3)],
 }
-#: Sequence lengths the Hopper candidates are timed at (the score is their geometric mean), and
-#: the rounds: each round times every candidate once per length, and a candidate's rate at a
-#: length is its median over the rounds. Interleaving matters: the H200's clock moves by up to
-#: ~15% within a run, so candidates timed one after the other were ranked by when they ran.
-TUNE_SEQLENS = (1024, 4096, 16384)
+#: Sequence lengths the Hopper candidates are timed at, per length class (a class's score is the
+#: geometric mean over its lengths), and the rounds: each round times every candidate once per
+#: length, and a candidate's rate at a length is its median over the rounds. Interleaving
+#: matters: the H200's clock moves by up to ~15% within a run, so candidates timed one after the
+#: other were ranked by when they ran.
+TUNE_SEQLENS = {"short": (1024, 2048), "long": (4096, 16384)}
 TUNE_ROUNDS = 5
 
 
@@ -146,30 +149,30 @@ def _tflops(spec: KernelSpec, seqlen: int, reps: int) -> float:
 
 def tune_wgmma(head_dims, processes: int, reps: int = 10, timer=_tflops, spill_free=_spill_free,
                warm=None, log=print, rounds: int = TUNE_ROUNDS) -> dict:
-    """Time every candidate in interleaved rounds; return {(head_dim, causal): (block_m, block_n,
-    num_stages)}."""
+    """Time every candidate in interleaved rounds; return {(head_dim, causal, length class):
+    (block_m, block_n, num_stages)}."""
     specs = {(d, c): [s for s in wgmma_candidates(d, c) if spill_free(s)]
              for d in head_dims for c in (False, True)}
     if warm is None:
         from .compile import warmup
         warm = lambda all_specs: warmup(all_specs, processes=processes, progress=False)  # noqa: E731
     warm([s for row in specs.values() for s in row])
+    lengths = [n for group in TUNE_SEQLENS.values() for n in group]
     table = {}
     for key, row in specs.items():
-        samples = {(spec, n): [] for spec in row for n in TUNE_SEQLENS}
+        samples = {(spec, n): [] for spec in row for n in lengths}
         for _ in range(rounds):
-            for n in TUNE_SEQLENS:
+            for n in lengths:
                 for spec in row:
                     samples[spec, n].append(timer(spec, n, reps))
-        scores = {}
+        rate = {(spec, n): statistics.median(samples[spec, n]) for spec in row for n in lengths}
         for spec in row:
-            rates = [statistics.median(samples[spec, n]) for n in TUNE_SEQLENS]
-            scores[spec] = math.exp(sum(math.log(r) for r in rates) / len(rates))
             log(f"hd{key[0]} {'causal' if key[1] else 'full'} m{spec.block_m}n{spec.block_n}s{spec.num_stages}: "
-                + " ".join(f"{n}={r:.1f}" for n, r in zip(TUNE_SEQLENS, rates)) + " TFLOP/s")
-        if scores:
-            best = max(scores, key=scores.get)
-            table[key] = (best.block_m, best.block_n, best.num_stages)
+                + " ".join(f"{n}={rate[spec, n]:.1f}" for n in lengths) + " TFLOP/s")
+        for length, group in TUNE_SEQLENS.items():
+            if row:
+                best = max(row, key=lambda spec: sum(math.log(rate[spec, n]) for n in group))
+                table[(*key, length)] = (best.block_m, best.block_n, best.num_stages)
     return table
 
 

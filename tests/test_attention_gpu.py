@@ -19,14 +19,14 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 
 
-def run_and_check(problem: AttentionProblem, poison, seed=None):
+def run_and_check(problem: AttentionProblem, poison, seed=None, spec=None):
     q, k, v = problem.make_inputs(cupy, seed=seed)
     q_shape, _ = problem.shapes()
     out_bytes = math.prod(q_shape) * problem.numpy_dtype.itemsize
     lse_bytes = problem.batch * problem.heads * problem.seqlen_q * 4
     poison(out_bytes, lse_bytes)
     out, lse = cuflash.attention(q, k, v, causal=problem.causal, scale=problem.scale,
-                                 return_lse=True, layout=problem.layout)
+                                 return_lse=True, layout=problem.layout, spec=spec)
     assert out.dtype == q.dtype and out.shape == q_shape
     assert lse.dtype == cupy.float32 and lse.shape == (problem.batch, problem.heads, problem.seqlen_q)
     ref, ref_lse = problem.reference(q, k, v)
@@ -272,6 +272,28 @@ def test_both_tensor_core_families(family, head_dim, dtype, causal, warm_kernels
         ref, ref_lse = problem.reference(q, k, v)
         base, _ = problem.naive(q, k, v)
         assert_attention_close(out, ref, dtype, baseline=base, lse=lse, ref_lse=ref_lse)
+
+
+def test_hopper_defaults_of_both_length_classes(poison):
+    """Every default Hopper kernel, short and long sequences' tiles alike, on small problems
+    (forced), and the dispatch: a problem past SHORT_SEQLEN runs the long class's kernel."""
+    if not _hopper():
+        pytest.skip("the wgmma family needs sm_90a")
+    from cuflash.spec import SHORT_SEQLEN, all_default_specs, default_spec
+
+    specs = all_default_specs("sm90a", ["fp16", "bf16"], family="wgmma")
+    cuflash.warmup(specs, progress=False)
+    for spec in specs:
+        for sq, sk, layout in ((113, 239, "bhsd"), (239, 113, "bshd")):
+            problem = AttentionProblem(batch=2, heads=4, heads_k=2, seqlen_q=sq, seqlen_k=sk, head_dim=spec.head_dim,
+                                       dtype=spec.dtype, causal=spec.causal, layout=layout)
+            run_and_check(problem, poison, spec=spec)
+    problem = AttentionProblem(batch=1, heads=2, heads_k=1, seqlen_q=100, seqlen_k=SHORT_SEQLEN + 50, head_dim=64,
+                               dtype="bf16", causal=True)
+    q, k, v = problem.make_inputs(cupy)
+    chosen = cuflash.select_spec(cuflash.validate.validate(q, k, v, causal=True, scale=None, layout="bhsd"))
+    assert chosen == default_spec(64, "bf16", True, "sm90a", seqlen=SHORT_SEQLEN + 1)
+    run_and_check(problem, poison)
 
 
 def test_hopper_work_tiles_counted_per_stream():
