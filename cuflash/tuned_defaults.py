@@ -267,7 +267,7 @@ TABLE = {('sm80', 8, False): (128, 64, 4, 3, True),
  ('sm90a', 256, True): (128, 32, 8, 3, True)}
 
 WGMMA_TABLE = {(64, False, 'long'): (192, 128, 2),
- (64, False, 'short'): (192, 128, 2),
+ (64, False, 'short'): (192, 128, 3),
  (64, True, 'long'): (192, 128, 2),
  (64, True, 'short'): (128, 128, 4),
  (96, False, 'long'): (128, 128, 2),
