@@ -137,12 +137,15 @@ def first_call_seconds(fn):
 
 def cuda_event_times_ms(fn, reps: int = 30, warmup: int = 3, flush_l2: bool = True) -> list[float]:
     """Milliseconds of each of ``reps`` calls of ``fn()`` on CuPy's current stream, one event pair
-    per repetition."""
+    per repetition. The warm-up calls run right before the timed ones, with no synchronization
+    between: their GPU work keeps the GPU busy while the host prepares the first timed call, so
+    no repetition times the host's launch latency (a call of cuflash spends tens of µs in Python
+    before its kernel starts; after a synchronization the GPU would wait for it, inside the
+    events)."""
     import cupy
-    for _ in range(warmup):
-        fn()
     scratch = cupy.empty(_L2_FLUSH_BYTES, dtype=cupy.uint8) if flush_l2 else None
-    _synchronize_all()
+    for _ in range(max(warmup, 1)):
+        fn()
     pairs = []
     for _ in range(reps):
         if scratch is not None:
@@ -164,13 +167,12 @@ def cuda_event_median_ms(fn, reps: int = 30, warmup: int = 3, flush_l2: bool = T
 
 def torch_event_times_ms(fn, reps: int = 30, warmup: int = 3, flush_l2: bool = True) -> list[float]:
     """Milliseconds of each of ``reps`` calls of ``fn()`` on torch's current stream, one event pair
-    per repetition."""
+    per repetition; warm-up as in :func:`cuda_event_times_ms`."""
     import torch
     _synchronize_all()
-    for _ in range(warmup):
-        fn()
     scratch = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda") if flush_l2 else None
-    _synchronize_all()
+    for _ in range(max(warmup, 1)):
+        fn()
     pairs = []
     for _ in range(reps):
         if scratch is not None:
