@@ -46,6 +46,34 @@ __device__ __forceinline__ void store_from_float(void* base, long long idx, floa
     }
 }
 
+// Where the rows of one query tile (from row m0 of a query head) start: its Q and dO rows, and
+// its index in the per-row arrays (lse2, delta, the dQ accumulator).
+struct QueryRows {
+    const unsigned short* q;
+    const unsigned short* dout;
+    long long row;  // (batch * heads + head) * rows_padded + m0
+};
+
+template <class Params>
+__device__ __forceinline__ QueryRows query_rows(const Params& p, int batch, int head, int m0) {
+    QueryRows r;
+    r.q = static_cast<const unsigned short*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride
+          + m0 * p.q_row_stride;
+    r.dout = static_cast<const unsigned short*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride
+             + m0 * p.do_row_stride;
+    r.row = (static_cast<long long>(batch) * p.heads + head) * p.rows_padded + m0;
+    return r;
+}
+
+// Does the (query tile from m0, key tile from n0) pair need the mask: a sequence tail, or keys
+// past the causal diagonal? Only those tiles test their elements (recompute_probs).
+template <int kBN, bool kCausal>
+__device__ __forceinline__ bool tile_needs_mask(int m0, int n0, int seqlen_k, int causal_offset) {
+    const bool tail = n0 + kBN > seqlen_k;
+    if constexpr (kCausal) return tail || n0 + kBN - 1 > m0 + causal_offset;
+    return tail;
+}
+
 // What one block of a K/V-outer kernel works on: a key tile of kBN rows of one kv head, and
 // every query tile of kBM rows that can see one of its keys, for each query head of the group.
 struct DkdvWork {
@@ -53,6 +81,14 @@ struct DkdvWork {
     int m_begin;    // first query row that sees a key of the tile (rounded down to a tile)
     int m_tiles;    // query tiles per query head
     int steps;      // m_tiles * query heads per kv head
+
+    // Step t's query head and first row. Query tiles come from the last to the first, head by
+    // head of the group: every block of a head starts on the same tile and moves in step with
+    // the others, so they share the tile's Q, dO and dQ lines in L2 (with a causal mask too; the
+    // diagonal tiles, which need masking, come last).
+    __device__ __forceinline__ int step_head(int group, int t) const { return head_k * group + t / m_tiles; }
+    template <int kBM>
+    __device__ __forceinline__ int step_m0(int t) const { return m_begin + (m_tiles - 1 - t % m_tiles) * kBM; }
 };
 
 // Heads (kv head, batch pairs) per chunk of a causal K/V-outer grid; see dkdv_work.

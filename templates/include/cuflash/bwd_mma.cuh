@@ -119,23 +119,15 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
     const float* s_lse2_all = reinterpret_cast<const float*>(smem + Cfg::kSmemLse2);
     const float* s_delta_all = reinterpret_cast<const float*>(smem + Cfg::kSmemDelta);
 
-    // Query tiles from the last to the first: every block of a head starts on the same tile and
-    // moves in step with the others, so they share the tile's Q, dO and dQ lines in L2 (with a
-    // causal mask too; the diagonal tiles, which need masking, come last).
-    auto step_head = [&](int t) { return w.head_k * p.group + t / w.m_tiles; };
-    auto step_m0 = [&](int t) { return w.m_begin + (w.m_tiles - 1 - t % w.m_tiles) * kBM; };
+    // Step t's query tile (DkdvWork::step_head / step_m0) into ring slot `slot`.
     auto load_step = [&](int t, int slot) {
-        const int head = step_head(t), m0 = step_m0(t);
-        const unsigned short* q = static_cast<const unsigned short*>(p.q) + w.batch * p.q_batch_stride
-                                  + head * p.q_head_stride + m0 * p.q_row_stride;
-        const unsigned short* dout = static_cast<const unsigned short*>(p.dout) + w.batch * p.do_batch_stride
-                                     + head * p.do_head_stride + m0 * p.do_row_stride;
-        load_tile_async<Cfg, kBM>(sQ + slot * Cfg::kQTileBytes, q, p.q_row_stride, p.seqlen_q - m0, tid);
-        load_tile_async<Cfg, kBM>(sDO + slot * Cfg::kQTileBytes, dout, p.do_row_stride, p.seqlen_q - m0, tid);
-        const long long stats = (static_cast<long long>(w.batch) * p.heads + head) * p.rows_padded + m0;
+        const int m0 = w.step_m0<kBM>(t);
+        const QueryRows rows = query_rows(p, w.batch, w.step_head(p.group, t), m0);
+        load_tile_async<Cfg, kBM>(sQ + slot * Cfg::kQTileBytes, rows.q, p.q_row_stride, p.seqlen_q - m0, tid);
+        load_tile_async<Cfg, kBM>(sDO + slot * Cfg::kQTileBytes, rows.dout, p.do_row_stride, p.seqlen_q - m0, tid);
         load_row_stats_async<kBM, Cfg::kWarps * 32>(base + Cfg::kSmemLse2 + slot * kBM * 4,
                                                     base + Cfg::kSmemDelta + slot * kBM * 4,
-                                                    p.lse2 + stats, p.delta + stats, tid);
+                                                    p.lse2 + rows.row, p.delta + rows.row, tid);
     };
     // A warp's packed fragments -> its part of a [query][key] tile.
     auto store_scores = [&](u32 tile, const u32 (&f)[kSMT][kSNT][2]) {
@@ -168,7 +160,7 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
         cp_async_commit();
 
         const int slot = t % Cfg::kStages;
-        const int head = step_head(t), m0 = step_m0(t);
+        const int head = w.step_head(p.group, t), m0 = w.step_m0<kBM>(t);
         const u32 sQs = sQ + slot * Cfg::kQTileBytes, sDOs = sDO + slot * Cfg::kQTileBytes;
         const float* s_lse2 = s_lse2_all + slot * kBM + s_row0;
         const float* s_delta = s_delta_all + slot * kBM + s_row0;
@@ -180,8 +172,7 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
             zero_fragments(sc);
             warp_gemm_nt<kBF16, kSMT, kSNT, kD, kP, kP>(sc, sQs + s_row0 * kP, sK + s_col0 * kP, lane);
             const int key0 = w.n0 + s_col0, query0 = m0 + s_row0;
-            bool masked = w.n0 + kBN > p.seqlen_k;
-            if constexpr (Cfg::kCausal) masked = masked || w.n0 + kBN - 1 > m0 + w.causal_offset;
+            const bool masked = tile_needs_mask<kBN, Cfg::kCausal>(m0, w.n0, p.seqlen_k, w.causal_offset);
             auto allowed = [&](int row, int col) {
                 const int key = key0 + col;
                 return key < p.seqlen_k && (!Cfg::kCausal || key <= query0 + row + w.causal_offset);
@@ -320,17 +311,13 @@ __device__ __forceinline__ void bwd_dq_mma(const typename Cfg::Params& p) {
 
     const u32 base = smem_addr(smem);
     const u32 sQ = base + Cfg::kSmemQ, sDO = base + Cfg::kSmemDO, sK = base + Cfg::kSmemK, sV = base + Cfg::kSmemV;
-    const unsigned short* q = static_cast<const unsigned short*>(p.q) + batch * p.q_batch_stride
-                              + head * p.q_head_stride + m0 * p.q_row_stride;
-    const unsigned short* dout = static_cast<const unsigned short*>(p.dout) + batch * p.do_batch_stride
-                                 + head * p.do_head_stride + m0 * p.do_row_stride;
+    const QueryRows rows = query_rows(p, batch, head, m0);
     const unsigned short* k = static_cast<const unsigned short*>(p.k) + batch * p.k_batch_stride + head_k * p.k_head_stride;
     const unsigned short* v = static_cast<const unsigned short*>(p.v) + batch * p.v_batch_stride + head_k * p.v_head_stride;
-    const long long stats = (static_cast<long long>(batch) * p.heads + head) * p.rows_padded + m0;
-    load_tile_async<Cfg, kBM>(sQ, q, p.q_row_stride, p.seqlen_q - m0, tid);
-    load_tile_async<Cfg, kBM>(sDO, dout, p.do_row_stride, p.seqlen_q - m0, tid);
+    load_tile_async<Cfg, kBM>(sQ, rows.q, p.q_row_stride, p.seqlen_q - m0, tid);
+    load_tile_async<Cfg, kBM>(sDO, rows.dout, p.do_row_stride, p.seqlen_q - m0, tid);
     load_row_stats_async<kBM, Cfg::kWarps * 32>(base + Cfg::kSmemLse2, base + Cfg::kSmemDelta,
-                                                p.lse2 + stats, p.delta + stats, tid);
+                                                p.lse2 + rows.row, p.delta + rows.row, tid);
     cp_async_commit();
     auto load_kv = [&](int tile, int slot) {
         const int n0 = tile * kBN;
@@ -359,8 +346,7 @@ __device__ __forceinline__ void bwd_dq_mma(const typename Cfg::Params& p) {
         float s[kST][4];
         zero_fragments(s);
         warp_gemm_nt<kBF16, kD, kST, kP, kP>(s, sQ + row0 * kP, sKs, lane);
-        bool masked = n0 + kBN > p.seqlen_k;
-        if constexpr (Cfg::kCausal) masked = masked || n0 + kBN - 1 > m0 + causal_offset;
+        const bool masked = tile_needs_mask<kBN, Cfg::kCausal>(m0, n0, p.seqlen_k, causal_offset);
         auto allowed = [&](int row, int col) {
             const int key = n0 + col;
             return key < p.seqlen_k && (!Cfg::kCausal || key <= m0 + row0 + row + causal_offset);

@@ -67,24 +67,17 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
     copy_rows_async<kBN, Cfg::kChunksPerRow, kThreads>(kv_layout, sV, v, p.v_row_stride, p.seqlen_k - w.n0, tid);
     cp_async_commit();
 
-    // Query tiles from the last to the first, so that the blocks of a head move in step (see
-    // bwd_mma.cuh).
-    auto step_head = [&](int t) { return w.head_k * p.group + t / w.m_tiles; };
-    auto step_m0 = [&](int t) { return w.m_begin + (w.m_tiles - 1 - t % w.m_tiles) * kBM; };
+    // Step t's query tile (DkdvWork::step_head / step_m0) into ring slot `slot`.
     auto load_step = [&](int t, int slot) {
-        const int head = step_head(t), m0 = step_m0(t);
-        const unsigned short* q = static_cast<const unsigned short*>(p.q) + w.batch * p.q_batch_stride
-                                  + head * p.q_head_stride + m0 * p.q_row_stride;
-        const unsigned short* dout = static_cast<const unsigned short*>(p.dout) + w.batch * p.do_batch_stride
-                                     + head * p.do_head_stride + m0 * p.do_row_stride;
-        copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads>(q_layout, sQ + slot * Cfg::kQTileBytes, q,
+        const int m0 = w.step_m0<kBM>(t);
+        const QueryRows rows = query_rows(p, w.batch, w.step_head(p.group, t), m0);
+        copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads>(q_layout, sQ + slot * Cfg::kQTileBytes, rows.q,
                                                            p.q_row_stride, p.seqlen_q - m0, tid);
-        copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads>(q_layout, sDO + slot * Cfg::kQTileBytes, dout,
+        copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads>(q_layout, sDO + slot * Cfg::kQTileBytes, rows.dout,
                                                            p.do_row_stride, p.seqlen_q - m0, tid);
-        const long long stats = (static_cast<long long>(w.batch) * p.heads + head) * p.rows_padded + m0;
         load_row_stats_async<kBM, kThreads>(base + Cfg::kSmemLse2 + slot * kBM * 4,
                                             base + Cfg::kSmemDelta + slot * kBM * 4,
-                                            p.lse2 + stats, p.delta + stats, tid);
+                                            p.lse2 + rows.row, p.delta + rows.row, tid);
     };
 
     float acc_dk[kGT][4], acc_dv[kGT][4];
@@ -105,14 +98,13 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
         cp_async_commit();
 
         const int slot = t % Cfg::kStages;
-        const int head = step_head(t), m0 = step_m0(t);
+        const int head = w.step_head(p.group, t), m0 = w.step_m0<kBM>(t);
         const u32 sQs = sQ + slot * Cfg::kQTileBytes, sDOs = sDO + slot * Cfg::kQTileBytes;
         const float* s_lse2 = s_lse2_all + slot * kBM;
         const float* s_delta = s_delta_all + slot * kBM;
 
         const int key0 = w.n0 + key_row0;
-        bool masked = w.n0 + kBN > p.seqlen_k;
-        if constexpr (Cfg::kCausal) masked = masked || w.n0 + kBN - 1 > m0 + w.causal_offset;
+        const bool masked = tile_needs_mask<kBN, Cfg::kCausal>(m0, w.n0, p.seqlen_k, w.causal_offset);
         auto allowed = [&](int row, int col) {
             const int key = key0 + row;
             return key < p.seqlen_k && (!Cfg::kCausal || key <= m0 + col + w.causal_offset);
