@@ -268,8 +268,9 @@ class KernelSpec:
     @functools.cached_property
     def tma_store(self) -> bool:
         """The warp-specialized kernel writes O through shared memory with TMA stores where the
-        staging tile fits beside Q and the K/V ring and the registers allow it (two consumer
-        warpgroups, output rows of at most 128 columns: elsewhere the epilogue spills); elsewhere
+        staging tile fits beside Q and the K/V ring, with two consumer warpgroups (with three the
+        epilogue spills 64 bytes) and output rows of at most 128 columns (head dims 192 and 256
+        leave no room for the tile at their tuned tiles, and wider rows are untested); elsewhere
         each thread stores its fragments."""
         if not self.warp_specialized or self.arch not in SMEM_LIMIT:
             return False
