@@ -95,6 +95,8 @@ def test_hopper_backward_compiles_without_spills(head_dim, dtype, causal, determ
     assert spec.family == "wgmma"
     report = compile_offline(spec)
     assert not report.spills, f"{spec.name}: {report.log}"
+    # ptxas says so when it serializes every wgmma of a kernel (an accumulator touched in flight)
+    assert "Potential Performance Loss" not in report.log, f"{spec.name}: {report.log}"
 
 
 def _problem(rng, dtype, b=1, h=2, hk=1, sq=37, sk=50, d=16):

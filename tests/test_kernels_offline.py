@@ -103,12 +103,19 @@ def test_nvrtc_compiles_without_spills(head_dim, dtype, causal, arch):
     assert len(report.cubin) > 0
 
 
+def assert_wgmma_not_serialized(report) -> None:
+    """ptxas serializes every wgmma of a kernel when it cannot prove that an accumulator is left
+    alone while a product runs (and says so: "Potential Performance Loss")."""
+    assert "Potential Performance Loss" not in report.log, f"{report.spec.name}: {report.log}"
+
+
 @pytest.mark.parametrize("spec", [s for s in __import__("cuflash").spec.all_default_specs("sm90a", family="wgmma")],
                          ids=lambda s: s.name)
 def test_wgmma_specs_compile_without_spills(spec):
     pytest.importorskip("cupy")
     report = compile_offline(spec)
     assert not report.spills, f"{spec.name}: {report.log}"
+    assert_wgmma_not_serialized(report)
 
 
 @pytest.mark.parametrize("spec", __import__("cuflash").spec.all_fp8_specs("sm90a"), ids=lambda s: s.name)
@@ -119,6 +126,7 @@ def test_fp8_specs_compile_without_spills(spec):
     report = compile_offline(spec)
     allowed = 4 if spec.head_dim == 256 else 0
     assert report.spill_stores <= allowed and report.spill_loads <= allowed, f"{spec.name}: {report.log}"
+    assert_wgmma_not_serialized(report)
 
 
 def test_fp8_specs_and_their_limits():
