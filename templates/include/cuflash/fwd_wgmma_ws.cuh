@@ -3,10 +3,12 @@
 //
 // Work tiles (query tile of 64 rows per consumer, head, batch) are handed out at run time: the
 // producer takes the next one from a global counter (p.tile_counter) whenever it can load a new
-// Q and passes its number on through shared memory, in the order a one-tile-per-block grid would run them, until none are left. The grid may
-// hold one block per tile, or fewer (persistent): then a block walks several tiles, and the
-// producer loads the next tile's Q and first K/V tiles while the consumers finish the last one
-// and store it; tiles of unequal (causal) work balance themselves.
+// Q, in the order a one-tile-per-block grid would run them, until none are left, and passes its
+// number on beside Q: both are guarded by the same mbarriers, so each consumer goes on to the
+// next tile on its own, without waiting for the others. The grid may hold one block per tile,
+// or fewer (persistent): then a block walks several tiles, and the producer loads the next
+// tile's Q and first K/V tiles while the consumers finish the last one and store it; tiles of
+// unequal (causal) work balance themselves.
 //
 // Roles:
 //  - warpgroup 0, the producer, gives most of its registers away (setmaxnreg); in its first
@@ -17,7 +19,9 @@
 //  - warpgroups 1.. (2 or 3), the consumers, own 64 query rows each. Per key tile i they issue
 //    S_i = Q K_i^T and O += P_{i-1} V_{i-1} together (the next tile's scores go to the tensor
 //    cores before this tile's softmax), then run the softmax of S_i while the matrix products
-//    run; K_i is released once S_i is done, V_{i-1} once its product is.
+//    run; K_i is released once S_i is done, V_{i-1} once its product is. A consumer whose rows
+//    all lie past seqlen_q (the last query tile of a head, when seqlen_q is not a multiple of
+//    kBlockM) computes nothing: it only keeps its place in the barriers.
 //  - With kPingPong the consumers issue their matrix products in turn, round robin, ordered by
 //    named barriers, so one warpgroup's softmax runs under the others' products.
 //
@@ -59,6 +63,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     constexpr int kStages = Cfg::kStages;
     constexpr int kConsumers = kBM / 64;
     constexpr int kConsumerWarps = 4 * kConsumers;
+    constexpr bool kSkipIdle = Cfg::kHeadDim < 256;
     typedef BlockWork<unsigned short, kBM, kBN, Cfg::kCausal> Work;
 
     extern __shared__ unsigned char smem_raw[];
@@ -69,19 +74,15 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     // mbarriers: q_full and, per ring slot, full_k and full_v: one arrival (the producer's) plus
     // the copies' bytes. q_empty and, per slot, empty_k and empty_v: one arrival per consumer
     // warp. Q is released once a tile's last scores are done, K_i once S_i is, V_i once P_i V_i is.
+    // q_full and q_empty also guard current_tile, the number of the work tile whose Q is loaded
+    // (-1: none left; then q_full completes without bytes), which every consumer reads first.
     const u32 q_full = smem_base + Cfg::kSmemBarriers;
     const u32 q_empty = q_full + 8;
     auto full_k = [&](int slot) { return q_full + 16 + 8 * slot; };
     auto full_v = [&](int slot) { return q_full + 16 + 8 * kStages + 8 * slot; };
     auto empty_k = [&](int slot) { return q_full + 16 + 16 * kStages + 8 * slot; };
     auto empty_v = [&](int slot) { return q_full + 16 + 24 * kStages + 8 * slot; };
-    // The number of the block's next work tile (-1: none left), handed from the producer warp
-    // to the consumers through two named barriers: the producer writes it and arrives on
-    // kTileFull, the consumers sync there, read it and arrive on kTileEmpty, and the producer
-    // syncs there before writing the next one.
     const u32 current_tile = q_full + 16 + 32 * kStages;
-    constexpr int kTileFull = 14, kTileEmpty = 15;  // ids 1..kConsumers take turns (below)
-    constexpr int kTileThreads = 32 + 128 * kConsumers;
 
     const int tid = threadIdx.x;
     const int lane = tid % 32;
@@ -123,17 +124,19 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             int tile = 0;
             if (leader) tile = atomicAdd(p.tile_counter, 1);
             tile = __shfl_sync(0xffffffffu, tile, 0);
-            if (q_count > 0) {
-                mbar_wait(q_empty, (q_count - 1) & 1);              // the consumers are done with Q
-                named_barrier_sync(kTileEmpty, kTileThreads);      // and have read its tile number
-            }
+            if (q_count > 0) mbar_wait(q_empty, (q_count - 1) & 1);  // the consumers are done with Q
             const bool done = tile >= work_tiles;
-            if (leader) st_shared(current_tile, done ? -1 : tile);
-            named_barrier_arrive(kTileFull, kTileThreads);
-            if (done) break;
+            if (done) {
+                if (leader) {
+                    st_shared(current_tile, -1);
+                    mbar_arrive(q_full);
+                }
+                break;
+            }
             const Work work(p, tile, q_tiles);
             const int n_tiles = work.n_tiles;
             if (leader) {
+                st_shared(current_tile, tile);
                 mbar_arrive_expect_tx(q_full, kQBytes);
 #pragma unroll
                 for (int cb = 0; cb < kColBlocks; ++cb)
@@ -205,13 +208,32 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
 
     int ring = 0;
     for (int q_count = 0;; ++q_count) {
-        named_barrier_sync(kTileFull, kTileThreads);
-        const int tile = ld_shared(current_tile);
-        if (tile < 0) break;
-        named_barrier_arrive(kTileEmpty, kTileThreads);
         mbar_wait(q_full, q_count & 1);
+        const int tile = ld_shared(current_tile);
+        __syncwarp();  // every lane has read it before lane 0 may release Q (and the number)
+        if (tile < 0) break;
         const Work work(p, tile, q_tiles);
         const int n_tiles = work.n_tiles;
+        // No row of this consumer exists (not checked at head dim 256, where the extra path
+        // makes ptxas spill; there 64-row tails are rare, as kBlockM is 128).
+        const bool idle = kSkipIdle && work.m0 + group * 64 >= p.seqlen_q;
+        if (idle) {
+            if (n_tiles == 0) release(q_empty);
+            // The same waits, turns and releases as below, without the products: tile i's turn
+            // stands for S_i and P_{i-1} V_{i-1}, the last one for the last P V (none without keys).
+            for (int i = 0; n_tiles > 0 && i <= n_tiles; ++i) {
+                const int c = ring + i;
+                if (i < n_tiles) mbar_wait(full_k(slot_of(c)), phase_of(c));
+                if (i > 0) mbar_wait(full_v(slot_of(c - 1)), phase_of(c - 1));
+                take_turn();
+                pass_turn();
+                if (i < n_tiles) release(empty_k(slot_of(c)));
+                if (i == n_tiles - 1) release(q_empty);
+                if (i > 0) release(empty_v(slot_of(c - 1)));
+            }
+            ring += n_tiles;
+            continue;
+        }
         float acc_s[1][kNT][4];
         float acc_o[1][kOT][4];
         float row_max[1][2], row_sum[1][2], alphas[1][2];
@@ -281,8 +303,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             // (64-column swizzled blocks, Q's layout) and leave as TMA stores, which clip rows past
             // seqlen_q and columns past the head dim. The staging rows are reused once the
             // warpgroup's last stores have read them. One thread of the warpgroup issues the
-            // stores; named barrier 4 + group (1..3 take turns, 14 and 15 hand over tiles) orders
-            // its 128 threads.
+            // stores; named barrier 4 + group (1..3 take turns) orders its 128 threads.
             const bool store_leader = tid % 128 == 0;
             const int store_barrier = 4 + group;
             const u32 sO = smem_base + Cfg::kSmemO;
