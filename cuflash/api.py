@@ -123,7 +123,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             if problem.scale <= 0:
                 q, k, scale = _positive_scale(q, k, problem.scale)
                 problem = checked(q, k, v, scale)
-            if not all(_readable(spec, x, is_v) for x, is_v in ((q, False), (k, False), (v, True))):
+            if not (_readable(spec, q, False) and _readable(spec, k, False) and _readable(spec, v, True)):
                 # A view the kernel's copies cannot read is copied once.
                 q, k, v = (x if _readable(spec, x, is_v) else cupy.ascontiguousarray(x)
                            for x, is_v in ((q, False), (k, False), (v, True)))

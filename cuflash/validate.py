@@ -211,8 +211,8 @@ def aligned_for_async_copy(x, alignment: int = 16) -> bool:
 def readable_by_tma(x) -> bool:
     """The copy engine (TMA) needs what 16-byte copies need, and batch, head and row strides that
     are positive (a broadcast stride of 0 is not), except along extents of 1."""
-    return aligned_for_async_copy(x) and all(extent == 1 or stride > 0
-                                             for extent, stride in zip(x.shape[:3], x.strides[:3]))
+    (b, h, s, _), (sb, sh, ss, _) = x.shape, x.strides
+    return aligned_for_async_copy(x) and (b == 1 or sb > 0) and (h == 1 or sh > 0) and (s == 1 or ss > 0)
 
 
 @dataclass(slots=True)

@@ -327,3 +327,35 @@ def test_tensor_maps_describe_q_k_v_in_kernel_order(monkeypatch):
         (12288, (128, 257, 1, 3), (128 * 2, 16, 257 * 128 * 2), (64, 128), "bf16"),
     ]
     assert tma.forward_maps(spec, problem, q, k, v) is maps and len(calls) == 3
+
+
+def test_output_map_describes_o_and_is_reused_for_the_same_buffer(monkeypatch):
+    """output_map hands the driver O's (head_dim, seqlen_q, heads, batch) extents and byte
+    strides in 64 x 64 boxes of the output dtype; the same buffer and geometry reuse the map, and
+    another address or dtype makes a new one."""
+    from cuflash import dtypes, tma
+    from cuflash.validate import Problem
+
+    calls = []
+
+    def encode(ptr, dims, strides, box, dtype_tag, swizzle=128):
+        calls.append((ptr, dims, strides, box, dtype_tag, swizzle))
+        return bytes([len(calls)]) * tma.MAP_BYTES
+
+    monkeypatch.setattr(tma, "_encode", encode)
+    monkeypatch.setattr(tma, "_output_maps", {})
+    problem = Problem(dtype=dtypes.from_tag("e4m3"), batch=2, heads=4, heads_k=4, seqlen_q=100, seqlen_k=100,
+                      head_dim=96, causal=False, scale=0.1, layout="bhsd", device_id=0,
+                      q_strides=(4 * 100 * 96, 100 * 96, 96), k_strides=(4 * 100 * 96, 100 * 96, 96),
+                      v_strides=(4 * 100 * 96, 100 * 96, 96))
+    out = _View(4096, (2, 4, 100, 96), ())
+    out.itemsize = 2
+    strides = (4 * 100 * 96, 100 * 96, 96)
+    first = tma.output_map(problem, out, strides, "bf16")
+    assert calls == [(4096, (96, 100, 4, 2), (96 * 2, 100 * 96 * 2, 4 * 100 * 96 * 2), (64, 64), "bf16", 128)]
+    assert tma.output_map(problem, out, strides, "bf16") is first and len(calls) == 1
+    tma.output_map(problem, out, strides, "fp16")
+    moved = _View(8192, out.shape, ())
+    moved.itemsize = 2
+    tma.output_map(problem, moved, strides, "bf16")
+    assert [c[0] for c in calls] == [4096, 4096, 8192] and calls[1][4] == "fp16"
