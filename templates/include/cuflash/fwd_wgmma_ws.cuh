@@ -4,8 +4,8 @@
 // Work tiles (query tile of 64 rows per consumer, head, batch) are handed out at run time: the
 // producer takes the next one from a global counter (p.tile_counter) whenever it can load a new
 // Q, in the order a one-tile-per-block grid would run them, until none are left, and passes its
-// number on beside Q: both are guarded by the same mbarriers, so each consumer goes on to the
-// next tile on its own, without waiting for the others. The grid may hold one block per tile,
+// number on to each consumer apart, so that a consumer goes on to the next tile without waiting
+// for the others. The grid may hold one block per tile,
 // or fewer (persistent): then a block walks several tiles, and the producer loads the next
 // tile's Q and first K/V tiles while the consumers finish the last one and store it; tiles of
 // unequal (causal) work balance themselves.
@@ -74,15 +74,19 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     // mbarriers: q_full and, per ring slot, full_k and full_v: one arrival (the producer's) plus
     // the copies' bytes. q_empty and, per slot, empty_k and empty_v: one arrival per consumer
     // warp. Q is released once a tile's last scores are done, K_i once S_i is, V_i once P_i V_i is.
-    // q_full and q_empty also guard current_tile, the number of the work tile whose Q is loaded
-    // (-1: none left; then q_full completes without bytes), which every consumer reads first.
     const u32 q_full = smem_base + Cfg::kSmemBarriers;
     const u32 q_empty = q_full + 8;
     auto full_k = [&](int slot) { return q_full + 16 + 8 * slot; };
     auto full_v = [&](int slot) { return q_full + 16 + 8 * kStages + 8 * slot; };
     auto empty_k = [&](int slot) { return q_full + 16 + 16 * kStages + 8 * slot; };
     auto empty_v = [&](int slot) { return q_full + 16 + 24 * kStages + 8 * slot; };
+    // The number of the block's next work tile (-1: none left), handed from the producer warp
+    // to the consumers through named barriers: the producer writes it and arrives on each
+    // consumer's kTileFull + group; each consumer syncs there (with the producer alone), reads
+    // it and arrives on kTileEmpty, where the producer syncs before writing the next one.
     const u32 current_tile = q_full + 16 + 32 * kStages;
+    constexpr int kTileFull = 7, kTileEmpty = 15;  // 1..3 take turns, 4..6 order the stores (below)
+    constexpr int kTileThreads = 32 + 128 * kConsumers;
 
     const int tid = threadIdx.x;
     const int lane = tid % 32;
@@ -124,19 +128,17 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             int tile = 0;
             if (leader) tile = atomicAdd(p.tile_counter, 1);
             tile = __shfl_sync(0xffffffffu, tile, 0);
-            if (q_count > 0) mbar_wait(q_empty, (q_count - 1) & 1);  // the consumers are done with Q
-            const bool done = tile >= work_tiles;
-            if (done) {
-                if (leader) {
-                    st_shared(current_tile, -1);
-                    mbar_arrive(q_full);
-                }
-                break;
+            if (q_count > 0) {
+                mbar_wait(q_empty, (q_count - 1) & 1);              // the consumers are done with Q
+                named_barrier_sync(kTileEmpty, kTileThreads);      // and have read its tile number
             }
+            const bool done = tile >= work_tiles;
+            if (leader) st_shared(current_tile, done ? -1 : tile);
+            for (int g = 0; g < kConsumers; ++g) named_barrier_arrive(kTileFull + g, 32 + 128);
+            if (done) break;
             const Work work(p, tile, q_tiles);
             const int n_tiles = work.n_tiles;
             if (leader) {
-                st_shared(current_tile, tile);
                 mbar_arrive_expect_tx(q_full, kQBytes);
 #pragma unroll
                 for (int cb = 0; cb < kColBlocks; ++cb)
@@ -208,15 +210,18 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
 
     int ring = 0;
     for (int q_count = 0;; ++q_count) {
-        mbar_wait(q_full, q_count & 1);
+        named_barrier_sync(kTileFull + group, 32 + 128);
         const int tile = ld_shared(current_tile);
-        __syncwarp();  // every lane has read it before lane 0 may release Q (and the number)
         if (tile < 0) break;
+        named_barrier_arrive(kTileEmpty, kTileThreads);
+        mbar_wait(q_full, q_count & 1);
         const Work work(p, tile, q_tiles);
         const int n_tiles = work.n_tiles;
         // No row of this consumer exists (not checked at head dim 256, where the extra path
-        // makes ptxas spill; there 64-row tails are rare, as kBlockM is 128).
-        const bool idle = kSkipIdle && work.m0 + group * 64 >= p.seqlen_q;
+        // makes ptxas spill; there 64-row tails are rare, as kBlockM is 128). Taken from lane 0,
+        // so that the compiler sees a warp-uniform branch: otherwise the key loop's descriptor
+        // arithmetic leaves the uniform datapath (24 more instructions per key tile at hd128).
+        const bool idle = kSkipIdle && __shfl_sync(0xffffffffu, work.m0 + group * 64 >= p.seqlen_q, 0);
         if (idle) {
             if (n_tiles == 0) release(q_empty);
             // The same waits, turns and releases as below, without the products: tile i's turn
