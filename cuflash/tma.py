@@ -75,8 +75,8 @@ def forward_maps(spec: KernelSpec, problem: Problem, q, k, v) -> np.ndarray:
     key = (spec.block_m, spec.block_n, problem.dtype.tag, problem.batch, problem.heads, problem.heads_k,
            problem.seqlen_q, problem.seqlen_k, problem.head_dim, problem.q_strides, problem.k_strides,
            problem.v_strides, q.data.ptr, k.data.ptr, v.data.ptr)
-    maps = _forward_maps.get(key)
-    if maps is None:
+
+    def make():
         cols, d = spec.col_block_elems, problem.head_dim
         raw = (_map(q, problem, problem.heads, problem.seqlen_q, problem.q_strides, (cols, spec.block_m), d)
                + _map(k, problem, problem.heads_k, problem.seqlen_k, problem.k_strides, (cols, spec.block_n), d))
@@ -87,11 +87,9 @@ def forward_maps(spec: KernelSpec, problem: Problem, q, k, v) -> np.ndarray:
                         v.shape[3], swizzle=keys)
         else:
             raw += _map(v, problem, problem.heads_k, problem.seqlen_k, problem.v_strides, (cols, spec.block_n), d)
-        maps = np.frombuffer(raw, dtype=_MAPS)
-        if len(_forward_maps) >= 256:
-            _forward_maps.clear()
-        _forward_maps[key] = maps
-    return maps
+        return np.frombuffer(raw, dtype=_MAPS)
+
+    return _cached(_forward_maps, key, make)
 
 
 _forward_maps: dict = {}
@@ -102,14 +100,19 @@ def output_map(problem: Problem, out, out_strides: tuple, out_tag: str) -> np.nd
     in boxes of 64 columns by 64 rows, one consumer warpgroup's rows. The memory pool hands a
     loop's repeated output allocations the same address, so the map is usually reused."""
     key = (out_tag, problem.batch, problem.heads, problem.seqlen_q, problem.head_dim, out_strides, out.data.ptr)
-    out_map = _output_maps.get(key)
-    if out_map is None:
-        raw = _map(out, problem, problem.heads, problem.seqlen_q, out_strides, (64, 64), problem.head_dim, out_tag)
-        out_map = np.frombuffer(raw, dtype=_MAP)
-        if len(_output_maps) >= 256:
-            _output_maps.clear()
-        _output_maps[key] = out_map
-    return out_map
+    return _cached(_output_maps, key, lambda: np.frombuffer(
+        _map(out, problem, problem.heads, problem.seqlen_q, out_strides, (64, 64), problem.head_dim, out_tag),
+        dtype=_MAP))
 
 
 _output_maps: dict = {}
+
+
+def _cached(cache: dict, key, make):
+    """cache[key], made by make() when missing; a cache that reaches 256 entries starts over."""
+    value = cache.get(key)
+    if value is None:
+        if len(cache) >= 256:
+            cache.clear()
+        value = cache[key] = make()
+    return value
