@@ -100,9 +100,17 @@ def _dtype_entry(dtype) -> dtypes.DType:
 
 # -- problems -------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
 class _ProblemGeometry:
-    """What an attention problem's fields (batch, heads, heads_k, seqlen_q, seqlen_k, head_dim,
-    causal, layout, scale) imply, shared by AttentionProblem and Fp8AttentionProblem."""
+    """The sizes both AttentionProblem and Fp8AttentionProblem start with, and what they imply
+    together with the subclasses' causal, layout and scale fields."""
+
+    batch: int
+    heads: int                  # query heads
+    heads_k: int                # key/value heads; divides ``heads``
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
 
     def _geometry_problems(self) -> list[str]:
         """What is wrong with the sizes, the head grouping and the layout (empty when nothing)."""
@@ -145,12 +153,6 @@ class _ProblemGeometry:
 class AttentionProblem(_ProblemGeometry):
     """One attention problem: shapes, dtype, mask, layout and memory layout of the inputs."""
 
-    batch: int
-    heads: int                  # query heads
-    heads_k: int                # key/value heads; divides ``heads``
-    seqlen_q: int
-    seqlen_k: int
-    head_dim: int
     dtype: str                  # tag from cuflash.dtypes ("fp16", "bf16", "fp32")
     causal: bool = False
     layout: str = "bhsd"
@@ -259,12 +261,6 @@ class Fp8AttentionProblem(_ProblemGeometry):
     All three are quantized with :func:`cuflash.fp8.quantize_fp8` at ``granularity``.
     """
 
-    batch: int
-    heads: int
-    heads_k: int
-    seqlen_q: int
-    seqlen_k: int
-    head_dim: int
     fp8_format: str = "e4m3"
     granularity: str = "tensor"  # "tensor" (descale shaped ()) or "head" ((batch, heads))
     out_dtype: str = "bf16"
