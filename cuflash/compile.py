@@ -46,9 +46,15 @@ class CompileError(RuntimeError):
 
 
 def compile_options(spec) -> tuple[str, ...]:
+    return arch_options(spec.arch)
+
+
+def arch_options(arch: str) -> tuple[str, ...]:
+    """NVRTC options of every cuflash kernel for a target tag (``"sm90a"``): C++17, the target,
+    the template headers and their digest (a changed header makes a new cache entry)."""
     return (
         "-std=c++17",
-        f"-arch={nvrtc_arch(spec.arch)}",
+        f"-arch={nvrtc_arch(arch)}",
         f"-I{include_dir()}",
         f"-DCUFLASH_HEADERS_DIGEST=0x{headers_digest()}",
     )

@@ -235,9 +235,7 @@ def v_operand(v, layout: str = "bhsd"):
 def _v_operand_device(v, layout: str):
     import cupy
 
-    from .compile import device_arch
-    from .render import headers_digest, include_dir
-    from .spec import nvrtc_arch
+    from .compile import arch_options, device_arch
 
     vb = v if layout == "bhsd" else v.transpose(0, 2, 1, 3)
     b, h, s, d = vb.shape
@@ -250,9 +248,7 @@ def _v_operand_device(v, layout: str):
     device = vb.data.device_id
     kernel = _V_KERNELS.get(device)
     if kernel is None:
-        options = ("-std=c++17", f"-arch={nvrtc_arch(device_arch(device))}", f"-I{include_dir()}",
-                   f"-DCUFLASH_HEADERS_DIGEST=0x{headers_digest()}")
-        module = cupy.RawModule(code='#include "cuflash/fp8_v.cuh"\n', options=options)
+        module = cupy.RawModule(code='#include "cuflash/fp8_v.cuh"\n', options=arch_options(device_arch(device)))
         kernel = _V_KERNELS[device] = module.get_function("cuflash_fp8_v_operand")
     kernel((-(-padded // 64), -(-d // 64), b * h), (256,),
            (vb, out, np.int32(h), np.int32(s), np.int32(d), np.int32(padded),

@@ -237,15 +237,17 @@ def test_fp8_v_operand_orders_keys_like_the_probability_registers():
 
 
 def test_fp8_v_operand_kernel_compiles():
-    """The device kernel behind fp8.v_operand (NVRTC, no GPU needed)."""
+    """The device kernel behind fp8.v_operand, with the options it is compiled with at run time
+    (NVRTC, no GPU needed)."""
     pytest.importorskip("cupy")
     from cupy.cuda import nvrtc
 
-    from cuflash.render import include_dir
+    from cuflash.compile import arch_options
 
+    options = [o.replace("-arch=", "--gpu-architecture=") for o in arch_options("sm90a")]
     prog = nvrtc.createProgram('#include "cuflash/fp8_v.cuh"\n', "fp8_v.cu", [], [])
     try:
-        nvrtc.compileProgram(prog, ["-std=c++17", "--gpu-architecture=sm_90a", f"-I{include_dir()}"])
+        nvrtc.compileProgram(prog, options)
     except nvrtc.NVRTCError:
         pytest.fail(nvrtc.getProgramLog(prog))
     finally:
