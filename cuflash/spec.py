@@ -89,19 +89,17 @@ class KernelSpec:
         if not self.out_dtype:
             object.__setattr__(self, "out_dtype", "bf16" if self.dtype in dtypes.FP8_DTYPES else self.dtype)
         problems = _problem_fields(self.head_dim, self.dtype, self.arch)
-        if self.dtype in dtypes.FP8_DTYPES and self.family == "mma":  # codes converted to fp16 on chip
+        if self.dtype in dtypes.FP8_DTYPES:
             if self.out_dtype not in dtypes.FP8_OUT_TAGS:
                 problems.append(f"out_dtype={self.out_dtype!r} (FP8 inputs: one of {dtypes.FP8_OUT_TAGS})")
-        elif self.dtype in dtypes.FP8_DTYPES:
-            if self.out_dtype not in dtypes.FP8_OUT_TAGS:
-                problems.append(f"out_dtype={self.out_dtype!r} (FP8 inputs: one of {dtypes.FP8_OUT_TAGS})")
+        if self.dtype in dtypes.FP8_DTYPES and self.family != "mma":  # mma: codes converted to fp16 on chip
             if self.family != "wgmma" or not self.warp_specialized:
                 problems.append(f"FP8 inputs run on the warp-specialized wgmma kernel or the portable mma kernel "
                                 f"(family={self.family!r}, warp_specialized={self.warp_specialized})")
             if self.block_n % 64 or not 64 <= self.block_n <= 256:
                 problems.append(f"block_n={self.block_n} must be a multiple of 64 from 64 to 256 for FP8 "
                                 f"(V^T tiles are read in boxes of 64 or 128 keys)")
-        elif self.out_dtype != self.dtype:
+        if self.dtype not in dtypes.FP8_DTYPES and self.out_dtype != self.dtype:
             problems.append(f"out_dtype={self.out_dtype!r} must equal dtype={self.dtype!r} (only FP8 inputs choose it)")
         if self.num_warps not in (1, 2, 4, 8, 12, 16):
             problems.append(f"num_warps={self.num_warps} (1, 2, 4, 8, 12 or 16)")
