@@ -26,13 +26,14 @@ namespace cuflash {
 // committed; the caller waits.
 template <class Cfg>
 __device__ __forceinline__ void issue_scores(float (&acc)[Cfg::kBlockN / 8][4], u32 q_rows, u32 k_tile) {
+    const u64 q_desc = smem_desc(q_rows, 16, 1024), k_desc = smem_desc(k_tile, 16, 1024);
     wgmma_fence();
 #pragma unroll
     for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)
-            Cfg::wgmma_qk(acc, smem_desc(q_rows + cb * Cfg::kBlockM * 128 + ks * 32, 16, 1024),
-                          smem_desc(k_tile + cb * Cfg::kBlockN * 128 + ks * 32, 16, 1024), cb + ks);
+            Cfg::wgmma_qk(acc, desc_advance(q_desc, cb * Cfg::kBlockM * 128 + ks * 32),
+                          desc_advance(k_desc, cb * Cfg::kBlockN * 128 + ks * 32), cb + ks);
     wgmma_commit();
 }
 
@@ -55,6 +56,7 @@ __device__ __forceinline__ void probs_registers(u32 (&probs)[Cfg::kBlockN / Cfg:
 template <class Cfg>
 __device__ __forceinline__ void issue_pv(float (&acc_o)[Cfg::kHeadDim / 8][4],
                                          const u32 (&probs)[Cfg::kBlockN / Cfg::kPVStep][4], u32 v_tile) {
+    const u64 v_desc = smem_desc(v_tile, Cfg::kVLeadingBytes, Cfg::kVStrideBytes);
     fence_operands(acc_o);
     wgmma_fence();
 #pragma unroll
@@ -62,7 +64,7 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[Cfg::kHeadDim / 8][4],
         if constexpr (Cfg::kFp8)
             Cfg::wgmma_pv(acc_o, probs[kk], fp8_v_desc<Cfg::kVBoxKeys, Cfg::kHeadDim>(v_tile, kk), 1);
         else
-            Cfg::wgmma_pv(acc_o, probs[kk], smem_desc(v_tile + kk * 2048, Cfg::kVLeadingBytes, Cfg::kVStrideBytes), 1);
+            Cfg::wgmma_pv(acc_o, probs[kk], desc_advance(v_desc, kk * 2048), 1);
     }
     wgmma_commit();
 }

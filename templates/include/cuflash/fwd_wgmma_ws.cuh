@@ -186,7 +186,9 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
 
     // ---- consumers ----
     setmaxnreg_inc<Cfg::kComputeRegisters>();
-    const int group = warpgroup - 1;
+    // Taken from lane 0, so that the compiler sees it warp-uniform: the Q descriptors derived
+    // from it then stay on the uniform datapath instead of being moved there for every wgmma.
+    const int group = __shfl_sync(0xffffffffu, warpgroup - 1, 0);
     const int warp_row0 = group * 64 + (warp % 4) * 16;  // first query row of this warp in its tile
     const u32 q_rows = sQ + group * 64 * 128;             // its warpgroup's rows, block 0
 

@@ -31,14 +31,22 @@ __device__ __forceinline__ u64 smem_desc_64b(u32 addr, u32 leading_bytes, u32 st
            | (2ull << 62);
 }
 
+// The descriptor of the tile `bytes` further on in shared memory (a multiple of 16). Only the
+// start address (the low 14 bits, in 16-byte units) moves; it never carries out of them, as
+// the tile stays inside shared memory. One 32-bit add, where a descriptor built anew from the
+// address costs four instructions: loops over k-steps advance one base descriptor.
+__device__ __forceinline__ u64 desc_advance(u64 desc, u32 bytes) {
+    return (desc & 0xFFFFFFFF00000000ull) | (static_cast<u32>(desc) + (bytes >> 4));
+}
+
 // FP8 V^T (K-major B operand of P V): k-step kk (32 keys) of a tile of kHeadDim rows stored as
 // boxes of kBoxKeys keys, each box kHeadDim rows of kBoxKeys bytes swizzled by its width.
 template <int kBoxKeys, int kHeadDim>
 __device__ __forceinline__ u64 fp8_v_desc(u32 v_tile, int kk) {
     constexpr int kStepsPerBox = kBoxKeys / 32;
-    const u32 addr = v_tile + (kk / kStepsPerBox) * kHeadDim * kBoxKeys + (kk % kStepsPerBox) * 32;
-    if constexpr (kBoxKeys == 128) return smem_desc(addr, 16, 1024);
-    else return smem_desc_64b(addr, 16, 512);
+    const u32 offset = (kk / kStepsPerBox) * kHeadDim * kBoxKeys + (kk % kStepsPerBox) * 32;
+    if constexpr (kBoxKeys == 128) return desc_advance(smem_desc(v_tile, 16, 1024), offset);
+    else return desc_advance(smem_desc_64b(v_tile, 16, 512), offset);
 }
 
 // Registers that wgmma reads or accumulates into were written by ordinary instructions.
