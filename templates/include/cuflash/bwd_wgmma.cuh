@@ -111,12 +111,13 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
         };
         // S^T (from K, Q) or dP^T (from V, dO) over the whole head dim, asynchronously.
         auto issue_scores = [&](float (&acc)[kQT][4], u32 a_rows, u32 b_tile) {
+            const u64 a_desc = smem_desc(a_rows, 16, 1024), b_desc = smem_desc(b_tile, 16, 1024);
 #pragma unroll
             for (int cb = 0; cb < kColBlocks; ++cb)
 #pragma unroll
                 for (int ks = 0; ks < 4; ++ks)
-                    Cfg::wgmma_scores(acc, smem_desc(a_rows + cb * kBN * 128 + ks * 32, 16, 1024),
-                                      smem_desc(b_tile + cb * kBM * 128 + ks * 32, 16, 1024), cb + ks);
+                    Cfg::wgmma_scores(acc, desc_advance(a_desc, cb * kBN * 128 + ks * 32),
+                                      desc_advance(b_desc, cb * kBM * 128 + ks * 32), cb + ks);
             wgmma_commit();
         };
         // Packed 16-bit fragments <-> a [key][query] tile in shared memory (swizzled, one column
@@ -183,24 +184,25 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
         if constexpr (!kSplitD) {
             const auto& fp = as_operand(fp_tiles);
             const auto& fds = as_operand(fds_tiles);
+            const u64 do_desc = smem_desc(sDOs, kBM * 128, 1024), q_desc = smem_desc(sQs, kBM * 128, 1024);
 #pragma unroll
             for (int kk = 0; kk < kBM / 16; ++kk)
-                Cfg::wgmma_grad(acc_dv, fp[kk], smem_desc(sDOs + kk * 2048, kBM * 128, 1024), 1);
+                Cfg::wgmma_grad(acc_dv, fp[kk], desc_advance(do_desc, kk * 2048), 1);
 #pragma unroll
             for (int kk = 0; kk < kBM / 16; ++kk)
-                Cfg::wgmma_grad(acc_dk, fds[kk], smem_desc(sQs + kk * 2048, kBM * 128, 1024), 1);
+                Cfg::wgmma_grad(acc_dk, fds[kk], desc_advance(q_desc, kk * 2048), 1);
         } else {
             // P^T and dS^T (keys x queries, K-major) from shared memory; this warpgroup's half of
             // the head dim starts grad_col0 columns into dO and Q.
             const u32 col = (grad_col0 / 64) * kBM * 128 + (grad_col0 % 64) * 2;
+            const u64 p_desc = smem_desc(base + Cfg::kSmemP, 16, 1024), ds_desc = smem_desc(sDS, 16, 1024);
+            const u64 do_desc = smem_desc(sDOs + col, kBM * 128, 1024), q_desc = smem_desc(sQs + col, kBM * 128, 1024);
 #pragma unroll
             for (int kk = 0; kk < kBM / 16; ++kk)
-                Cfg::wgmma_grad_ss(acc_dv, smem_desc(base + Cfg::kSmemP + kk * 32, 16, 1024),
-                                   smem_desc(sDOs + col + kk * 2048, kBM * 128, 1024), 1);
+                Cfg::wgmma_grad_ss(acc_dv, desc_advance(p_desc, kk * 32), desc_advance(do_desc, kk * 2048), 1);
 #pragma unroll
             for (int kk = 0; kk < kBM / 16; ++kk)
-                Cfg::wgmma_grad_ss(acc_dk, smem_desc(sDS + kk * 32, 16, 1024),
-                                   smem_desc(sQs + col + kk * 2048, kBM * 128, 1024), 1);
+                Cfg::wgmma_grad_ss(acc_dk, desc_advance(ds_desc, kk * 32), desc_advance(q_desc, kk * 2048), 1);
         }
         wgmma_commit();
 
@@ -220,11 +222,11 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
                 const int col0 = wg * kQCols + c * kChunkCols;
                 float dq[kChunkCols / 8][4];
                 wgmma_fence();  // the previous chunk's registers were read by ordinary instructions
+                const u64 ds_desc = smem_desc(sDS, kBN * 128, 1024);
+                const u64 k_desc = smem_desc(sK + (col0 / 64) * kBN * 128 + (col0 % 64) * 2, kBN * 128, 1024);
 #pragma unroll
                 for (int kk = 0; kk < kBN / 16; ++kk)
-                    Cfg::wgmma_dq(dq, smem_desc(sDS + kk * 2048, kBN * 128, 1024),
-                                  smem_desc(sK + (col0 / 64) * kBN * 128 + (col0 % 64) * 2 + kk * 2048, kBN * 128, 1024),
-                                  kk);
+                    Cfg::wgmma_dq(dq, desc_advance(ds_desc, kk * 2048), desc_advance(k_desc, kk * 2048), kk);
                 wgmma_commit();
                 wgmma_wait<0>();
                 fence_operands(dq);
