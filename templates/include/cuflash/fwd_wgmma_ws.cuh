@@ -63,7 +63,6 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     constexpr int kStages = Cfg::kStages;
     constexpr int kConsumers = kBM / 64;
     constexpr int kConsumerWarps = 4 * kConsumers;
-    constexpr bool kSkipIdle = Cfg::kHeadDim < 256;
     typedef BlockWork<unsigned short, kBM, kBN, Cfg::kCausal> Work;
 
     extern __shared__ unsigned char smem_raw[];
@@ -219,12 +218,10 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         mbar_wait(q_full, q_count & 1);
         const Work work(p, tile, q_tiles);
         const int n_tiles = work.n_tiles;
-        // No row of this consumer exists (not checked at head dim 256, where the extra path made
-        // ptxas spill before the Q descriptors moved to uniform registers; it no longer does, but
-        // has not been run there; 64-row tails are rare, as kBlockM is 128). Taken from lane 0,
-        // so that the compiler sees a warp-uniform branch: otherwise the key loop's descriptor
-        // arithmetic leaves the uniform datapath (24 more instructions per key tile at hd128).
-        const bool idle = kSkipIdle && __shfl_sync(0xffffffffu, work.m0 + group * 64 >= p.seqlen_q, 0);
+        // No row of this consumer exists. Taken from lane 0, so that the compiler sees a
+        // warp-uniform branch: otherwise the key loop's descriptor arithmetic leaves the uniform
+        // datapath (24 more instructions per key tile at hd128).
+        const bool idle = __shfl_sync(0xffffffffu, work.m0 + group * 64 >= p.seqlen_q, 0);
         if (idle) {
             if (n_tiles == 0) release(q_empty);
             // The same waits, turns and releases as below, without the products: tile i's turn
