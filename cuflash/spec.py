@@ -266,15 +266,15 @@ class KernelSpec:
     @functools.cached_property
     def tma_store(self) -> bool:
         """The warp-specialized kernel writes O through shared memory with TMA stores where the
-        staging tile fits beside Q and the K/V ring, with two consumer warpgroups and output rows
-        of at most 128 columns (head dims 192 and 256 leave no room for the tile at their tuned
-        tiles, and wider rows are untested); elsewhere each thread stores its fragments. Three
-        consumers (head dim 64) keep direct stores: with the tile they spilled 64 bytes before the
-        Q descriptors moved to uniform registers, and now compile without spills non-causal but
-        spill 8 bytes causal; that variant has not been timed."""
+        staging tile fits beside Q and the K/V ring, with two consumer warpgroups or three without
+        a causal mask (three with one spill 8 bytes in the epilogue) and output rows of at most
+        128 columns (head dims 192 and 256 leave no room for the tile at their tuned tiles, and
+        wider rows are untested); elsewhere each thread stores its fragments."""
         if not self.warp_specialized or self.arch not in SMEM_LIMIT:
             return False
-        if self.compute_warpgroups != 2 or self.padded_head_dim > 128:
+        if self.compute_warpgroups == 3 and self.causal:
+            return False
+        if self.compute_warpgroups not in (2, 3) or self.padded_head_dim > 128:
             return False
         return self._smem_bytes(self.o_stage_bytes) <= SMEM_LIMIT[self.arch]
 
