@@ -279,6 +279,15 @@ class KernelSpec:
         return self._smem_bytes(self.o_stage_bytes) <= SMEM_LIMIT[self.arch]
 
     @property
+    def split_keys(self) -> bool:
+        """The warp-specialized kernel can deal its last tiles out by keys (launch.split_plan):
+        without a causal mask, with two consumer warpgroups, and up to head dim 192 for 16-bit
+        inputs (FP8 at every head dim). Merging a piece's output made ptxas spill with three
+        consumers (4 bytes, head dim 64) and at bf16 head dim 256 (12 bytes)."""
+        return (self.warp_specialized and not self.causal and self.compute_warpgroups == 2
+                and (self.padded_head_dim <= 192 or self.fp8))
+
+    @property
     def smem_barriers_offset(self) -> int:
         """wgmma: byte offset of the mbarriers, after Q, the K/V ring and the output tile."""
         return self.smem_o_offset + (self.o_stage_bytes if self.tma_store else 0)
@@ -881,6 +890,9 @@ PARAM_FIELDS = (
     ("q", "const void*", "u8"), ("k", "const void*", "u8"), ("v", "const void*", "u8"),
     ("o", "void*", "u8"), ("lse", "float*", "u8"),
     ("tile_counter", "int*", "u8"),  # warp-specialized kernel: [next work tile, blocks done], zero between launches
+    # warp-specialized kernel, tiles dealt out by keys (launch.split_plan): the pieces' states
+    # and their flags (zero between launches)
+    ("split_ws", "float*", "u8"), ("split_flags", "int*", "u8"),
     # FP8 inputs: descale factors, per tensor (strides 0) or per (batch, head); q's over query
     # heads, k's and v's over key/value heads
     ("q_descale", "const float*", "u8"), ("k_descale", "const float*", "u8"), ("v_descale", "const float*", "u8"),
@@ -893,6 +905,9 @@ PARAM_FIELDS = (
     ("scale_log2", "float", "f4"), ("batch", "int", "i4"),   # softmax scale * log2(e)
     ("q_descale_batch_stride", "int", "i4"), ("q_descale_head_stride", "int", "i4"),
     ("kv_descale_batch_stride", "int", "i4"), ("kv_descale_head_stride", "int", "i4"),
+    # warp-specialized kernel: work counter values below dp_tiles are whole tiles, the next
+    # `shares` values shares of the share_units key tiles of the remaining tiles (block.cuh)
+    ("dp_tiles", "int", "i4"), ("shares", "int", "i4"), ("share_units", "int", "i4"), ("_pad", "int", "i4"),
 )
 
 

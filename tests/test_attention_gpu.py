@@ -338,6 +338,31 @@ def test_hopper_blocks_walking_many_tiles(head_dim, causal, poison):
         assert_attention_close(out, ref, "bf16", baseline=problem.naive(q, k, v)[0], lse=lse, ref_lse=ref_lse)
 
 
+@pytest.mark.parametrize("head_dim,dtype,layout", [(96, "fp16", "bshd"), (128, "bf16", "bhsd"), (192, "bf16", "bshd")])
+def test_hopper_last_tiles_dealt_out_by_keys(head_dim, dtype, layout, poison):
+    """Without a causal mask, tiles that would leave the last wave of blocks part-empty are dealt
+    out by keys (launch.split_plan): shares that end inside a tile leave its state in the
+    workspace, the next share merges it. Every tile, split or not, must match the reference, in
+    two launches one after the other (the flags must be back at zero)."""
+    if not _hopper():
+        pytest.skip("the warp-specialized kernel needs sm_90a")
+    from cuflash.launch import split_plan
+    from cuflash.spec import default_spec
+    from cuflash.validate import validate
+    problem = AttentionProblem(batch=3, heads=100, heads_k=20, seqlen_q=250, seqlen_k=1100, head_dim=head_dim,
+                               dtype=dtype, causal=False, layout=layout)
+    q, k, v = problem.make_inputs(cupy)
+    spec = default_spec(head_dim, dtype, False, "sm90a", seqlen=problem.seqlen_k)
+    plan = split_plan(spec, validate(q, k, v, causal=False, scale=None, layout=layout))
+    assert plan.shares > 0 and plan.share_units % plan.shares != 0  # some shares end inside a tile
+    ref, ref_lse = problem.reference(q, k, v)
+    base = problem.naive(q, k, v)[0]
+    for _ in range(2):
+        poison(math.prod(problem.shapes()[0]) * 2, problem.batch * problem.heads * problem.seqlen_q * 4)
+        out, lse = cuflash.attention(q, k, v, return_lse=True, layout=layout)
+        assert_attention_close(out, ref, dtype, baseline=base, lse=lse, ref_lse=ref_lse)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim,block_n", [(64, 64), (128, 96), (256, 48)])
 @pytest.mark.parametrize("schedule", ["overlap", "warp_specialized", "pingpong"])

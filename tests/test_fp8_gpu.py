@@ -82,6 +82,15 @@ def test_every_kernel(fmt, head_dim, causal, warm_fp8_kernels, poison):
     check_every_kernel(fmt, head_dim, causal, poison)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_last_tiles_dealt_out_by_keys(head_dim, hopper, poison):
+    """Enough tiles without a causal mask that the last ones are dealt out by keys
+    (launch.split_plan), twice in a row."""
+    problem = Fp8AttentionProblem(3, 100, 20, 250, 700, head_dim, "e4m3", "head", "bf16")
+    for _ in range(2):
+        run_and_check(problem, poison)
+
+
 @pytest.mark.parametrize("block_n", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])

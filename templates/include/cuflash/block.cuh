@@ -54,6 +54,49 @@ struct BlockWork {
     }
 };
 
+// What the warp-specialized kernel's blocks take from the work counter. Values below
+// p.dp_tiles are whole work tiles. Without a causal mask, when the tiles would leave the last
+// wave of blocks part-empty, the last tiles are instead dealt out by keys: the next p.shares
+// values are shares of equal length, share s taking key tiles [s U / shares, (s + 1) U / shares)
+// of the U = p.share_units key tiles of the remaining tiles, tile after tile. A share that ends
+// inside a tile leaves that piece's unnormalized output in the workspace (kPartialTile, slot
+// s + 1); the share that starts inside it merges it into its own piece (kMergeTile, slot s) and
+// stores the rows. Each share visits its last piece first and its first piece last, so the piece
+// it merges was written at the start of a share taken earlier: no share waits for one that has
+// not started. Shares are at least one tile long, so a tile has at most two pieces.
+enum : int { kWholeTile = 0, kPartialTile = 1, kMergeTile = 2 };
+
+struct WorkItem {
+    int tile;              // work tile, numbered as BlockWork(p, tile, q_tiles) takes it; -1: none left
+    int t_begin, t_end;    // its key tiles [t_begin, t_end), in the order the kernel visits them
+    int kind, slot;        // kWholeTile, kPartialTile or kMergeTile; the workspace slot of a piece
+
+    // The whole tile (t_end is clamped to its key tiles by the caller).
+    __device__ __forceinline__ static WorkItem whole(int tile) { return {tile, 0, 0x7fffffff, kWholeTile, 0}; }
+
+    // Item `index` of share s, in visiting order; false past its last item.
+    template <class Params>
+    __device__ __forceinline__ bool of_share(const Params& p, int s, int index, int n_kt) {
+        const int begin = static_cast<int>(static_cast<long long>(s) * p.share_units / p.shares);
+        const int end = static_cast<int>(static_cast<long long>(s + 1) * p.share_units / p.shares);
+        const int first_whole = (begin + n_kt - 1) / n_kt, end_whole = end / n_kt;
+        const bool tail_piece = end % n_kt != 0, head_piece = begin % n_kt != 0;
+        if (tail_piece && index-- == 0) {
+            *this = {p.dp_tiles + end / n_kt, 0, end % n_kt, kPartialTile, s + 1};
+            return true;
+        }
+        if (index < end_whole - first_whole) {
+            *this = whole(p.dp_tiles + first_whole + index);
+            return true;
+        }
+        if (head_piece && index == end_whole - first_whole) {
+            *this = {p.dp_tiles + begin / n_kt, begin % n_kt, n_kt, kMergeTile, s};
+            return true;
+        }
+        return false;
+    }
+};
+
 // Copy kRows rows of kChunksPerRow 16-byte chunks with cp.async, thread `tid` of kThreads taking
 // every kThreads-th chunk; smem_offset(row, chunk) places a chunk in the tile. Rows at or past
 // rows_valid are zero-filled. kRolled keeps the loop rolled (for threads short of registers).

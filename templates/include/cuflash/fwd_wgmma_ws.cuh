@@ -8,7 +8,10 @@
 // for the others. The grid may hold one block per tile,
 // or fewer (persistent): then a block walks several tiles, and the producer loads the next
 // tile's Q and first K/V tiles while the consumers finish the last one and store it; tiles of
-// unequal (causal) work balance themselves.
+// unequal (causal) work balance themselves. Without a causal mask, the tiles that would leave
+// the last wave of blocks part-empty are dealt out by keys instead (WorkItem, block.cuh): a
+// block may then visit part of a tile's keys and leave its unnormalized output to the block
+// that visits the rest, which merges the two and stores the rows.
 //
 // Roles:
 //  - warpgroup 0, the producer, gives most of its registers away (setmaxnreg); in its first
@@ -63,6 +66,9 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     constexpr int kStages = Cfg::kStages;
     constexpr int kConsumers = kBM / 64;
     constexpr int kConsumerWarps = 4 * kConsumers;
+    // Tiles may be dealt out by keys (block.cuh): without a causal mask, two consumers, head
+    // dims up to 192 (spec.split_keys).
+    constexpr bool kSplitKeys = Cfg::kSplitKeys;
     typedef BlockWork<unsigned short, kBM, kBN, Cfg::kCausal> Work;
 
     extern __shared__ unsigned char smem_raw[];
@@ -79,11 +85,11 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     auto full_v = [&](int slot) { return q_full + 16 + 8 * kStages + 8 * slot; };
     auto empty_k = [&](int slot) { return q_full + 16 + 16 * kStages + 8 * slot; };
     auto empty_v = [&](int slot) { return q_full + 16 + 24 * kStages + 8 * slot; };
-    // The number of the block's next work tile (-1: none left), handed from the producer warp
+    // The block's next work item (block.cuh; tile -1: none left), handed from the producer warp
     // to the consumers through named barriers: the producer writes it and arrives on each
     // consumer's kTileFull + group; each consumer syncs there (with the producer alone), reads
     // it and arrives on kTileEmpty, where the producer syncs before writing the next one.
-    const u32 current_tile = q_full + 16 + 32 * kStages;
+    const u32 current_item = q_full + 16 + 32 * kStages;
     constexpr int kTileFull = 7, kTileEmpty = 15;  // 1..3 take turns, 4..6 order the stores (below)
     constexpr int kTileThreads = 32 + 128 * kConsumers;
 
@@ -92,7 +98,6 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     const int warp = tid / 32;
     const int warpgroup = warp / 4;
     const int q_tiles = (p.seqlen_q + kBM - 1) / kBM;
-    const int work_tiles = q_tiles * p.heads * p.batch;
 
     if (tid == 0) {
         prefetch_tensor_map(&maps.q);
@@ -123,20 +128,34 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         constexpr u32 kQBytes = kBM * kColBlocks * 128;
         constexpr u32 kTileBytes = kBN * kColBlocks * 128;
         int ring = 0, q_count = 0;
+        int share = -1, share_index = 0;  // the share being dealt out (block.cuh), its next item
+        const int key_tiles = (p.seqlen_k + kBN - 1) / kBN;  // of every tile, when tiles are shared out
         for (;;) {
-            int tile = 0;
-            if (leader) tile = atomicAdd(p.tile_counter, 1);
-            tile = __shfl_sync(0xffffffffu, tile, 0);
+            WorkItem item;
+            if (share < 0 || !item.of_share(p, share, share_index++, key_tiles)) {
+                int value = 0;
+                if (leader) value = atomicAdd(p.tile_counter, 1);
+                value = __shfl_sync(0xffffffffu, value, 0);
+                share = value - p.dp_tiles;
+                share_index = 0;
+                if (share >= 0 && share < p.shares) {
+                    item.of_share(p, share, share_index++, key_tiles);  // a share has at least one item
+                } else {
+                    share = -1;
+                    item = WorkItem::whole(value < p.dp_tiles ? value : -1);
+                }
+            }
             if (q_count > 0) {
                 mbar_wait(q_empty, (q_count - 1) & 1);              // the consumers are done with Q
-                named_barrier_sync(kTileEmpty, kTileThreads);      // and have read its tile number
+                named_barrier_sync(kTileEmpty, kTileThreads);      // and have read its work item
             }
-            const bool done = tile >= work_tiles;
-            if (leader) st_shared(current_tile, done ? -1 : tile);
+            const bool done = item.tile < 0;
+            if (leader) st_shared_v4(current_item, item.tile, item.t_begin, item.t_end, item.kind | item.slot << 2);
             for (int g = 0; g < kConsumers; ++g) named_barrier_arrive(kTileFull + g, 32 + 128);
             if (done) break;
-            const Work work(p, tile, q_tiles);
+            const Work work(p, item.tile, q_tiles);
             const int n_tiles = work.n_tiles;
+            const int t_begin = item.t_begin, t_end = min(item.t_end, n_tiles);
             if (leader) {
                 mbar_arrive_expect_tx(q_full, kQBytes);
 #pragma unroll
@@ -147,7 +166,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             // Key tile t (diagonal, masked tiles first) once tile c - kStages of the same ring
             // was released; issued in the order consumed: K_{t+1} before V_t.
             auto load = [&](const TensorMap* map, u32 ring_base, u32 full, u32 empty, int t, bool is_v) {
-                const int c = ring + t, slot = slot_of(c);
+                const int c = ring + t - t_begin, slot = slot_of(c);
                 if (c >= kStages) mbar_wait(empty + 8 * slot, phase_of(c - kStages));
                 if (!leader) return;
                 const u32 dst = ring_base + slot * Cfg::kKVTileBytes;
@@ -167,12 +186,12 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                     tma_load_4d(dst + cb * kBN * 128, map, full + 8 * slot, cb * Cfg::kBoxCols, n0, work.head_k,
                                 work.batch);
             };
-            if (n_tiles > 0) load(&maps.k, sK, full_k(0), empty_k(0), 0, false);
-            for (int t = 0; t < n_tiles; ++t) {
-                if (t + 1 < n_tiles) load(&maps.k, sK, full_k(0), empty_k(0), t + 1, false);
+            if (t_begin < t_end) load(&maps.k, sK, full_k(0), empty_k(0), t_begin, false);
+            for (int t = t_begin; t < t_end; ++t) {
+                if (t + 1 < t_end) load(&maps.k, sK, full_k(0), empty_k(0), t + 1, false);
                 load(&maps.v, sV, full_v(0), empty_v(0), t, true);
             }
-            ring += n_tiles;
+            ring += max(t_end - t_begin, 0);
         }
         // The last block to finish taking tiles sets the counter back to zero for the next launch.
         __threadfence();
@@ -212,12 +231,15 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     int ring = 0;
     for (int q_count = 0;; ++q_count) {
         named_barrier_sync(kTileFull + group, 32 + 128);
-        const int tile = ld_shared(current_tile);
+        const int tile = ld_shared(current_item);
         if (tile < 0) break;
+        const int t_begin = ld_shared(current_item + 4), t_end = ld_shared(current_item + 8);
+        const int kind_slot = ld_shared(current_item + 12);  // kind | slot << 2
         named_barrier_arrive(kTileEmpty, kTileThreads);
         mbar_wait(q_full, q_count & 1);
         const Work work(p, tile, q_tiles);
-        const int n_tiles = work.n_tiles;
+        const int n_tiles = min(t_end, work.n_tiles) - t_begin;  // key tiles this item visits
+        const int first_n0 = (work.n_tiles - 1 - t_begin) * kBN;  // the first one's keys
         // No row of this consumer exists. Taken from lane 0, so that the compiler sees a
         // warp-uniform branch: otherwise the key loop's descriptor arithmetic leaves the uniform
         // datapath (24 more instructions per key tile at hd128).
@@ -257,7 +279,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
 
         auto scores_ready = [&](int i) {  // S_i has landed: mask it, softmax it
             fence_operands(acc_s[0]);
-            const int n0 = (n_tiles - 1 - i) * kBN;
+            const int n0 = first_n0 - i * kBN;
             if (work.needs_mask(n0, p.seqlen_k))
                 mask_scores<Cfg::kCausal>(acc_s, n0, work.m0 + warp_row0, lane, p.seqlen_k, work.causal_offset);
             softmax_step<kLog2Boost>(acc_s, row_max, row_sum, alphas, scale_log2);
@@ -301,6 +323,29 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             fence_operands(acc_o[0]);
             release(empty_v(slot_of(c)));
             ring += n_tiles;
+        }
+        const int kind = kind_slot & 3;
+        if (kSplitKeys && kind != kWholeTile) {
+            // A piece of a tile dealt out by keys (block.cuh): the piece that ends a share leaves
+            // its state in the workspace slot (side 0) and raises the slot's flag; the piece that
+            // starts the next share saves its own (side 1), waits for the flag, merges the two
+            // and stores the rows. Named barrier 4 + group orders the warpgroup's threads.
+            const int flag_index = (kind_slot >> 2) * kConsumers + group;
+            float4* state = reinterpret_cast<float4*>(p.split_ws) + flag_index * 2 * 128 * (kOT + 1) + tid % 128;
+            float4* own = state + (kind == kMergeTile ? 128 * (kOT + 1) : 0);
+            save_state(own, 128, acc_o, row_max, row_sum);
+            if (kind == kPartialTile) {
+                __threadfence();
+                named_barrier_sync(4 + group, 128);
+                if (tid % 128 == 0) st_release(p.split_flags + flag_index, 1);
+                continue;
+            }
+            if (tid % 128 == 0) {
+                while (ld_acquire(p.split_flags + flag_index) == 0) __nanosleep(100);
+                p.split_flags[flag_index] = 0;  // for the next launch
+            }
+            named_barrier_sync(4 + group, 128);
+            merge_states(own, state, 128, acc_o, row_max, row_sum, scale_log2, [&] { named_barrier_sync(4 + group, 128); });
         }
         float* lse_rows = p.lse + static_cast<long long>(work.bh) * p.seqlen_q;
         if constexpr (Cfg::kTmaStore) {

@@ -177,6 +177,57 @@ __device__ __forceinline__ void finish_output(const float (&o)[kMT][kOT][4], con
     }
 }
 
+// A row block's softmax state split by keys: save_state writes one thread's unnormalized output
+// fragments, row maxima and partial row sums (kOT + 1 float4s, `stride` float4s apart, so that
+// consecutive threads write consecutive float4s); merge_states (below) combines two such
+// states, computed over different keys. Both must share scale_log2 (and the FP8 boost).
+template <int kOT>
+__device__ __forceinline__ void save_state(float4* dst, int stride, const float (&o)[1][kOT][4],
+                                           const float (&row_max)[1][2], const float (&row_sum)[1][2]) {
+#pragma unroll
+    for (int nt = 0; nt < kOT; ++nt) __stcg(dst + nt * stride, make_float4(o[0][nt][0], o[0][nt][1], o[0][nt][2], o[0][nt][3]));
+    __stcg(dst + kOT * stride, make_float4(row_max[0][0], row_max[0][1], row_sum[0][0], row_sum[0][1]));
+}
+
+// merge_states reads both states back (`own` the thread's, saved first), so that the registers
+// of o hold nothing while the states are read (holding o while reading the other state made
+// ptxas spill at head dim 256), and leaves the merged state in o, row_max and row_sum. The loads are volatile so that the compiler cannot
+// hand the saved values back from registers, and `sync` (a barrier of the merging threads)
+// between groups of them keeps ptxas from issuing all at once, which spilled too.
+__device__ __forceinline__ float4 ld_state(const float4* src) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(src));
+    return v;
+}
+
+template <int kOT, class Sync>
+__device__ __forceinline__ void merge_states(const float4* own, const float4* other, int stride, float (&o)[1][kOT][4],
+                                             float (&row_max)[1][2], float (&row_sum)[1][2], float scale_log2,
+                                             Sync sync) {
+    const float4 mine = ld_state(own + kOT * stride), theirs = ld_state(other + kOT * stride);
+    const float maxes[2][2] = {{mine.x, mine.y}, {theirs.x, theirs.y}};
+    const float sums[2][2] = {{mine.z, mine.w}, {theirs.z, theirs.w}};
+    float scales[2][2];  // [state][row]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float new_max = fmaxf(maxes[0][r], maxes[1][r]);
+        const float base = new_max == neg_inf() ? 0.f : new_max * scale_log2;  // as in softmax_step
+        scales[0][r] = exp2_approx(maxes[0][r] * scale_log2 - base);
+        scales[1][r] = exp2_approx(maxes[1][r] * scale_log2 - base);
+        row_sum[0][r] = sums[0][r] * scales[0][r] + sums[1][r] * scales[1][r];
+        row_max[0][r] = new_max;
+    }
+#pragma unroll
+    for (int nt = 0; nt < kOT; ++nt) {
+        if (nt % 4 == 0 && nt > 0) sync();  // a barrier: no more than 8 loads in flight at a time
+        const float4 a = ld_state(own + nt * stride), b = ld_state(other + nt * stride);
+        o[0][nt][0] = a.x * scales[0][0] + b.x * scales[1][0];
+        o[0][nt][1] = a.y * scales[0][0] + b.y * scales[1][0];
+        o[0][nt][2] = a.z * scales[0][1] + b.z * scales[1][1];
+        o[0][nt][3] = a.w * scales[0][1] + b.w * scales[1][1];
+    }
+}
+
 // finish_output into global memory: out holds the rows, out_row_stride elements apart.
 template <bool kBF16, int kStoredTiles = 0, int kLog2Boost = 0, int kMT, int kOT>
 __device__ __forceinline__ void store_output(const float (&o)[kMT][kOT][4], const float (&row_max)[kMT][2],

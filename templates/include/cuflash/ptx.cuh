@@ -38,6 +38,16 @@ __device__ __forceinline__ void st_shared_v4(u32 addr, u32 a, u32 b, u32 c, u32 
     asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" :: "r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
 
+// A flag in global memory, written and read across blocks (release / acquire at gpu scope).
+__device__ __forceinline__ void st_release(int* flag, int value) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(flag), "r"(value) : "memory");
+}
+__device__ __forceinline__ int ld_acquire(const int* flag) {
+    int value;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(flag) : "memory");
+    return value;
+}
+
 // ---- asynchronous copies (global -> shared, 16 bytes, bypassing L1) ----
 // When `valid` is false nothing is read and the 16 bytes are zero-filled, so tile rows past the
 // end of a sequence hold zeros (not stale data that could be NaN).

@@ -1,0 +1,67 @@
+"""launch.split_plan: which launches deal their last tiles out by keys (CPU only: the
+multiprocessor count is set by hand)."""
+import pytest
+
+from cuflash import dtypes, launch
+from cuflash.spec import default_spec
+from cuflash.validate import Problem
+
+
+def _problem(head_dim, seqlen, causal=False, tokens=16384, hidden=2048):
+    return Problem(dtypes.from_tag("bf16"), tokens // seqlen, hidden // head_dim, hidden // head_dim, seqlen, seqlen,
+                   head_dim, causal, 1.0, "bhsd", 0, (0, 0, 0), (0, 0, 0), (0, 0, 0))
+
+
+@pytest.fixture(autouse=True)
+def h200(monkeypatch):
+    monkeypatch.setattr(launch, "_multiprocessors", lambda device_id: 132)
+
+
+def test_the_last_wave_and_the_rest_are_shared_out():
+    problem = _problem(128, 2048)
+    spec = default_spec(128, "bf16", False, "sm90a", seqlen=2048)
+    plan = launch.split_plan(spec, problem)
+    # 2048 tiles of 128 rows: 15 waves of 132 and 68 more; the last full wave and those 68 go by keys
+    assert plan == launch.SplitPlan(2048 - 200, 132, 200 * 16)
+    assert launch.grid(spec, problem) == (132, 1, 1)  # persistent up to 4k keys
+    long = _problem(128, 16384)
+    plan = launch.split_plan(default_spec(128, "bf16", False, "sm90a", seqlen=16384), long)
+    assert plan == launch.SplitPlan(2048 - 200, 132, 200 * 128)
+    assert launch.grid(default_spec(128, "bf16", False, "sm90a", seqlen=16384), long) == (2048 - 200 + 132, 1, 1)
+
+
+@pytest.mark.parametrize("head_dim,seqlen,causal,why", [
+    (128, 2048, True, "causal tiles balance themselves"),
+    (256, 2048, False, "16-bit head dim 256 does not split"),
+    (64, 2048, False, "three consumers do not split"),
+    (128, 1024, False, "16-bit inputs keep whole tiles up to 1024 keys"),
+])
+def test_whole_tiles(head_dim, seqlen, causal, why):
+    problem = _problem(head_dim, seqlen, causal)
+    spec = default_spec(head_dim, "bf16", causal, "sm90a", seqlen=seqlen)
+    tiles = -(-problem.seqlen_q // spec.block_m) * problem.heads * problem.batch
+    assert launch.split_plan(spec, problem) == launch.SplitPlan(tiles), why
+
+
+def _heads(heads, seqlen_q, seqlen_k):
+    return Problem(dtypes.from_tag("bf16"), 1, heads, heads, seqlen_q, seqlen_k, 128, False, 1.0, "bhsd", 0,
+                   (0, 0, 0), (0, 0, 0), (0, 0, 0))
+
+
+def test_whole_waves_fewer_than_two_waves_or_one_key_tile_stay_whole():
+    spec = default_spec(128, "bf16", False, "sm90a", seqlen=2048)
+    assert launch.split_plan(spec, _heads(264, 128, 2048)) == launch.SplitPlan(264)  # two whole waves
+    assert launch.split_plan(spec, _heads(200, 128, 2048)) == launch.SplitPlan(200)  # fewer than two
+    assert launch.split_plan(spec, _heads(300, 128, 2048)) == launch.SplitPlan(300 - 168, 132, 168 * 16)
+
+
+def test_fp8_splits_short_sequences_too():
+    spec = default_spec(128, "e4m3", False, "sm90a", out_dtype="bf16")
+    fp8 = Problem(dtypes.from_tag("e4m3"), 1, 300, 300, 128, 1024, 128, False, 1.0, "bhsd", 0,
+                  (0, 0, 0), (0, 0, 0), (0, 0, 0))
+    assert launch.split_plan(spec, fp8) == launch.SplitPlan(300 - 168, 132, 168 * 6)  # 192-key tiles
+    one_key_tile = Problem(dtypes.from_tag("e4m3"), 1, 300, 300, 128, 100, 128, False, 1.0, "bhsd", 0,
+                           (0, 0, 0), (0, 0, 0), (0, 0, 0))
+    assert launch.split_plan(spec, one_key_tile) == launch.SplitPlan(300)
+    wide = default_spec(256, "e4m3", False, "sm90a", out_dtype="bf16")
+    assert launch.split_plan(wide, fp8) == launch.SplitPlan(300 - 168, 132, 168 * 8)  # 128-key tiles
