@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import math
 import struct
-
 from typing import NamedTuple
 
 import numpy as np
@@ -48,8 +47,8 @@ def split_plan(spec: KernelSpec, problem: Problem) -> SplitPlan:
     blocks part-empty (e.g. 2048 tiles on 132 multiprocessors: 15 waves and 68 tiles), the last
     full wave and the rest (200 tiles) are dealt out by keys instead, in one equal share per
     multiprocessor. Whole tiles only where the kernel cannot (spec.split_keys: a causal mask,
-    whose tiles of unequal work, heaviest first, balance themselves; three consumers; head dim
-    256), with fewer than two waves or a whole number of them, one key tile, or 16-bit inputs
+    whose tiles of unequal work, heaviest first, balance themselves; three consumers; bf16/fp16
+    head dim 256), with fewer than two waves or a whole number of them, one key tile, or 16-bit inputs
     with at most WHOLE_TILES_MAX_SEQLEN_K_16BIT keys."""
     tiles = ceil_div(problem.seqlen_q, spec.block_m) * problem.heads * problem.batch
     sms = _multiprocessors(problem.device_id)
@@ -61,7 +60,7 @@ def split_plan(spec: KernelSpec, problem: Problem) -> SplitPlan:
     return SplitPlan(tiles - shared, sms, shared * key_tiles)
 
 
-def grid(spec: KernelSpec, problem: Problem) -> tuple[int, int, int]:
+def grid(spec: KernelSpec, problem: Problem, plan: SplitPlan | None = None) -> tuple[int, int, int]:
     """(query tiles, heads, batch). Query tiles vary fastest so that the blocks resident at one
     time work on few heads and find their K/V tiles in L2; the kernel walks each head's tiles
     heaviest first.
@@ -72,7 +71,7 @@ def grid(spec: KernelSpec, problem: Problem) -> tuple[int, int, int]:
     the previous tile's epilogue."""
     tiles = (ceil_div(problem.seqlen_q, spec.block_m), problem.heads, problem.batch)
     if spec.warp_specialized:
-        plan = split_plan(spec, problem)
+        plan = plan or split_plan(spec, problem)
         count = plan.dp_tiles + plan.shares
         if problem.seqlen_k <= PERSISTENT_MAX_SEQLEN_K:
             count = min(count, _multiprocessors(problem.device_id))
@@ -86,15 +85,21 @@ def _multiprocessors(device_id: int) -> int:
     return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
 
 
+def _stream_key(device_id: int) -> tuple:
+    """Key of the per-stream buffers (work counter, split workspace): kernels on one stream run
+    one after another, so a stream's launches can share them."""
+    import cupy
+    return device_id, cupy.cuda.get_current_stream().ptr
+
+
 _tile_counters: dict = {}
 
 
 def _tile_counter(device_id: int):
-    """The warp-specialized kernel's work-tile counter for the current stream: two int32, zero
-    between launches (the kernel's last block resets them). Kernels on one stream run one after
-    another, so each stream has its own."""
+    """The warp-specialized kernel's work-tile counter for the current stream (_stream_key): two
+    int32, zero between launches (the kernel's last block resets them)."""
     import cupy
-    key = (device_id, cupy.cuda.get_current_stream().ptr)
+    key = _stream_key(device_id)
     counter = _tile_counters.get(key)
     if counter is None:
         counter = _tile_counters[key] = cupy.zeros(2, dtype=cupy.int32)
@@ -105,12 +110,12 @@ def _split_workspace(spec: KernelSpec, problem: Problem, plan: SplitPlan):
     """(states, flags) for a launch that deals tiles out by keys: one slot per share boundary and
     consumer warpgroup, each holding two states (the two pieces of a tile) of 128 threads x
     (head_dim / 8 + 1) float4 (online_softmax.cuh save_state), and one flag per slot, zero
-    between launches. Kept per device and stream, like
-    the work counter, and grown when a launch needs more."""
+    between launches. Kept per device and stream, like the work counter, and grown when a launch
+    needs more."""
     import cupy
     slots = (plan.shares + 1) * spec.compute_warpgroups
     floats = slots * 2 * 128 * (spec.padded_head_dim // 8 + 1) * 4
-    key = (problem.device_id, cupy.cuda.get_current_stream().ptr)
+    key = _stream_key(problem.device_id)
     states, flags = _split_workspaces.get(key, (None, None))
     if states is None or states.size < floats:
         states = cupy.empty(floats, dtype=cupy.float32)
@@ -146,6 +151,7 @@ def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_st
            scales: Fp8Scales | None = None) -> None:
     """Launch on the current CuPy stream. FP8 (``spec.fp8``): ``scales`` holds the descales; for
     the Hopper kernel v is V^T as fp8.v_operand lays it out, for the portable one V itself."""
+    plan = None
     if spec.warp_specialized:
         from .tma import forward_maps
         counter = _tile_counter(problem.device_id)
@@ -161,7 +167,7 @@ def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_st
             args += (output_map(problem, out, out_strides, spec.out_dtype),)
     else:
         args = (pack_params(problem, q, k, v, out, lse, out_strides, scales=scales),)
-    kernel(grid(spec, problem), (spec.threads, 1, 1), args, shared_mem=spec.smem_bytes)
+    kernel(grid(spec, problem, plan), (spec.threads, 1, 1), args, shared_mem=spec.smem_bytes)
 
 
 # -- backward -----------------------------------------------------------------------------------------

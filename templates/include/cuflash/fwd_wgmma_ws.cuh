@@ -66,8 +66,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     constexpr int kStages = Cfg::kStages;
     constexpr int kConsumers = kBM / 64;
     constexpr int kConsumerWarps = 4 * kConsumers;
-    // Tiles may be dealt out by keys (block.cuh): without a causal mask, two consumers, head
-    // dims up to 192 (spec.split_keys).
+    // Tiles may be dealt out by keys (block.cuh): without a causal mask and with two consumers;
+    // bf16/fp16 up to head dim 192, FP8 at every head dim (spec.split_keys).
     constexpr bool kSplitKeys = Cfg::kSplitKeys;
     typedef BlockWork<unsigned short, kBM, kBN, Cfg::kCausal> Work;
 
@@ -90,7 +90,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     // consumer's kTileFull + group; each consumer syncs there (with the producer alone), reads
     // it and arrives on kTileEmpty, where the producer syncs before writing the next one.
     const u32 current_item = q_full + 16 + 32 * kStages;
-    constexpr int kTileFull = 7, kTileEmpty = 15;  // 1..3 take turns, 4..6 order the stores (below)
+    constexpr int kTileFull = 7, kTileEmpty = 15;  // 1..3 take turns, 4..6 order a warpgroup (below)
     constexpr int kTileThreads = 32 + 128 * kConsumers;
 
     const int tid = threadIdx.x;
