@@ -47,9 +47,9 @@ def split_plan(spec: KernelSpec, problem: Problem) -> SplitPlan:
     blocks part-empty (e.g. 2048 tiles on 132 multiprocessors: 15 waves and 68 tiles), the last
     full wave and the rest (200 tiles) are dealt out by keys instead, in one equal share per
     multiprocessor. Whole tiles only where the kernel cannot (spec.split_keys: a causal mask,
-    whose tiles of unequal work, heaviest first, balance themselves; three consumers; bf16/fp16
-    head dim 256), with fewer than two waves or a whole number of them, one key tile, or 16-bit inputs
-    with at most WHOLE_TILES_MAX_SEQLEN_K_16BIT keys."""
+    whose tiles of unequal work, heaviest first, balance themselves; three consumers), with fewer
+    than two waves or a whole number of them, one key tile, or 16-bit inputs with at most
+    WHOLE_TILES_MAX_SEQLEN_K_16BIT keys."""
     tiles = ceil_div(problem.seqlen_q, spec.block_m) * problem.heads * problem.batch
     sms = _multiprocessors(problem.device_id)
     key_tiles = ceil_div(problem.seqlen_k, spec.block_n)

@@ -281,11 +281,9 @@ class KernelSpec:
     @property
     def split_keys(self) -> bool:
         """The warp-specialized kernel can deal its last tiles out by keys (launch.split_plan):
-        without a causal mask, with two consumer warpgroups, and up to head dim 192 for 16-bit
-        inputs (FP8 at every head dim). Merging a piece's output made ptxas spill with three
-        consumers (4 bytes, head dim 64) and at bf16 head dim 256 (12 bytes)."""
-        return (self.warp_specialized and not self.causal and self.compute_warpgroups == 2
-                and (self.padded_head_dim <= 192 or self.fp8))
+        without a causal mask and with two consumer warpgroups. With three (head dim 64), the
+        merge made ptxas spill 4 bytes."""
+        return self.warp_specialized and not self.causal and self.compute_warpgroups == 2
 
     @property
     def smem_barriers_offset(self) -> int:

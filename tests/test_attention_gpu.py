@@ -338,7 +338,8 @@ def test_hopper_blocks_walking_many_tiles(head_dim, causal, poison):
         assert_attention_close(out, ref, "bf16", baseline=problem.naive(q, k, v)[0], lse=lse, ref_lse=ref_lse)
 
 
-@pytest.mark.parametrize("head_dim,dtype,layout", [(96, "fp16", "bshd"), (128, "bf16", "bhsd"), (192, "bf16", "bshd")])
+@pytest.mark.parametrize("head_dim,dtype,layout", [(96, "fp16", "bshd"), (128, "bf16", "bhsd"), (192, "bf16", "bshd"),
+                                                      (256, "bf16", "bhsd")])
 def test_hopper_last_tiles_dealt_out_by_keys(head_dim, dtype, layout, poison):
     """Without a causal mask, tiles that would leave the last wave of blocks part-empty are dealt
     out by keys (launch.split_plan): shares that end inside a tile leave its state in the

@@ -32,7 +32,6 @@ def test_the_last_wave_and_the_rest_are_shared_out():
 
 @pytest.mark.parametrize("head_dim,seqlen,causal,why", [
     (128, 2048, True, "causal tiles balance themselves"),
-    (256, 2048, False, "16-bit head dim 256 does not split"),
     (64, 2048, False, "three consumers do not split"),
     (128, 1024, False, "16-bit inputs keep whole tiles up to 1024 keys"),
 ])
@@ -41,6 +40,13 @@ def test_whole_tiles(head_dim, seqlen, causal, why):
     spec = default_spec(head_dim, "bf16", causal, "sm90a", seqlen=seqlen)
     tiles = -(-problem.seqlen_q // spec.block_m) * problem.heads * problem.batch
     assert launch.split_plan(spec, problem) == launch.SplitPlan(tiles), why
+
+
+def test_head_dim_256_splits():
+    # 16k tokens at head dim 256: 8 heads of 128-row tiles, always 1024 tiles (7 waves and 100)
+    problem = _problem(256, 4096)
+    spec = default_spec(256, "bf16", False, "sm90a", seqlen=4096)
+    assert launch.split_plan(spec, problem) == launch.SplitPlan(1024 - 232, 132, 232 * 52)  # 80-key tiles
 
 
 def _heads(heads, seqlen_q, seqlen_k):

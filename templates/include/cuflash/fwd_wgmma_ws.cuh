@@ -324,12 +324,14 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             release(empty_v(slot_of(c)));
             ring += n_tiles;
         }
+        float* lse_rows = p.lse + static_cast<long long>(work.bh) * p.seqlen_q;
+        unsigned short* o = static_cast<unsigned short*>(p.o) + work.batch * p.o_batch_stride + work.head * p.o_head_stride;
         const int kind = kind_slot & 3;
         if (kSplitKeys && kind != kWholeTile) {
             // A piece of a tile dealt out by keys (block.cuh): the piece that ends a share leaves
             // its state in the workspace slot (side 0) and raises the slot's flag; the piece that
-            // starts the next share saves its own (side 1), waits for the flag, merges the two
-            // and stores the rows. Named barrier 4 + group orders the warpgroup's threads.
+            // starts the next share saves its own (side 1), waits for the flag, and merges the two
+            // into the rows it stores. Named barrier 4 + group orders the warpgroup's threads.
             const int flag_index = (kind_slot >> 2) * kConsumers + group;
             float4* state = reinterpret_cast<float4*>(p.split_ws) + flag_index * 2 * 128 * (kOT + 1) + tid % 128;
             float4* own = state + (kind == kMergeTile ? 128 * (kOT + 1) : 0);
@@ -345,9 +347,11 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 p.split_flags[flag_index] = 0;  // for the next launch
             }
             named_barrier_sync(4 + group, 128);
-            merge_states(own, state, 128, acc_o, row_max, row_sum, scale_log2, [&] { named_barrier_sync(4 + group, 128); });
+            merge_store<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost, kOT>(
+                state, own, 128, o, p.o_row_stride, lse_rows, work.m0 + warp_row0, p.seqlen_q, lane, scale_log2,
+                out_scale);
+            continue;
         }
-        float* lse_rows = p.lse + static_cast<long long>(work.bh) * p.seqlen_q;
         if constexpr (Cfg::kTmaStore) {
             // Through shared memory: the warpgroup's 64 rows go into its rows of the staging tile
             // (64-column swizzled blocks, Q's layout) and leave as TMA stores, which clip rows past
@@ -374,8 +378,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 bulk_commit_group();
             }
         } else {
-            unsigned short* o = static_cast<unsigned short*>(p.o) + work.batch * p.o_batch_stride + work.head * p.o_head_stride;
-            store_output<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost>(
+            store_output_wide<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost>(
                 acc_o, row_max, row_sum, o, p.o_row_stride, lse_rows, work.m0 + warp_row0, p.seqlen_q, lane,
                 scale_log2, out_scale);
         }

@@ -179,8 +179,8 @@ __device__ __forceinline__ void finish_output(const float (&o)[kMT][kOT][4], con
 
 // A row block's softmax state split by keys: save_state writes one thread's unnormalized output
 // fragments, row maxima and partial row sums (kOT + 1 float4s, `stride` float4s apart, so that
-// consecutive threads write consecutive float4s); merge_states (below) combines two such
-// states, computed over different keys. Both must share scale_log2 (and the FP8 boost).
+// consecutive threads write consecutive float4s); merge_store (below) merges two such
+// states (merge_store), computed over different keys. Both must share scale_log2 (and the FP8 boost).
 template <int kOT>
 __device__ __forceinline__ void save_state(float4* dst, int stride, const float (&o)[1][kOT][4],
                                            const float (&row_max)[1][2], const float (&row_sum)[1][2]) {
@@ -189,42 +189,68 @@ __device__ __forceinline__ void save_state(float4* dst, int stride, const float 
     __stcg(dst + kOT * stride, make_float4(row_max[0][0], row_max[0][1], row_sum[0][0], row_sum[0][1]));
 }
 
-// merge_states reads both states back (`own` the thread's, saved first), so that the registers
-// of o hold nothing while the states are read (holding o while reading the other state made
-// ptxas spill at head dim 256), and leaves the merged state in o, row_max and row_sum. The loads are volatile so that the compiler cannot
-// hand the saved values back from registers, and `sync` (a barrier of the merging threads)
-// between groups of them keeps ptxas from issuing all at once, which spilled too.
+// The rows of a tile whose keys were visited in two pieces, from the two states save_state wrote
+// (`first` and `second`, `stride` float4s apart as there): merged, normalized and stored as
+// store_output_wide stores, with the LSE. The states stream from memory to the output two
+// column groups at a time, so that the output's registers need not be live (the thread's own
+// state is saved first too): merging into them made ptxas spill at head dim 256. The loads are
+// volatile, so that the compiler neither hands saved values back from registers nor hoists them
+// all at once.
 __device__ __forceinline__ float4 ld_state(const float4* src) {
     float4 v;
     asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(src));
     return v;
 }
 
-template <int kOT, class Sync>
-__device__ __forceinline__ void merge_states(const float4* own, const float4* other, int stride, float (&o)[1][kOT][4],
-                                             float (&row_max)[1][2], float (&row_sum)[1][2], float scale_log2,
-                                             Sync sync) {
-    const float4 mine = ld_state(own + kOT * stride), theirs = ld_state(other + kOT * stride);
-    const float maxes[2][2] = {{mine.x, mine.y}, {theirs.x, theirs.y}};
-    const float sums[2][2] = {{mine.z, mine.w}, {theirs.z, theirs.w}};
-    float scales[2][2];  // [state][row]
+template <bool kBF16, int kStoredTiles, int kLog2Boost, int kOT>
+__device__ __forceinline__ void merge_store(const float4* first, const float4* second, int stride, unsigned short* out,
+                                            long long out_row_stride, float* lse_rows, int row0, int seqlen_q,
+                                            int lane, float scale_log2, float out_scale) {
+    constexpr float kLn2 = 0.6931471805599453f;
+    static_assert(kStoredTiles % 4 == 0, "whole groups of 4 column tiles");
+    constexpr int kGroups = kStoredTiles / 4, kGroupsPerStep = kGroups % 2 ? 1 : 2;
+    const float4 a = ld_state(first + kOT * stride), b = ld_state(second + kOT * stride);  // maxima, sums
+    const float max_a[2] = {a.x, a.y}, max_b[2] = {b.x, b.y}, sum_a[2] = {a.z, a.w}, sum_b[2] = {b.z, b.w};
+    float scale_a[2], scale_b[2];  // per row: each piece's weight in the merged, normalized output
+    u32* out_row[2];
+    bool valid[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const float new_max = fmaxf(maxes[0][r], maxes[1][r]);
+        const float new_max = fmaxf(max_a[r], max_b[r]);
         const float base = new_max == neg_inf() ? 0.f : new_max * scale_log2;  // as in softmax_step
-        scales[0][r] = exp2_approx(maxes[0][r] * scale_log2 - base);
-        scales[1][r] = exp2_approx(maxes[1][r] * scale_log2 - base);
-        row_sum[0][r] = sums[0][r] * scales[0][r] + sums[1][r] * scales[1][r];
-        row_max[0][r] = new_max;
+        const float wa = exp2_approx(max_a[r] * scale_log2 - base), wb = exp2_approx(max_b[r] * scale_log2 - base);
+        const float sum = quad_sum(sum_a[r] * wa + sum_b[r] * wb);
+        const float inv = sum == 0.f ? 0.f : out_scale / sum;
+        scale_a[r] = wa * inv;
+        scale_b[r] = wb * inv;
+        const int row = row0 + lane / 4 + r * 8;
+        valid[r] = row < seqlen_q;
+        out_row[r] = reinterpret_cast<u32*>(out + (valid[r] ? row : row0) * out_row_stride);
+        if (valid[r] && lane % 4 == 0)
+            lse_rows[row] = sum == 0.f ? neg_inf() : new_max * scale_log2 * kLn2 + logf(sum) - kLog2Boost * kLn2;
     }
 #pragma unroll
-    for (int nt = 0; nt < kOT; ++nt) {
-        if (nt % 4 == 0 && nt > 0) sync();  // a barrier: no more than 8 loads in flight at a time
-        const float4 a = ld_state(own + nt * stride), b = ld_state(other + nt * stride);
-        o[0][nt][0] = a.x * scales[0][0] + b.x * scales[1][0];
-        o[0][nt][1] = a.y * scales[0][0] + b.y * scales[1][0];
-        o[0][nt][2] = a.z * scales[0][1] + b.z * scales[1][1];
-        o[0][nt][3] = a.w * scales[0][1] + b.w * scales[1][1];
+    for (int g0 = 0; g0 < kGroups; g0 += kGroupsPerStep) {
+        float4 pa[4 * kGroupsPerStep], pb[4 * kGroupsPerStep];
+#pragma unroll
+        for (int i = 0; i < 4 * kGroupsPerStep; ++i) {
+            pa[i] = ld_state(first + (4 * g0 + i) * stride);
+            pb[i] = ld_state(second + (4 * g0 + i) * stride);
+        }
+#pragma unroll
+        for (int g = 0; g < kGroupsPerStep; ++g)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                u32 words[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float4 x = pa[4 * g + j], y = pb[4 * g + j];
+                    words[j] = pack2<kBF16>(r ? x.z * scale_a[1] + y.z * scale_b[1] : x.x * scale_a[0] + y.x * scale_b[0],
+                                            r ? x.w * scale_a[1] + y.w * scale_b[1] : x.y * scale_a[0] + y.y * scale_b[0]);
+                }
+                quad_transpose(words, lane);
+                if (valid[r]) st_global_v4(out_row[r] + (4 * (g0 + g) + lane % 4) * 4, words);
+            }
     }
 }
 
@@ -238,6 +264,43 @@ __device__ __forceinline__ void store_output(const float (&o)[kMT][kOT][4], cons
         o, row_max, row_sum, lse_rows, row0, seqlen_q, lane, scale_log2, out_scale, [&](int row, int nt, u32 packed) {
             reinterpret_cast<u32*>(out + (row0 + row) * out_row_stride)[nt * 4 + lane % 4] = packed;
         });
+}
+
+// store_output with 16-byte stores: the 4 lanes of a quad hold one row's columns 2 (lane % 4)
+// (+1) of every n=8 tile; per 4 tiles they exchange their words (quad_transpose), so that each
+// lane stores one tile's 8 consecutive columns. A quad then writes 64 contiguous bytes of its row
+// per store, whole 32-byte sectors, with a quarter of the store instructions. Tiles past the last
+// whole group of 4 are stored a word at a time. The rows, out and out_row_stride must allow
+// 16-byte stores (head dims that are multiples of 8, a 16-byte aligned out).
+template <bool kBF16, int kStoredTiles = 0, int kLog2Boost = 0, int kOT>
+__device__ __forceinline__ void store_output_wide(const float (&o)[1][kOT][4], const float (&row_max)[1][2],
+                                                  const float (&row_sum)[1][2], unsigned short* out,
+                                                  long long out_row_stride, float* lse_rows, int row0,
+                                                  int seqlen_q, int lane, float scale_log2, float out_scale) {
+    constexpr float kLn2 = 0.6931471805599453f;
+    constexpr int kTiles = kStoredTiles ? kStoredTiles : kOT;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float sum = quad_sum(row_sum[0][r]);
+        const int row = row0 + lane / 4 + r * 8;
+        const bool valid = row < seqlen_q;
+        const float inv = sum == 0.f ? 0.f : out_scale / sum;
+        u32* out_row = reinterpret_cast<u32*>(out + (valid ? row : row0) * out_row_stride);
+#pragma unroll
+        for (int g = 0; g < kTiles / 4; ++g) {
+            u32 words[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                words[j] = pack2<kBF16>(o[0][4 * g + j][2 * r] * inv, o[0][4 * g + j][2 * r + 1] * inv);
+            quad_transpose(words, lane);  // every lane, the rows past seqlen_q too
+            if (valid) st_global_v4(out_row + (4 * g + lane % 4) * 4, words);
+        }
+#pragma unroll
+        for (int nt = kTiles / 4 * 4; nt < kTiles; ++nt)
+            if (valid) out_row[nt * 4 + lane % 4] = pack2<kBF16>(o[0][nt][2 * r] * inv, o[0][nt][2 * r + 1] * inv);
+        if (valid && lane % 4 == 0)
+            lse_rows[row] = sum == 0.f ? neg_inf() : row_max[0][r] * scale_log2 * kLn2 + logf(sum) - kLog2Boost * kLn2;
+    }
 }
 
 }  // namespace cuflash

@@ -171,6 +171,26 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// A 4 x 4 transpose across the lanes of a quad: lane t holds v[j] = row t, column j on entry
+// and row j, column t on return (two butterfly steps, four shuffles). Every lane of the warp
+// must take part.
+__device__ __forceinline__ void quad_transpose(u32 (&v)[4], int lane) {
+    const bool hi = lane & 2, lo = lane & 1;
+    // Step 1, with lane t ^ 2: swap the 2 x 2 blocks off the diagonal.
+    u32 r0 = __shfl_xor_sync(0xffffffffu, hi ? v[0] : v[2], 2);
+    u32 r1 = __shfl_xor_sync(0xffffffffu, hi ? v[1] : v[3], 2);
+    if (hi) { v[0] = r0; v[1] = r1; } else { v[2] = r0; v[3] = r1; }
+    // Step 2, with lane t ^ 1: transpose within each 2 x 2 block.
+    r0 = __shfl_xor_sync(0xffffffffu, lo ? v[0] : v[1], 1);
+    r1 = __shfl_xor_sync(0xffffffffu, lo ? v[2] : v[3], 1);
+    if (lo) { v[0] = r0; v[2] = r1; } else { v[1] = r0; v[3] = r1; }
+}
+
+// 16 bytes to global memory (a 16-byte aligned address).
+__device__ __forceinline__ void st_global_v4(void* ptr, const u32 (&v)[4]) {
+    asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n" :: "l"(ptr), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]) : "memory");
+}
+
 // Two adjacent float32 additions into global memory (the backward's dQ accumulator). Hopper has
 // a vector reduction; older targets issue two.
 __device__ __forceinline__ void atomic_add2(float* addr, float a, float b) {
