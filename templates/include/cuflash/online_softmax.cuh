@@ -24,21 +24,24 @@ __device__ __forceinline__ void softmax_start(float (&o)[kMT][kOT][4], float (&r
 
 // Causal and sequence-tail mask of one key tile starting at column n0. row0 is the first query
 // row of the warp; a query row r may see key c iff c < seqlen_k and (causal) c <= r + offset.
+// Both bounds fold into one last visible column per row, taken relative to the thread's first
+// column, so that each score costs one compare with a constant and one select.
 template <bool kCausal, int kMT, int kNT>
 __device__ __forceinline__ void mask_scores(float (&s)[kMT][kNT][4], int n0, int row0, int lane,
                                             int seqlen_k, int causal_offset) {
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
+        for (int r = 0; r < 2; ++r) {
+            int last = seqlen_k - 1;
+            if constexpr (kCausal) last = min(last, row0 + mt * 16 + lane / 4 + r * 8 + causal_offset);
+            last -= n0 + 2 * (lane % 4);  // column n0 + 2 (lane % 4) + 8 nt + e is seen iff 8 nt + e <= last
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = n0 + nt * 8 + 2 * (lane % 4) + (e & 1);
-                const int row = row0 + mt * 16 + lane / 4 + (e >> 1) * 8;
-                bool allowed = col < seqlen_k;
-                if constexpr (kCausal) allowed = allowed && col <= row + causal_offset;
-                if (!allowed) s[mt][nt][e] = neg_inf();
-            }
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (nt * 8 + e > last) s[mt][nt][2 * r + e] = neg_inf();
+        }
 }
 
 // One step of the online softmax on raw scores (scale > 0, so the max commutes with scaling):
