@@ -149,6 +149,14 @@ __device__ __forceinline__ void fp8_probs_operand(u32 (&a)[4], const float (&s)[
     a[3] = pack4_e4m3(s[4 * kk + 2][2], s[4 * kk + 2][3], s[4 * kk + 3][2], s[4 * kk + 3][3]);
 }
 
+// The natural-log LSE of a row from its raw running max and its (quad-summed) sum, with
+// softmax_step's boost taken out; -inf for a row that saw no key (sum 0).
+template <int kLog2Boost>
+__device__ __forceinline__ float row_lse(float row_max, float sum, float scale_log2) {
+    constexpr float kLn2 = 0.6931471805599453f;
+    return sum == 0.f ? neg_inf() : row_max * scale_log2 * kLn2 + logf(sum) - kLog2Boost * kLn2;
+}
+
 // Normalize a warp's output rows (to a 16-bit dtype), hand them to write(row, nt, packed), and
 // store the natural-log LSE: row counts from row0 (rows at or past seqlen_q are skipped), packed
 // holds this lane's two values of n=8 column tile nt (columns 8 nt + 2 (lane % 4), + 1), for
@@ -160,7 +168,6 @@ __device__ __forceinline__ void finish_output(const float (&o)[kMT][kOT][4], con
                                               const float (&row_sum)[kMT][2], float* lse_rows, int row0,
                                               int seqlen_q, int lane, float scale_log2, float out_scale,
                                               Write write) {
-    constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
@@ -173,9 +180,7 @@ __device__ __forceinline__ void finish_output(const float (&o)[kMT][kOT][4], con
 #pragma unroll
             for (int nt = 0; nt < (kStoredTiles ? kStoredTiles : kOT); ++nt)
                 write(local_row, nt, pack2<kBF16>(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv));
-            if (lane % 4 == 0)
-                lse_rows[row] = sum == 0.f ? neg_inf()
-                                           : row_max[mt][r] * scale_log2 * kLn2 + logf(sum) - kLog2Boost * kLn2;
+            if (lane % 4 == 0) lse_rows[row] = row_lse<kLog2Boost>(row_max[mt][r], sum, scale_log2);
         }
     }
 }
@@ -209,7 +214,6 @@ template <bool kBF16, int kStoredTiles, int kLog2Boost, int kOT>
 __device__ __forceinline__ void merge_store(const float4* first, const float4* second, int stride, unsigned short* out,
                                             long long out_row_stride, float* lse_rows, int row0, int seqlen_q,
                                             int lane, float scale_log2, float out_scale) {
-    constexpr float kLn2 = 0.6931471805599453f;
     static_assert(kStoredTiles % 4 == 0, "whole groups of 4 column tiles");
     constexpr int kGroups = kStoredTiles / 4, kGroupsPerStep = kGroups % 2 ? 1 : 2;
     const float4 a = ld_state(first + kOT * stride), b = ld_state(second + kOT * stride);  // maxima, sums
@@ -230,7 +234,7 @@ __device__ __forceinline__ void merge_store(const float4* first, const float4* s
         valid[r] = row < seqlen_q;
         out_row[r] = reinterpret_cast<u32*>(out + (valid[r] ? row : row0) * out_row_stride);
         if (valid[r] && lane % 4 == 0)
-            lse_rows[row] = sum == 0.f ? neg_inf() : new_max * scale_log2 * kLn2 + logf(sum) - kLog2Boost * kLn2;
+            lse_rows[row] = row_lse<kLog2Boost>(new_max, sum, scale_log2);
     }
 #pragma unroll
     for (int g0 = 0; g0 < kGroups; g0 += kGroupsPerStep) {
@@ -280,7 +284,6 @@ __device__ __forceinline__ void store_output_wide(const float (&o)[1][kOT][4], c
                                                   const float (&row_sum)[1][2], unsigned short* out,
                                                   long long out_row_stride, float* lse_rows, int row0,
                                                   int seqlen_q, int lane, float scale_log2, float out_scale) {
-    constexpr float kLn2 = 0.6931471805599453f;
     constexpr int kTiles = kStoredTiles ? kStoredTiles : kOT;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -302,7 +305,7 @@ __device__ __forceinline__ void store_output_wide(const float (&o)[1][kOT][4], c
         for (int nt = kTiles / 4 * 4; nt < kTiles; ++nt)
             if (valid) out_row[nt * 4 + lane % 4] = pack2<kBF16>(o[0][nt][2 * r] * inv, o[0][nt][2 * r + 1] * inv);
         if (valid && lane % 4 == 0)
-            lse_rows[row] = sum == 0.f ? neg_inf() : row_max[0][r] * scale_log2 * kLn2 + logf(sum) - kLog2Boost * kLn2;
+            lse_rows[row] = row_lse<kLog2Boost>(row_max[0][r], sum, scale_log2);
     }
 }
 
