@@ -199,11 +199,12 @@ __device__ __forceinline__ void save_state(float4* dst, int stride, const float 
 
 // The rows of a tile whose keys were visited in two pieces, from the two states save_state wrote
 // (`first` and `second`, `stride` float4s apart as there): merged, normalized and stored as
-// store_output_wide stores, with the LSE. The states stream from memory to the output two
-// column groups at a time, so that the output's registers need not be live (the thread's own
-// state is saved first too): merging into them made ptxas spill at head dim 256. The loads are
-// volatile, so that the compiler neither hands saved values back from registers nor hoists them
-// all at once.
+// store_output_wide stores, with the LSE. The states stream from memory to the output up to
+// four column groups (16 float4 of each state) at a time, so that the output's registers need
+// not be live (the thread's own state is saved first too): merging into them made ptxas spill at
+// head dim 256. The merge ends the launch's last shares, so its loads are few rounds: one at
+// head dims up to 128. The loads are volatile, so that the compiler neither hands saved values
+// back from registers nor hoists them past the stores.
 __device__ __forceinline__ float4 ld_state(const float4* src) {
     float4 v;
     asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(src));
@@ -215,7 +216,8 @@ __device__ __forceinline__ void merge_store(const float4* first, const float4* s
                                             long long out_row_stride, float* lse_rows, int row0, int seqlen_q,
                                             int lane, float scale_log2, float out_scale) {
     static_assert(kStoredTiles % 4 == 0, "whole groups of 4 column tiles");
-    constexpr int kGroups = kStoredTiles / 4, kGroupsPerStep = kGroups % 2 ? 1 : 2;
+    constexpr int kGroups = kStoredTiles / 4;
+    constexpr int kGroupsPerStep = kGroups % 4 == 0 ? 4 : kGroups % 3 == 0 ? 3 : kGroups % 2 == 0 ? 2 : 1;
     const float4 a = ld_state(first + kOT * stride), b = ld_state(second + kOT * stride);  // maxima, sums
     const float max_a[2] = {a.x, a.y}, max_b[2] = {b.x, b.y}, sum_a[2] = {a.z, a.w}, sum_b[2] = {b.z, b.w};
     float scale_a[2], scale_b[2];  // per row: each piece's weight in the merged, normalized output
