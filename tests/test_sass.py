@@ -53,6 +53,8 @@ def test_hopper_kernels_use_warpgroup_mma(spec, tmp_path):
     if spec.warp_specialized:  # TMA copies, registers moved from the producer to the consumers
         assert "UTMALDG.4D" in code and "LDGSTS" not in code
         assert ("UTMASTG.4D" in code) == spec.tma_store  # the output through TMA stores where it fits
+        if not spec.tma_store:  # elsewhere 16 bytes per store (store_output_wide)
+            assert "STG.E.128" in code and "SHFL.BFLY" in code
         assert "USETMAXREG.DEALLOC" in code and "USETMAXREG.TRY_ALLOC" in code
     else:
         assert "LDGSTS" in code
