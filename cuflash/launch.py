@@ -37,8 +37,8 @@ class SplitPlan(NamedTuple):
 
 
 #: Keys up to which 16-bit launches keep whole tiles: dealing the last tiles out by keys cost
-#: 1-2% there (H200, bf16, 16k tokens, 1k keys: head dim 128 618 against 623 TFLOP/s, 192 573
-#: against 585), while FP8 gained 5% (604 against 578, head dim 128).
+#: 1-5% there (H200, bf16, 16k tokens, 1k keys: head dim 128 614 against 621 TFLOP/s, 256 643
+#: against 677, 192 625 against 641), while FP8 gained 5% (604 against 578, head dim 128).
 WHOLE_TILES_MAX_SEQLEN_K_16BIT = 1024
 
 
