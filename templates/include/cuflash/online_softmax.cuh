@@ -187,8 +187,8 @@ __device__ __forceinline__ void finish_output(const float (&o)[kMT][kOT][4], con
 
 // A row block's softmax state split by keys: save_state writes one thread's unnormalized output
 // fragments, row maxima and partial row sums (kOT + 1 float4s, `stride` float4s apart, so that
-// consecutive threads write consecutive float4s); merge_store (below) merges two such
-// states (merge_store), computed over different keys. Both must share scale_log2 (and the FP8 boost).
+// consecutive threads write consecutive float4s); merge_store (below) merges two such states,
+// computed over different keys. Both must share scale_log2 (and the FP8 boost).
 template <int kOT>
 __device__ __forceinline__ void save_state(float4* dst, int stride, const float (&o)[1][kOT][4],
                                            const float (&row_max)[1][2], const float (&row_sum)[1][2]) {
