@@ -95,18 +95,17 @@ def _stream_key(device_id: int) -> tuple:
 _tile_counters: dict = {}
 
 
-def _tile_counter(device_id: int):
-    """The warp-specialized kernel's work-tile counter for the current stream (_stream_key): two
+def _tile_counter(key: tuple):
+    """The warp-specialized kernel's work-tile counter for a stream (key: _stream_key): two
     int32, zero between launches (the kernel's last block resets them)."""
     import cupy
-    key = _stream_key(device_id)
     counter = _tile_counters.get(key)
     if counter is None:
         counter = _tile_counters[key] = cupy.zeros(2, dtype=cupy.int32)
     return counter
 
 
-def _split_workspace(spec: KernelSpec, problem: Problem, plan: SplitPlan):
+def _split_workspace(spec: KernelSpec, plan: SplitPlan, key: tuple):
     """(states, flags) for a launch that deals tiles out by keys: one slot per share boundary and
     consumer warpgroup, each holding two states (the two pieces of a tile) of 128 threads x
     (head_dim / 8 + 1) float4 (online_softmax.cuh save_state), and one flag per slot, zero
@@ -115,7 +114,6 @@ def _split_workspace(spec: KernelSpec, problem: Problem, plan: SplitPlan):
     import cupy
     slots = (plan.shares + 1) * spec.compute_warpgroups
     floats = slots * 2 * 128 * (spec.padded_head_dim // 8 + 1) * 4
-    key = _stream_key(problem.device_id)
     states, flags = _split_workspaces.get(key, (None, None))
     if states is None or states.size < floats:
         states = cupy.empty(floats, dtype=cupy.float32)
@@ -154,11 +152,12 @@ def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_st
     plan = None
     if spec.warp_specialized:
         from .tma import forward_maps
-        counter = _tile_counter(problem.device_id)
+        key = _stream_key(problem.device_id)
+        counter = _tile_counter(key)
         plan = split_plan(spec, problem)
         split = (0, 0)
         if plan.shares:
-            states, flags = _split_workspace(spec, problem, plan)
+            states, flags = _split_workspace(spec, plan, key)
             split = (states.data.ptr, flags.data.ptr)
         args = (pack_params(problem, q, k, v, out, lse, out_strides, counter.data.ptr, scales, plan, split),
                 forward_maps(spec, problem, q, k, v))

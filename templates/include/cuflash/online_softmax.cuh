@@ -197,6 +197,14 @@ __device__ __forceinline__ void save_state(float4* dst, int stride, const float 
     __stcg(dst + kOT * stride, make_float4(row_max[0][0], row_max[0][1], row_sum[0][0], row_sum[0][1]));
 }
 
+// Column group g (n=8 tiles 4g .. 4g+3) of one row, 16 bytes per lane: on entry words[j] holds
+// this lane's two values of tile 4g + j; the quad transposes them (every lane must take part,
+// rows past seqlen_q too) and each lane stores one tile's 8 consecutive columns when valid.
+__device__ __forceinline__ void store_group_wide(u32* out_row, int g, u32 (&words)[4], int lane, bool valid) {
+    quad_transpose(words, lane);
+    if (valid) st_global_v4(out_row + (4 * g + lane % 4) * 4, words);
+}
+
 // The rows of a tile whose keys were visited in two pieces, from the two states save_state wrote
 // (`first` and `second`, `stride` float4s apart as there): merged, normalized and stored as
 // store_output_wide stores, with the LSE. The states stream from memory to the output up to
@@ -257,8 +265,7 @@ __device__ __forceinline__ void merge_store(const float4* first, const float4* s
                     words[j] = pack2<kBF16>(r ? x.z * scale_a[1] + y.z * scale_b[1] : x.x * scale_a[0] + y.x * scale_b[0],
                                             r ? x.w * scale_a[1] + y.w * scale_b[1] : x.y * scale_a[0] + y.y * scale_b[0]);
                 }
-                quad_transpose(words, lane);
-                if (valid[r]) st_global_v4(out_row[r] + (4 * (g0 + g) + lane % 4) * 4, words);
+                store_group_wide(out_row[r], g0 + g, words, lane, valid[r]);
             }
     }
 }
@@ -278,15 +285,16 @@ __device__ __forceinline__ void store_output(const float (&o)[kMT][kOT][4], cons
 // store_output with 16-byte stores: the 4 lanes of a quad hold one row's columns 2 (lane % 4)
 // (+1) of every n=8 tile; per 4 tiles they exchange their words (quad_transpose), so that each
 // lane stores one tile's 8 consecutive columns. A quad then writes 64 contiguous bytes of its row
-// per store, whole 32-byte sectors, with a quarter of the store instructions. Tiles past the last
-// whole group of 4 are stored a word at a time. The rows, out and out_row_stride must allow
-// 16-byte stores (head dims that are multiples of 8, a 16-byte aligned out).
+// per store, whole 32-byte sectors, with a quarter of the store instructions. The rows, out and
+// out_row_stride must allow 16-byte stores (head dims that are multiples of 32 on this kernel, a
+// 16-byte aligned out).
 template <bool kBF16, int kStoredTiles = 0, int kLog2Boost = 0, int kOT>
 __device__ __forceinline__ void store_output_wide(const float (&o)[1][kOT][4], const float (&row_max)[1][2],
                                                   const float (&row_sum)[1][2], unsigned short* out,
                                                   long long out_row_stride, float* lse_rows, int row0,
                                                   int seqlen_q, int lane, float scale_log2, float out_scale) {
     constexpr int kTiles = kStoredTiles ? kStoredTiles : kOT;
+    static_assert(kTiles % 4 == 0, "whole groups of 4 column tiles");
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const float sum = quad_sum(row_sum[0][r]);
@@ -300,12 +308,8 @@ __device__ __forceinline__ void store_output_wide(const float (&o)[1][kOT][4], c
 #pragma unroll
             for (int j = 0; j < 4; ++j)
                 words[j] = pack2<kBF16>(o[0][4 * g + j][2 * r] * inv, o[0][4 * g + j][2 * r + 1] * inv);
-            quad_transpose(words, lane);  // every lane, the rows past seqlen_q too
-            if (valid) st_global_v4(out_row + (4 * g + lane % 4) * 4, words);
+            store_group_wide(out_row, g, words, lane, valid);
         }
-#pragma unroll
-        for (int nt = kTiles / 4 * 4; nt < kTiles; ++nt)
-            if (valid) out_row[nt * 4 + lane % 4] = pack2<kBF16>(o[0][nt][2 * r] * inv, o[0][nt][2 * r + 1] * inv);
         if (valid && lane % 4 == 0)
             lse_rows[row] = row_lse<kLog2Boost>(row_max[0][r], sum, scale_log2);
     }
