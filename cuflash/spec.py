@@ -110,9 +110,9 @@ class KernelSpec:
         if self.family == "wgmma":
             if self.arch != "sm90a" or not dtypes.from_tag(self.dtype).tensor_core:
                 problems.append(f"the wgmma family needs arch sm90a and fp16/bf16 (got {self.arch}, {self.dtype})")
-            if self.head_dim % (32 if self.warp_specialized else 64):
-                problems.append(f"head_dim={self.head_dim} must be a multiple of 64 for wgmma "
-                                f"(of 32 for the warp-specialized schedule, which pads it to 64)")
+            if self.head_dim % 64 and not self.warp_specialized:
+                problems.append(f"head_dim={self.head_dim} must be a multiple of 64 for wgmma without warp "
+                                f"specialization (the warp-specialized schedule pads any head dim to 64 columns)")
             if self.warp_specialized:
                 if self.block_m not in (128, 192) or self.num_warps != 4 + self.block_m // 16:
                     problems.append(f"the warp-specialized schedule takes a producer warpgroup and 2 or 3 consumer "
@@ -413,6 +413,24 @@ SIMT_DEFAULTS = (
 #: takes precedence.
 WGMMA_DEFAULTS = {64: (192, 128, 2), 96: (128, 128, 2), 128: (128, 128, 2), 192: (128, 96, 2), 256: (128, 80, 2)}
 
+#: The Hopper kernel is the default from this head dim up: below, the padding to 64 columns costs
+#: what warpgroup MMAs gain. On the H200 (bf16, 16k tokens, TFLOP/s at 1k / 4k / 16k, non-causal)
+#: it ran 244 / 277 / 280 against the portable kernel's 212 / 231 / 236 at head dim 32, 125 / 139
+#: / 143 against 130 / 139 / 142 at 16 (first of two rounds; README).
+WGMMA_MIN_HEAD_DIM = 32
+
+#: Head dims the Hopper kernel is the default for (fp16/bf16, sm90a); each takes the tiles of
+#: wgmma_tile_head_dim.
+WGMMA_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d >= WGMMA_MIN_HEAD_DIM)
+
+
+def wgmma_tile_head_dim(head_dim: int) -> int:
+    """The head dim of :data:`WGMMA_DEFAULTS` (and of the tuned table) whose tiles a head dim takes
+    on the warp-specialized kernel: the smallest one at least as wide. Every head dim is computed
+    padded to whole 64-column blocks, so e.g. 80 runs 96's tiles at 128 columns."""
+    return min(d for d in WGMMA_DEFAULTS if d >= head_dim)
+
+
 #: The Hopper kernel's tiles may differ for short sequences, where the causal diagonal and each
 #: tile's fixed costs weigh more: a problem whose longer sequence (queries or keys) has at most
 #: SHORT_SEQLEN tokens takes the table's "short" entry, any other the "long" one.
@@ -431,12 +449,13 @@ FP8_WGMMA_DEFAULTS = {64: (128, 192, 2), 128: (128, 192, 2), 256: (128, 128, 2)}
 
 
 def default_family(head_dim: int, dtype: str, arch: str) -> str:
-    """The family cuflash runs by default: wgmma on Hopper where it has a specialization, else
-    the portable tensor-core kernel (fp16/bf16) or the exact float32 one."""
+    """The family cuflash runs by default: wgmma on Hopper from head dim
+    :data:`WGMMA_MIN_HEAD_DIM` up, else the portable tensor-core kernel (fp16/bf16) or the exact
+    float32 one."""
     entry = dtypes.from_tag(dtype)
     if not entry.tensor_core:
         return "simt"
-    if arch == "sm90a" and head_dim in WGMMA_DEFAULTS:
+    if arch == "sm90a" and head_dim >= WGMMA_MIN_HEAD_DIM:
         return "wgmma"
     return "mma"
 
@@ -471,12 +490,13 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} is not one of {FAMILIES}")
     if family == "wgmma":
-        if arch != "sm90a" or head_dim not in WGMMA_DEFAULTS or not entry.tensor_core:
-            raise ValueError(f"the wgmma family covers fp16/bf16 head dims {sorted(WGMMA_DEFAULTS)} on sm90a; "
+        if arch != "sm90a" or not entry.tensor_core:
+            raise ValueError(f"the wgmma family covers fp16/bf16 on sm90a; "
                              f"got head_dim={head_dim}, dtype={entry.tag}, arch={arch}")
         from .tuned_defaults import WGMMA_TABLE  # written by ``python -m cuflash tune --family wgmma``
 
-        bm, bn, stages = WGMMA_TABLE.get((head_dim, causal, length_class(seqlen)), WGMMA_DEFAULTS[head_dim])
+        tiles = wgmma_tile_head_dim(head_dim)
+        bm, bn, stages = WGMMA_TABLE.get((tiles, causal, length_class(seqlen)), WGMMA_DEFAULTS[tiles])
         return KernelSpec(head_dim, entry.tag, causal, bm, bn, 4 + bm // 16, stages, arch, overlap=True,
                           family="wgmma", warp_specialized=True, pingpong=True)
     if (family == "mma") != entry.tensor_core:
@@ -566,7 +586,7 @@ def all_default_specs(arch: str, dtype_tags=None, causal=(False, True), family=N
     tags = dtype_tags or list(dtypes.DTYPES)
     if family == "wgmma":
         specs = [default_spec(d, t, c, arch, "wgmma", seqlen=n) for t in tags if dtypes.DTYPES[t].tensor_core
-                 for d in WGMMA_DEFAULTS for c in causal for n in CLASS_SEQLENS]
+                 for d in WGMMA_HEAD_DIMS for c in causal for n in CLASS_SEQLENS]
     elif family is not None:
         specs = [default_spec(d, t, c, arch, family) for t in tags
                  if (family == "mma") == dtypes.DTYPES[t].tensor_core for d in HEAD_DIMS for c in causal]

@@ -1,4 +1,6 @@
 """Specs, rendering and NVRTC compile checks: no GPU needed (these run in CI)."""
+import concurrent.futures
+import os
 import re
 
 import numpy as np
@@ -6,7 +8,8 @@ import pytest
 
 import cuflash
 from cuflash.compile import compile_offline
-from cuflash.spec import ARCHS, HEAD_DIMS, KernelSpec, all_default_specs, default_spec
+from cuflash.spec import (ARCHS, HEAD_DIMS, WGMMA_DEFAULTS, WGMMA_HEAD_DIMS, KernelSpec, all_default_specs,
+                          default_spec)
 
 
 def test_spec_name_is_readable_and_filename_safe():
@@ -52,7 +55,6 @@ _WS = dict(head_dim=128, dtype="bf16", causal=False, block_m=128, block_n=128, n
     (dict(block_m=192), "block_m=192 with num_warps=16"),
     (dict(overlap=False), "takes overlap=True"),
     (dict(num_stages=1), "num_stages=1 must be at least 2"),
-    (dict(head_dim=80), "of 32 for the warp-specialized schedule"),
     (dict(warp_specialized=False, num_warps=8, overlap=False), "pingpong applies to the warp-specialized"),
     (dict(family="mma", block_m=128, num_warps=8, pingpong=False), "warp_specialized applies to the wgmma family"),
     (dict(block_n=176, num_stages=3), "shared memory"),
@@ -68,6 +70,11 @@ def test_warp_specialized_pads_head_dims_to_whole_swizzle_blocks():
     source = cuflash.generate(spec)
     assert "kHeadDim = 128;" in source and "kHeadDimStored = 96;" in source
     assert KernelSpec(**{**_WS, "head_dim": 160, "block_n": 64}).padded_head_dim == 192
+    # any multiple of 8: 8 mod 32 and 16 mod 32 leave a remainder past the 16-byte stores' groups
+    assert [KernelSpec(**{**_WS, "head_dim": d, "block_n": 64}).padded_head_dim for d in (8, 80, 200)] == [64, 128, 256]
+    with pytest.raises(ValueError, match="multiple of 64 for wgmma without warp specialization"):
+        KernelSpec(**{**_WS, "head_dim": 96, "warp_specialized": False, "num_warps": 8, "pingpong": False,
+                      "num_stages": 3})
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -109,13 +116,31 @@ def assert_wgmma_not_serialized(report) -> None:
     assert "Potential Performance Loss" not in report.log, f"{report.spec.name}: {report.log}"
 
 
-@pytest.mark.parametrize("spec", [s for s in __import__("cuflash").spec.all_default_specs("sm90a", family="wgmma")],
-                         ids=lambda s: s.name)
+_WGMMA_SPECS = __import__("cuflash").spec.all_default_specs("sm90a", family="wgmma")
+
+
+@pytest.mark.parametrize("spec", [s for s in _WGMMA_SPECS if s.head_dim in WGMMA_DEFAULTS], ids=lambda s: s.name)
 def test_wgmma_specs_compile_without_spills(spec):
     pytest.importorskip("cupy")
     report = compile_offline(spec)
     assert not report.spills, f"{spec.name}: {report.log}"
     assert_wgmma_not_serialized(report)
+
+
+def _compile_report(spec):
+    report = compile_offline(spec)
+    return spec.name, report.spills, "Potential Performance Loss" in report.log
+
+
+def test_padded_wgmma_specs_compile_without_spills():
+    """The Hopper defaults at the head dims that take a wider one's tiles (bf16; fp16's code is
+    the same but for the element type), compiled in parallel."""
+    pytest.importorskip("cupy")
+    specs = [s for s in _WGMMA_SPECS if s.head_dim not in WGMMA_DEFAULTS and s.dtype == "bf16"]
+    assert {s.head_dim for s in specs} == set(WGMMA_HEAD_DIMS) - set(WGMMA_DEFAULTS)
+    with concurrent.futures.ProcessPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        reports = list(pool.map(_compile_report, specs))
+    assert [name for name, spills, serialized in reports if spills or serialized] == []
 
 
 @pytest.mark.parametrize("spec", __import__("cuflash").spec.all_fp8_specs("sm90a"), ids=lambda s: s.name)
@@ -254,7 +279,12 @@ def test_fp8_v_operand_kernel_compiles():
 def test_default_family_per_target():
     assert default_spec(128, "bf16", True, "sm90a").family == "wgmma"
     assert default_spec(96, "bf16", True, "sm90a").family == "wgmma"  # padded to 128 columns
-    assert default_spec(80, "bf16", True, "sm90a").family == "mma"
+    # other head dims from 32 take the tiles of the next wider one, padded to 64-column blocks
+    assert default_spec(80, "bf16", True, "sm90a").replace(head_dim=96) == default_spec(96, "bf16", True, "sm90a")
+    assert default_spec(200, "fp16", False, "sm90a", seqlen=1024).replace(head_dim=256) == \
+        default_spec(256, "fp16", False, "sm90a", seqlen=1024)
+    assert default_spec(24, "bf16", True, "sm90a").family == "mma"
+    assert default_spec(32, "bf16", True, "sm90a").family == "wgmma"
     assert default_spec(128, "bf16", True, "sm80").family == "mma"
     assert default_spec(128, "fp32", True, "sm90a").family == "simt"
     with pytest.raises(ValueError, match="wgmma"):

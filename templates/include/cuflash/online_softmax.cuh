@@ -223,8 +223,7 @@ template <bool kBF16, int kStoredTiles, int kLog2Boost, int kOT>
 __device__ __forceinline__ void merge_store(const float4* first, const float4* second, int stride, unsigned short* out,
                                             long long out_row_stride, float* lse_rows, int row0, int seqlen_q,
                                             int lane, float scale_log2, float out_scale) {
-    static_assert(kStoredTiles % 4 == 0, "whole groups of 4 column tiles");
-    constexpr int kGroups = kStoredTiles / 4;
+    constexpr int kGroups = kStoredTiles / 4;  // whole groups of 4 column tiles; the rest: below
     constexpr int kGroupsPerStep = kGroups % 4 == 0 ? 4 : kGroups % 3 == 0 ? 3 : kGroups % 2 == 0 ? 2 : 1;
     const float4 a = ld_state(first + kOT * stride), b = ld_state(second + kOT * stride);  // maxima, sums
     const float max_a[2] = {a.x, a.y}, max_b[2] = {b.x, b.y}, sum_a[2] = {a.z, a.w}, sum_b[2] = {b.z, b.w};
@@ -268,6 +267,15 @@ __device__ __forceinline__ void merge_store(const float4* first, const float4* s
                 store_group_wide(out_row[r], g0 + g, words, lane, valid[r]);
             }
     }
+#pragma unroll
+    for (int nt = 4 * kGroups; nt < kStoredTiles; ++nt) {  // head dims of 8 or 16 mod 32: 4 bytes per lane
+        const float4 x = ld_state(first + nt * stride), y = ld_state(second + nt * stride);
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            if (valid[r])
+                out_row[r][nt * 4 + lane % 4] = pack2<kBF16>(r ? x.z * scale_a[1] + y.z * scale_b[1] : x.x * scale_a[0] + y.x * scale_b[0],
+                                                             r ? x.w * scale_a[1] + y.w * scale_b[1] : x.y * scale_a[0] + y.y * scale_b[0]);
+    }
 }
 
 // finish_output into global memory: out holds the rows, out_row_stride elements apart.
@@ -286,15 +294,15 @@ __device__ __forceinline__ void store_output(const float (&o)[kMT][kOT][4], cons
 // (+1) of every n=8 tile; per 4 tiles they exchange their words (quad_transpose), so that each
 // lane stores one tile's 8 consecutive columns. A quad then writes 64 contiguous bytes of its row
 // per store, whole 32-byte sectors, with a quarter of the store instructions. The rows, out and
-// out_row_stride must allow 16-byte stores (head dims that are multiples of 32 on this kernel, a
-// 16-byte aligned out).
+// out_row_stride must allow 16-byte stores (head dims that are multiples of 8, a 16-byte aligned
+// out). The tiles past the last whole group of 4 (head dims of 8, 16 or 24 mod 32) are stored
+// 4 bytes per lane.
 template <bool kBF16, int kStoredTiles = 0, int kLog2Boost = 0, int kOT>
 __device__ __forceinline__ void store_output_wide(const float (&o)[1][kOT][4], const float (&row_max)[1][2],
                                                   const float (&row_sum)[1][2], unsigned short* out,
                                                   long long out_row_stride, float* lse_rows, int row0,
                                                   int seqlen_q, int lane, float scale_log2, float out_scale) {
     constexpr int kTiles = kStoredTiles ? kStoredTiles : kOT;
-    static_assert(kTiles % 4 == 0, "whole groups of 4 column tiles");
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const float sum = quad_sum(row_sum[0][r]);
@@ -310,6 +318,9 @@ __device__ __forceinline__ void store_output_wide(const float (&o)[1][kOT][4], c
                 words[j] = pack2<kBF16>(o[0][4 * g + j][2 * r] * inv, o[0][4 * g + j][2 * r + 1] * inv);
             store_group_wide(out_row, g, words, lane, valid);
         }
+#pragma unroll
+        for (int nt = kTiles / 4 * 4; nt < kTiles; ++nt)
+            if (valid) out_row[nt * 4 + lane % 4] = pack2<kBF16>(o[0][nt][2 * r] * inv, o[0][nt][2 * r + 1] * inv);
         if (valid && lane % 4 == 0)
             lse_rows[row] = row_lse<kLog2Boost>(row_max[0][r], sum, scale_log2);
     }
