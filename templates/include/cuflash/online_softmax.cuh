@@ -245,6 +245,12 @@ __device__ __forceinline__ void merge_store(const float4* first, const float4* s
         if (valid[r] && lane % 4 == 0)
             lse_rows[row] = row_lse<kLog2Boost>(new_max, sum, scale_log2);
     }
+    // This lane's two merged, normalized values of one column tile in row r (the tile's float4
+    // from each state), packed.
+    auto merged = [&](const float4& x, const float4& y, int r) {
+        return r ? pack2<kBF16>(x.z * scale_a[1] + y.z * scale_b[1], x.w * scale_a[1] + y.w * scale_b[1])
+                 : pack2<kBF16>(x.x * scale_a[0] + y.x * scale_b[0], x.y * scale_a[0] + y.y * scale_b[0]);
+    };
 #pragma unroll
     for (int g0 = 0; g0 < kGroups; g0 += kGroupsPerStep) {
         float4 pa[4 * kGroupsPerStep], pb[4 * kGroupsPerStep];
@@ -259,22 +265,16 @@ __device__ __forceinline__ void merge_store(const float4* first, const float4* s
             for (int r = 0; r < 2; ++r) {
                 u32 words[4];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float4 x = pa[4 * g + j], y = pb[4 * g + j];
-                    words[j] = pack2<kBF16>(r ? x.z * scale_a[1] + y.z * scale_b[1] : x.x * scale_a[0] + y.x * scale_b[0],
-                                            r ? x.w * scale_a[1] + y.w * scale_b[1] : x.y * scale_a[0] + y.y * scale_b[0]);
-                }
+                for (int j = 0; j < 4; ++j) words[j] = merged(pa[4 * g + j], pb[4 * g + j], r);
                 store_group_wide(out_row[r], g0 + g, words, lane, valid[r]);
             }
     }
 #pragma unroll
-    for (int nt = 4 * kGroups; nt < kStoredTiles; ++nt) {  // head dims of 8 or 16 mod 32: 4 bytes per lane
+    for (int nt = 4 * kGroups; nt < kStoredTiles; ++nt) {  // head dims of 8, 16 or 24 mod 32: 4 bytes per lane
         const float4 x = ld_state(first + nt * stride), y = ld_state(second + nt * stride);
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-            if (valid[r])
-                out_row[r][nt * 4 + lane % 4] = pack2<kBF16>(r ? x.z * scale_a[1] + y.z * scale_b[1] : x.x * scale_a[0] + y.x * scale_b[0],
-                                                             r ? x.w * scale_a[1] + y.w * scale_b[1] : x.y * scale_a[0] + y.y * scale_b[0]);
+            if (valid[r]) out_row[r][nt * 4 + lane % 4] = merged(x, y, r);
     }
 }
 
