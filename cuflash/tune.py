@@ -6,8 +6,9 @@ README has the timings), and keeps the first that fits the target's shared memor
 without register spills. Compiling needs NVRTC but no GPU. fp16 and bf16 kernels differ only in
 the MMA and convert mnemonics and get the same register allocation, so one entry serves both.
 
-The Hopper family (``--family wgmma``, on an sm_90 GPU): for every head dim of the
-warp-specialized kernel and both masks, every candidate (block_m, block_n, stages) that fits
+The Hopper family (``--family wgmma``, on an sm_90 GPU): for every head dim with tiles of its
+own on the warp-specialized kernel (``spec.WGMMA_DEFAULTS``; the others take the next wider
+one's, ``spec.wgmma_tile_head_dim``) and both masks, every candidate (block_m, block_n, stages) that fits
 and compiles without spills is timed on the benchmark's problems (bf16, 16k tokens, hidden 2048)
 and the fastest, by geometric mean over the sequence lengths of a length class, is kept per
 class: sequences up to ``spec.SHORT_SEQLEN`` ("short") and longer ones ("long").
@@ -77,7 +78,8 @@ def write_table(table: dict | None = None, wgmma_table: dict | None = None, path
         "WGMMA_TABLE, the warp-specialized Hopper kernel (sm90a). Key: (head_dim, causal, length\n"
         'class: "short" for sequences up to spec.SHORT_SEQLEN, else "long"). Value: (block_m,\n'
         "block_n, num_stages): the fastest spill-free candidate timed on the GPU; head dims it lacks\n"
-        'take spec.WGMMA_DEFAULTS.\n"""\n'
+        "take spec.WGMMA_DEFAULTS, and head dims without tiles of their own the next wider one's\n"
+        '(spec.wgmma_tile_head_dim).\n"""\n'
         f"TABLE = {body}\n\n"
         f"WGMMA_TABLE = {wgmma_body}\n")
 

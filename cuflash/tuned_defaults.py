@@ -7,7 +7,8 @@ target and compiles without spills.
 WGMMA_TABLE, the warp-specialized Hopper kernel (sm90a). Key: (head_dim, causal, length
 class: "short" for sequences up to spec.SHORT_SEQLEN, else "long"). Value: (block_m,
 block_n, num_stages): the fastest spill-free candidate timed on the GPU; head dims it lacks
-take spec.WGMMA_DEFAULTS.
+take spec.WGMMA_DEFAULTS, and head dims without tiles of their own the next wider one's
+(spec.wgmma_tile_head_dim).
 """
 TABLE = {('sm80', 8, False): (128, 64, 4, 3, True),
  ('sm80', 8, True): (128, 64, 4, 3, True),
