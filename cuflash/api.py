@@ -61,7 +61,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             [batch, heads, seqlen_q] (``-inf`` for a row with no key to attend).
         layout: ``"bhsd"`` or ``"bshd"``; the output uses the same layout.
         family: kernel family, for tests and comparisons: ``"wgmma"`` (Hopper warpgroup MMAs,
-            sm_90a, every head dim, the default from head dim 32; FP8: 64/128/256), ``"mma"``
+            sm_90a, every head dim, the default from head dim 24; FP8: 64/128/256), ``"mma"``
             (portable tensor-core kernel, fp16/bf16, and FP8 codes converted to fp16 on chip) or
             ``"simt"`` (float32). Default: wgmma where it applies, else the dtype's portable one.
         spec: force a :class:`cuflash.KernelSpec` (for tuning and comparisons); it must match the

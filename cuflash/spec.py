@@ -415,9 +415,9 @@ WGMMA_DEFAULTS = {64: (192, 128, 2), 96: (128, 128, 2), 128: (128, 128, 2), 192:
 
 #: The Hopper kernel is the default from this head dim up: below, the padding to 64 columns costs
 #: what warpgroup MMAs gain. On the H200 (bf16, 16k tokens, TFLOP/s at 1k / 4k / 16k, non-causal)
-#: it ran 244 / 277 / 280 against the portable kernel's 212 / 231 / 236 at head dim 32, 125 / 139
-#: / 143 against 130 / 139 / 142 at 16 (first of two rounds; README).
-WGMMA_MIN_HEAD_DIM = 32
+#: it ran 181 / 207 / 208 against the portable kernel's 156 / 165 / 167 at head dim 24, 125 / 139
+#: / 143 against 130 / 139 / 142 at 16 (README).
+WGMMA_MIN_HEAD_DIM = 24
 
 #: Head dims the Hopper kernel is the default for (fp16/bf16, sm90a); each takes the tiles of
 #: wgmma_tile_head_dim.

@@ -279,12 +279,12 @@ def test_fp8_v_operand_kernel_compiles():
 def test_default_family_per_target():
     assert default_spec(128, "bf16", True, "sm90a").family == "wgmma"
     assert default_spec(96, "bf16", True, "sm90a").family == "wgmma"  # padded to 128 columns
-    # other head dims from 32 take the tiles of the next wider one, padded to 64-column blocks
+    # other head dims from 24 take the tiles of the next wider one, padded to 64-column blocks
     assert default_spec(80, "bf16", True, "sm90a").replace(head_dim=96) == default_spec(96, "bf16", True, "sm90a")
     assert default_spec(200, "fp16", False, "sm90a", seqlen=1024).replace(head_dim=256) == \
         default_spec(256, "fp16", False, "sm90a", seqlen=1024)
-    assert default_spec(24, "bf16", True, "sm90a").family == "mma"
-    assert default_spec(32, "bf16", True, "sm90a").family == "wgmma"
+    assert default_spec(16, "bf16", True, "sm90a").family == "mma"
+    assert default_spec(24, "bf16", True, "sm90a").family == "wgmma"
     assert default_spec(128, "bf16", True, "sm80").family == "mma"
     assert default_spec(128, "fp32", True, "sm90a").family == "simt"
     with pytest.raises(ValueError, match="wgmma"):
