@@ -70,7 +70,7 @@ def test_warp_specialized_pads_head_dims_to_whole_swizzle_blocks():
     source = cuflash.generate(spec)
     assert "kHeadDim = 128;" in source and "kHeadDimStored = 96;" in source
     assert KernelSpec(**{**_WS, "head_dim": 160, "block_n": 64}).padded_head_dim == 192
-    # any multiple of 8: 8 mod 32 and 16 mod 32 leave a remainder past the 16-byte stores' groups
+    # any multiple of 8: 8, 16 or 24 mod 32 leave tiles past the 16-byte stores' groups of 32 columns
     assert [KernelSpec(**{**_WS, "head_dim": d, "block_n": 64}).padded_head_dim for d in (8, 80, 200)] == [64, 128, 256]
     with pytest.raises(ValueError, match="multiple of 64 for wgmma without warp specialization"):
         KernelSpec(**{**_WS, "head_dim": 96, "warp_specialized": False, "num_warps": 8, "pingpong": False,
@@ -116,7 +116,7 @@ def assert_wgmma_not_serialized(report) -> None:
     assert "Potential Performance Loss" not in report.log, f"{report.spec.name}: {report.log}"
 
 
-_WGMMA_SPECS = __import__("cuflash").spec.all_default_specs("sm90a", family="wgmma")
+_WGMMA_SPECS = all_default_specs("sm90a", family="wgmma")
 
 
 @pytest.mark.parametrize("spec", [s for s in _WGMMA_SPECS if s.head_dim in WGMMA_DEFAULTS], ids=lambda s: s.name)
