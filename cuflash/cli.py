@@ -151,8 +151,9 @@ def cmd_info(args) -> int:
         except ValueError as exc:
             print(f"cuflash info: error: {exc}", file=sys.stderr)
             return 2
-        rows.append(("kernel for the problem", f"{spec.name} (family {spec.family}, "
-                                                f"{spec.threads} threads, {spec.smem_bytes} bytes shared memory)"))
+        padded = f", computed at {spec.padded_head_dim} columns" if spec.padded_head_dim != spec.head_dim else ""
+        rows.append(("kernel for the problem", f"{spec.name} (family {spec.family}, {spec.threads} threads, "
+                                                f"{spec.smem_bytes} bytes shared memory{padded})"))
         from .spec import default_bwd_spec
         for deterministic in (False, True):
             bwd = default_bwd_spec(args.head_dim, args.dtype, args.causal, args.arch or arch, deterministic)

@@ -314,3 +314,6 @@ def test_info_names_the_kernel_of_a_problem(capsys):
     assert "fwd_bf16_hd128_causal_" in out and "family wgmma" in out
     assert cli.main(["info", "--head-dim", "96", "--arch", "sm80"]) == 0
     assert "family mma" in capsys.readouterr().out
+    assert cli.main(["info", "--head-dim", "80", "--arch", "sm90a"]) == 0  # Hopper pads it to 128 columns
+    out = capsys.readouterr().out
+    assert "fwd_bf16_hd80_" in out and "family wgmma" in out and "computed at 128 columns" in out
