@@ -6,7 +6,7 @@ import functools
 from . import compile as _compile
 from . import fp8 as _fp8
 from .launch import launch
-from .spec import SHORT_SEQLEN, KernelSpec, default_spec
+from .spec import FP8_WGMMA_MIN_HEAD_DIM, SHORT_SEQLEN, KernelSpec, default_spec
 from .validate import Problem, aligned_for_async_copy, readable_by_tma, validate, validate_fp8_scales
 
 _arch_of_device: dict[int, str] = {}
@@ -61,7 +61,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             [batch, heads, seqlen_q] (``-inf`` for a row with no key to attend).
         layout: ``"bhsd"`` or ``"bshd"``; the output uses the same layout.
         family: kernel family, for tests and comparisons: ``"wgmma"`` (Hopper warpgroup MMAs,
-            sm_90a, every head dim, the default from head dim 24; FP8: 64/128/256), ``"mma"``
+            sm_90a, every head dim, the default from head dim 24; FP8: multiples of 16, the default
+            from 32), ``"mma"``
             (portable tensor-core kernel, fp16/bf16, and FP8 codes converted to fp16 on chip) or
             ``"simt"`` (float32). Default: wgmma where it applies, else the dtype's portable one.
         spec: force a :class:`cuflash.KernelSpec` (for tuning and comparisons); it must match the
@@ -110,7 +111,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     with _on_device(problem.device_id):
         spec = select_spec(problem, family, out_tag) if spec is None else _check_forced_spec(spec, problem, out_tag)
         if prepared_v is not None and not (spec.fp8 and spec.warp_specialized):
-            raise ValueError(f"a prepared V is read by the Hopper FP8 kernel only (head dims 64/128/256 on sm90a); "
+            raise ValueError(f"a prepared V is read by the Hopper FP8 kernel only (sm90a, head dims that are multiples "
+                             f"of 16 from {FP8_WGMMA_MIN_HEAD_DIM}); "
                              f"this call runs {spec.name}: pass V itself")
         out = cupy.empty(problem.out_shape, dtype=scales.out_dtype.numpy if scales else q.dtype)
         lse = cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)

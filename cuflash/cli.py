@@ -155,7 +155,7 @@ def cmd_info(args) -> int:
         rows.append(("kernel for the problem", f"{spec.name} (family {spec.family}, {spec.threads} threads, "
                                                 f"{spec.smem_bytes} bytes shared memory{padded})"))
         from .spec import default_bwd_spec
-        for deterministic in (False, True):
+        for deterministic in (False, True) if not spec.fp8 else ():  # FP8 attention is forward only
             bwd = default_bwd_spec(args.head_dim, args.dtype, args.causal, args.arch or arch, deterministic)
             label = "backward (deterministic)" if deterministic else "backward"
             rows.append((label, f"{bwd.name} (family {bwd.family}, {bwd.threads} threads, "

@@ -281,7 +281,8 @@ class PreparedV:
 def prepare_v(v, layout: str = "bhsd") -> PreparedV:
     """V's FP8 codes (a uint8 or int8 CuPy array in ``layout``) rearranged once into the layout
     the Hopper FP8 kernel reads, for repeated calls of :func:`cuflash.attention` with
-    ``fp8_format`` set (head dims 64, 128 and 256 on sm_90a; other calls need V itself)."""
+    ``fp8_format`` set (on sm_90a, head dims that are multiples of 16 from 32; other calls need V
+    itself)."""
     import cupy
 
     if not isinstance(v, cupy.ndarray) or v.dtype.itemsize != 1 or v.ndim != 4:

@@ -317,3 +317,9 @@ def test_info_names_the_kernel_of_a_problem(capsys):
     assert cli.main(["info", "--head-dim", "80", "--arch", "sm90a"]) == 0  # Hopper pads it to 128 columns
     out = capsys.readouterr().out
     assert "fwd_bf16_hd80_" in out and "family wgmma" in out and "computed at 128 columns" in out
+    # FP8 is forward only: no backward line; 96 runs the Hopper kernel at 128 columns, 72 the portable one
+    assert cli.main(["info", "--head-dim", "96", "--dtype", "e4m3", "--arch", "sm90a"]) == 0
+    out = capsys.readouterr().out
+    assert "fwd_e4m3obf16_hd96_" in out and "computed at 128 columns" in out and "backward" not in out
+    assert cli.main(["info", "--head-dim", "72", "--dtype", "e5m2", "--arch", "sm90a"]) == 0
+    assert "fwd_e5m2obf16_hd72_" in (out := capsys.readouterr().out) and "family mma" in out

@@ -110,16 +110,44 @@ def test_key_tiles_other_than_the_default(fmt, causal, block_n, hopper, poison):
         run_and_check(problem, poison, spec=spec)
 
 
+#: Head dims without Hopper FP8 tiles of their own (padded to 128-column blocks), one format each.
+PADDED_FP8 = [(32, "e4m3"), (80, "e5m2"), (96, "e4m3"), (160, "e5m2"), (192, "e4m3"), (240, "e5m2")]
+
+
+@pytest.fixture(scope="module")
+def warm_padded_fp8_kernels(hopper):
+    from cuflash.spec import default_spec
+
+    cuflash.warmup([default_spec(d, t, c, "sm90a", out_dtype=o) for d, t in PADDED_FP8 for c in (False, True)
+                    for o in ("bf16", "fp16")], progress=False)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim,fmt", PADDED_FP8)
+def test_padded_head_dims(head_dim, fmt, causal, warm_padded_fp8_kernels, poison):
+    """Head dims that are multiples of 16 without tiles of their own run the Hopper kernel by
+    default, computed at the next multiple of 128 columns (96 at 128, 160 at 256)."""
+    assert cuflash.spec.default_spec(head_dim, fmt, causal, "sm90a").family == "wgmma"
+    check_every_kernel(fmt, head_dim, causal, poison)
+
+
+def test_padded_head_dims_dealt_out_by_keys(hopper, poison):
+    """A padded head dim whose last tiles are dealt out by keys (launch.split_plan)."""
+    problem = Fp8AttentionProblem(3, 100, 20, 250, 700, 96, "e4m3", "head", "bf16")
+    run_and_check(problem, poison)
+
+
 @pytest.mark.parametrize("out_dtype", ["bf16", "fp16"])
-def test_head_dim_96_runs_the_portable_fp8_kernel(out_dtype, warm_portable_fp8_kernels, poison, monkeypatch):
-    """Head dim 96 has no Hopper FP8 kernel: by default (on Hopper too) the portable kernel runs
-    on the codes themselves, under the same contract and tolerance (any GPU)."""
-    problem = Fp8AttentionProblem(2, 4, 2, 150, 211, 96, "e4m3", "head", out_dtype, causal=True, layout="bshd")
+def test_head_dim_72_runs_the_portable_fp8_kernel(out_dtype, warm_portable_fp8_kernels, poison, monkeypatch):
+    """Head dim 72 (8 mod 16: rows TMA cannot copy) has no Hopper FP8 kernel: by default (on
+    Hopper too) the portable kernel runs on the codes themselves, under the same contract and
+    tolerance (any GPU)."""
+    problem = Fp8AttentionProblem(2, 4, 2, 150, 211, 72, "e4m3", "head", out_dtype, causal=True, layout="bshd")
     launched = []
     get_kernel = compile_mod.get_kernel
     monkeypatch.setattr(compile_mod, "get_kernel", lambda spec, device: launched.append(spec) or get_kernel(spec, device))
     run_and_check(problem, poison)
-    want = cuflash.spec.default_spec(96, "e4m3", True, compile_mod.device_arch(), out_dtype=out_dtype)
+    want = cuflash.spec.default_spec(72, "e4m3", True, compile_mod.device_arch(), out_dtype=out_dtype)
     assert launched == [want] and want.family == "mma" and want.converts_fp8, launched
 
 
@@ -219,9 +247,9 @@ def test_prepared_v_is_for_the_hopper_kernel_and_its_own_call(hopper):
         cuflash.attention(q, k, prepared, fp8_format="e4m3", family="mma")
     with pytest.raises(ValueError, match="k.shape"):
         cuflash.attention(q, _codes((1, 2, 41, 128)), prepared, fp8_format="e4m3")
-    q96 = _codes((1, 2, 40, 96))
+    q72 = _codes((1, 2, 40, 72))  # 8 mod 16: the portable kernel
     with pytest.raises(ValueError, match="Hopper FP8 kernel only"):
-        cuflash.attention(q96, q96, cuflash.prepare_v(q96), fp8_format="e4m3")
+        cuflash.attention(q72, q72, cuflash.prepare_v(q72), fp8_format="e4m3")
     with pytest.raises(TypeError, match="FP8 codes"):
         cuflash.prepare_v(_half((1, 2, 40, 128)))
 

@@ -8,8 +8,8 @@ import pytest
 
 import cuflash
 from cuflash.compile import compile_offline
-from cuflash.spec import (ARCHS, HEAD_DIMS, WGMMA_DEFAULTS, WGMMA_HEAD_DIMS, KernelSpec, all_default_specs,
-                          default_spec)
+from cuflash.spec import (ARCHS, FP8_WGMMA_DEFAULTS, FP8_WGMMA_MIN_HEAD_DIM, HEAD_DIMS, WGMMA_DEFAULTS,
+                          WGMMA_HEAD_DIMS, KernelSpec, all_default_specs, default_spec)
 
 
 def test_spec_name_is_readable_and_filename_safe():
@@ -151,12 +151,34 @@ def test_fp8_specs_compile_without_spills(spec):
     assert_wgmma_not_serialized(report)
 
 
+def test_padded_fp8_specs_compile_without_spills():
+    """The Hopper FP8 defaults at the head dims that take a wider one's tiles (e4m3, bf16 output;
+    e5m2 and fp16 differ by one conversion each), compiled in parallel."""
+    pytest.importorskip("cupy")
+    head_dims = [d for d in HEAD_DIMS if d % 16 == 0 and d >= FP8_WGMMA_MIN_HEAD_DIM and d not in FP8_WGMMA_DEFAULTS]
+    specs = [default_spec(d, "e4m3", c, "sm90a") for d in head_dims for c in (False, True)]
+    assert all(s.family == "wgmma" for s in specs) and len(head_dims) == 12
+    with concurrent.futures.ProcessPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        reports = list(pool.map(_compile_report, specs))
+    assert [name for name, spills, serialized in reports if spills or serialized] == []
+
+
 def test_fp8_specs_and_their_limits():
     spec = default_spec(64, "e5m2", False, "sm90a", out_dtype="fp16")
     assert (spec.padded_head_dim, spec.block_n, spec.out_dtype, spec.elem_bytes) == (128, 192, "fp16", 1)
     assert spec.name.startswith("fwd_e5m2ofp16_hd64_")
+    # head dims without tiles of their own take the next wider one's, padded to 128 columns
+    assert default_spec(96, "e4m3", True, "sm90a").replace(head_dim=128) == default_spec(128, "e4m3", True, "sm90a")
+    assert default_spec(160, "e5m2", False, "sm90a").replace(head_dim=256) == default_spec(256, "e5m2", False, "sm90a")
+    assert default_spec(32, "e4m3", False, "sm90a").padded_head_dim == 128
+    # below FP8_WGMMA_MIN_HEAD_DIM, and at 8 mod 16 (TMA rows of whole 16 bytes), the portable kernel
+    assert default_spec(16, "e4m3", False, "sm90a").family == "mma"
+    assert default_spec(16, "e4m3", False, "sm90a", family="wgmma").family == "wgmma"
+    assert default_spec(72, "e4m3", False, "sm90a").family == "mma"
     with pytest.raises(ValueError, match="FP8 attention has a Hopper kernel"):
-        default_spec(96, "e4m3", False, "sm90a", family="wgmma")
+        default_spec(72, "e4m3", False, "sm90a", family="wgmma")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        spec.replace(head_dim=72)
     with pytest.raises(ValueError, match="FP8 attention has a Hopper kernel"):
         default_spec(128, "e4m3", False, "sm80", family="wgmma")
     with pytest.raises(ValueError, match="out_dtype"):
@@ -199,13 +221,13 @@ def test_portable_fp8_defaults_cover_every_head_dim_and_target():
             for fmt in ("e4m3", "e5m2"):
                 for out_dtype in ("bf16", "fp16"):
                     spec = default_spec(head_dim, fmt, True, arch, out_dtype=out_dtype)
-                    hopper = arch == "sm90a" and head_dim in (64, 128, 256)
+                    hopper = arch == "sm90a" and head_dim % 16 == 0 and head_dim >= FP8_WGMMA_MIN_HEAD_DIM
                     assert spec.family == ("wgmma" if hopper else "mma") and spec.out_dtype == out_dtype
                     assert spec.smem_bytes <= cuflash.spec.SMEM_LIMIT[arch]
                     names.add(spec.name)
     assert len(names) == len(ARCHS) * len(HEAD_DIMS) * 2 * 2
-    spec = default_spec(96, "e5m2", False, "sm90a", out_dtype="fp16")
-    assert spec.name == "fwd_e5m2ofp16_hd96_m128n64w8s2_sm90a" and spec.converts_fp8
+    spec = default_spec(88, "e5m2", False, "sm90a", out_dtype="fp16")
+    assert spec.name == "fwd_e5m2ofp16_hd88_m128n64w8s2_sm90a" and spec.converts_fp8
     assert default_spec(128, "e4m3", False, "sm90a", family="mma").family == "mma"
     assert default_spec(128, "e4m3", False, "sm86").block_n == 32  # the smaller shared memory
     source = cuflash.generate(default_spec(72, "e4m3", True, "sm80"))
