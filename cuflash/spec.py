@@ -465,7 +465,7 @@ def fp8_wgmma_tile_head_dim(head_dim: int) -> int:
     return min(d for d in FP8_WGMMA_DEFAULTS if d >= head_dim)
 
 
-def fp8_wgmma_fits(head_dim: int, arch: str) -> bool:
+def fp8_wgmma_covers(head_dim: int, arch: str) -> bool:
     """Whether the Hopper FP8 kernel can run a head dim on a target (it need not be the default)."""
     return arch == "sm90a" and head_dim in HEAD_DIMS and head_dim % 16 == 0
 
@@ -494,10 +494,10 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
     (family mma, :func:`fp8_portable_spec`)."""
     entry = dtypes.from_tag(dtype)
     if entry.tag in dtypes.FP8_DTYPES and (family == "mma" or family is None and not (
-            fp8_wgmma_fits(head_dim, arch) and head_dim >= FP8_WGMMA_MIN_HEAD_DIM)):
+            fp8_wgmma_covers(head_dim, arch) and head_dim >= FP8_WGMMA_MIN_HEAD_DIM)):
         return fp8_portable_spec(head_dim, entry.tag, causal, arch, out_dtype or "bf16")
     if entry.tag in dtypes.FP8_DTYPES:
-        if not fp8_wgmma_fits(head_dim, arch) or family not in (None, "wgmma"):
+        if not fp8_wgmma_covers(head_dim, arch) or family not in (None, "wgmma"):
             raise ValueError(f"FP8 attention has a Hopper kernel (family wgmma) for head dims that are "
                              f"multiples of 16 on sm90a and the portable one (family mma) everywhere; "
                              f"got head_dim={head_dim}, arch={arch!r}, family={family!r}")
@@ -583,8 +583,9 @@ FP8_PORTABLE_TEST_HEAD_DIMS = (64, 72, 80, 96, 128, 256)
 
 
 def all_fp8_specs(arch: str = "sm90a", causal=(False, True)) -> list[KernelSpec]:
-    """Every Hopper FP8 specialization of a target: formats x head dims x causal x output dtypes
-    (none off sm90a; the portable ones are :func:`all_fp8_portable_specs`)."""
+    """The Hopper FP8 specializations of a target at the head dims with tiles of their own (64,
+    128, 256): formats x head dims x causal x output dtypes (none off sm90a; the portable ones
+    are :func:`all_fp8_portable_specs`). Other multiples of 16 run the same code padded."""
     if arch != "sm90a":
         return []
     return [default_spec(d, t, c, arch, out_dtype=o) for t in dtypes.FP8_DTYPES for d in FP8_WGMMA_DEFAULTS
