@@ -62,9 +62,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
         layout: ``"bhsd"`` or ``"bshd"``; the output uses the same layout.
         family: kernel family, for tests and comparisons: ``"wgmma"`` (Hopper warpgroup MMAs,
             sm_90a, every head dim, the default from head dim 24; FP8: multiples of 16, the default
-            from 32), ``"mma"``
-            (portable tensor-core kernel, fp16/bf16, and FP8 codes converted to fp16 on chip) or
-            ``"simt"`` (float32). Default: wgmma where it applies, else the dtype's portable one.
+            from 32), ``"mma"`` (portable tensor-core kernel, fp16/bf16, and FP8 codes converted to
+            fp16 on chip) or ``"simt"`` (float32). Default: wgmma where it applies, else the
+            dtype's portable one.
         spec: force a :class:`cuflash.KernelSpec` (for tuning and comparisons); it must match the
             problem's head_dim, dtype and causality and the device's target.
         fp8_format: ``"e4m3"`` or ``"e5m2"``: q, k and v are 1-byte arrays (uint8) of FP8 codes

@@ -427,11 +427,16 @@ WGMMA_MIN_HEAD_DIM = 24
 WGMMA_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d >= WGMMA_MIN_HEAD_DIM)
 
 
+def _tiles_head_dim(head_dim: int, tuned) -> int:
+    """The smallest head dim of ``tuned`` (a table of tiles by head dim) at least as wide."""
+    return min(d for d in tuned if d >= head_dim)
+
+
 def wgmma_tile_head_dim(head_dim: int) -> int:
     """The head dim of :data:`WGMMA_DEFAULTS` (and of the tuned table) whose tiles a head dim takes
     on the warp-specialized kernel: the smallest one at least as wide. Every head dim is computed
     padded to whole 64-column blocks, so e.g. 80 runs 96's tiles at 128 columns."""
-    return min(d for d in WGMMA_DEFAULTS if d >= head_dim)
+    return _tiles_head_dim(head_dim, WGMMA_DEFAULTS)
 
 
 #: The Hopper kernel's tiles may differ for short sequences, where the causal diagonal and each
@@ -462,7 +467,7 @@ FP8_WGMMA_MIN_HEAD_DIM = 32
 def fp8_wgmma_tile_head_dim(head_dim: int) -> int:
     """The head dim of :data:`FP8_WGMMA_DEFAULTS` whose tiles an FP8 head dim takes on the
     Hopper kernel: the smallest one at least as wide (96 runs 128's tiles, 160 runs 256's)."""
-    return min(d for d in FP8_WGMMA_DEFAULTS if d >= head_dim)
+    return _tiles_head_dim(head_dim, FP8_WGMMA_DEFAULTS)
 
 
 def fp8_wgmma_covers(head_dim: int, arch: str) -> bool:
@@ -472,11 +477,13 @@ def fp8_wgmma_covers(head_dim: int, arch: str) -> bool:
 
 def default_family(head_dim: int, dtype: str, arch: str) -> str:
     """The family cuflash runs by default: wgmma on Hopper from head dim
-    :data:`WGMMA_MIN_HEAD_DIM` up, else the portable tensor-core kernel (fp16/bf16) or the exact
-    float32 one."""
+    :data:`WGMMA_MIN_HEAD_DIM` up (FP8: multiples of 16 from :data:`FP8_WGMMA_MIN_HEAD_DIM`),
+    else the portable tensor-core kernel (fp16/bf16, FP8 codes) or the exact float32 one."""
     entry = dtypes.from_tag(dtype)
     if not entry.tensor_core:
         return "simt"
+    if entry.tag in dtypes.FP8_DTYPES:
+        return "wgmma" if fp8_wgmma_covers(head_dim, arch) and head_dim >= FP8_WGMMA_MIN_HEAD_DIM else "mma"
     if arch == "sm90a" and head_dim >= WGMMA_MIN_HEAD_DIM:
         return "wgmma"
     return "mma"
@@ -493,11 +500,11 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
     has the head dim (family wgmma), else the portable kernel, which converts the codes on chip
     (family mma, :func:`fp8_portable_spec`)."""
     entry = dtypes.from_tag(dtype)
-    if entry.tag in dtypes.FP8_DTYPES and (family == "mma" or family is None and not (
-            fp8_wgmma_covers(head_dim, arch) and head_dim >= FP8_WGMMA_MIN_HEAD_DIM)):
-        return fp8_portable_spec(head_dim, entry.tag, causal, arch, out_dtype or "bf16")
     if entry.tag in dtypes.FP8_DTYPES:
-        if not fp8_wgmma_covers(head_dim, arch) or family not in (None, "wgmma"):
+        family = family or default_family(head_dim, entry.tag, arch)
+        if family == "mma":
+            return fp8_portable_spec(head_dim, entry.tag, causal, arch, out_dtype or "bf16")
+        if not fp8_wgmma_covers(head_dim, arch) or family != "wgmma":
             raise ValueError(f"FP8 attention has a Hopper kernel (family wgmma) for head dims that are "
                              f"multiples of 16 on sm90a and the portable one (family mma) everywhere; "
                              f"got head_dim={head_dim}, arch={arch!r}, family={family!r}")
