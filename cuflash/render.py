@@ -69,7 +69,8 @@ def generate(spec: KernelSpec | BwdSpec) -> str:
             param_fields=BWD_PARAM_FIELDS,
             nvrtc_arch=nvrtc_arch(spec.arch),
             include_dir=include_dir(),
-            sorted_ns=sorted({spec.block_m, spec.head_dim, spec.head_dim // 2, spec.head_dim // 4} - {0}),
+            sorted_ns=sorted({spec.block_m, spec.padded_head_dim, spec.padded_head_dim // 2,
+                              spec.padded_head_dim // 4} - {0}),
         )
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"generate() takes a cuflash.KernelSpec or BwdSpec, got {type(spec).__name__}")

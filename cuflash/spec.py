@@ -661,10 +661,9 @@ class BwdSpec:
         if self.family not in FAMILIES or (self.family != "simt") != dtypes.DTYPES[self.dtype].tensor_core:
             problems.append(f"family={self.family!r} does not take dtype={self.dtype} (mma, wgmma: fp16/bf16; simt: fp32)")
         elif self.family == "wgmma":
-            if self.arch != "sm90a" or self.head_dim not in BWD_WGMMA_HEAD_DIMS:
-                problems.append(f"the wgmma backward covers head dims {BWD_WGMMA_HEAD_DIMS} on sm90a "
-                                f"(got head_dim={self.head_dim}, arch={self.arch})")
-            block_n = 64 if self.head_dim > 128 else 128
+            if self.arch != "sm90a":
+                problems.append(f"the wgmma backward needs sm90a (got arch={self.arch})")
+            block_n = 64 if self.padded_head_dim > 128 else 128
             if (self.block_m, self.block_n, self.num_warps) != (64, block_n, 8) or self.num_stages < 2:
                 problems.append(f"the wgmma backward at head_dim={self.head_dim} takes block_m=64, block_n={block_n}, "
                                 f"num_warps=8 and at least 2 stages (got {self.block_m}, {self.block_n}, "
@@ -738,7 +737,16 @@ class BwdSpec:
     def split_head_dim(self) -> bool:
         """wgmma, head dims over 128: both warpgroups share the key rows, each with half of the
         head dim of dK and dV."""
-        return self.family == "wgmma" and self.head_dim > 128
+        return self.family == "wgmma" and self.padded_head_dim > 128
+
+    @property
+    def padded_head_dim(self) -> int:
+        """wgmma: the head dim computed, the smallest of :data:`BWD_WGMMA_HEAD_DIMS` at least as
+        wide (copies fill the missing columns with zeros; the extra gradient columns are not
+        stored); other families compute the head dim itself."""
+        if self.family != "wgmma":
+            return self.head_dim
+        return min(d for d in BWD_WGMMA_HEAD_DIMS if d >= self.head_dim)
 
     @property
     def d_split(self) -> int:
@@ -800,9 +808,9 @@ class BwdSpec:
         """Byte offsets of the K/V-outer kernel's shared-memory regions, and its total."""
         if self.family == "simt":
             return {"total": (2 * self.block_m * self.head_dim + 2 * self.block_m) * 4}
-        if self.family == "wgmma":  # unpadded swizzled tiles at 1024-byte boundaries, slack to align the base
-            kv = self.block_n * self.head_dim * 2
-            q = self.block_m * self.head_dim * 2
+        if self.family == "wgmma":  # swizzled tiles (padded head dim) at 1024-byte boundaries, slack to align the base
+            kv = self.block_n * self.padded_head_dim * 2
+            q = self.block_m * self.padded_head_dim * 2
             layout, offset = {}, 0
             scores = self.block_n * self.block_m * 2
             for region, size in (("k", kv), ("v", kv), ("q", self.num_stages * q), ("do", self.num_stages * q),
@@ -868,9 +876,10 @@ BWD_CANDIDATES = (
     (256, 64, 64, 8, 2), (256, 32, 64, 8, 2), (256, 16, 64, 8, 2), (256, 16, 32, 4, 2),
 )
 
-#: Head dims of the Hopper (wgmma) backward. Up to 128, two warpgroups of 64 key rows keep dK
-#: and dV in registers; at 256 the warpgroups split the head dim (see split_head_dim) into
-#: halves of whole 64-column blocks, which transposed operands need.
+#: Head dims of the Hopper (wgmma) backward, the default there. Up to 128, two warpgroups of 64
+#: key rows keep dK and dV in registers; at 256 the warpgroups split the head dim (see
+#: split_head_dim) into halves of whole 64-column blocks, which transposed operands need. Other
+#: head dims run it padded to the next of these with ``family="wgmma"``.
 BWD_WGMMA_HEAD_DIMS = (64, 128, 256)
 
 #: Tiles of the float32 backward: (block_m, block_n, num_warps).
@@ -896,8 +905,9 @@ def default_bwd_spec(head_dim: int, dtype: str, causal: bool, arch: str, determi
         bm, bn, w = BWD_SIMT_TILES
         return BwdSpec(head_dim, entry.tag, causal, bm, bn, w, 1, arch, deterministic=True)
     if family == "wgmma":  # a third query tile in flight pays off where the tiles are small (H200)
-        return BwdSpec(head_dim, entry.tag, causal, 64, 64 if head_dim > 128 else 128, 8,
-                       3 if head_dim == 64 else 2, arch, deterministic, family="wgmma")
+        padded = min(d for d in BWD_WGMMA_HEAD_DIMS if d >= head_dim)
+        return BwdSpec(head_dim, entry.tag, causal, 64, 64 if padded > 128 else 128, 8,
+                       3 if padded == 64 else 2, arch, deterministic, family="wgmma")
     for max_d, bm, bn, w, s in BWD_CANDIDATES:
         if head_dim > max_d:
             continue

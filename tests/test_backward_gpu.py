@@ -179,6 +179,30 @@ def test_portable_backward_on_every_target(head_dim, causal, deterministic, warm
                            baselines=problem.backward_naive(dout, q, k, v))
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim,dtype", [(32, "fp16"), (80, "bf16"), (96, "fp16"), (160, "bf16"), (200, "fp16")])
+def test_hopper_backward_padded(head_dim, dtype, causal, deterministic, poison):
+    """The Hopper backward at head dims it computes padded (to 64, 128 or 256 columns): tails,
+    GQA, seqlen_q != seqlen_k."""
+    from cuflash.compile import device_arch
+    from cuflash.spec import default_bwd_spec
+
+    if device_arch() != "sm90a":
+        pytest.skip("the Hopper backward needs sm_90a")
+    problem = AttentionProblem(batch=2, heads=4, heads_k=2, seqlen_q=200, seqlen_k=150, head_dim=head_dim,
+                               dtype=dtype, causal=causal)
+    spec = default_bwd_spec(head_dim, dtype, causal, "sm90a", deterministic, family="wgmma")
+    assert spec.padded_head_dim > head_dim
+    q, k, v = problem.make_inputs(cupy)
+    dout = problem.make_dout(cupy)
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    poison(q.nbytes, k.nbytes, v.nbytes)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic, spec=spec)
+    assert_gradients_close(grads, problem.backward_reference(dout, q, k, v), dtype,
+                           baselines=problem.backward_naive(dout, q, k, v))
+
+
 def test_forced_backward_spec_must_match(warm_bwd_kernels):
     from cuflash.compile import device_arch
     from cuflash.spec import default_bwd_spec

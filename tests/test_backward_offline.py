@@ -31,6 +31,22 @@ def test_default_family_per_target():
         BwdSpec(128, "bf16", False, 64, 128, 8, 2, "sm80", family="wgmma")
     with pytest.raises(ValueError, match="family='simt' does not take dtype=bf16"):
         default_bwd_spec(128, "bf16", True, "sm90a", family="simt")
+    # forced elsewhere, the Hopper backward computes the next of 64 / 128 / 256 columns
+    padded = default_bwd_spec(96, "bf16", True, "sm90a", family="wgmma")
+    assert (padded.padded_head_dim, padded.block_n, padded.split_head_dim) == (128, 128, False)
+    assert padded.name == "bwd_bf16_hd96_causal_m64n128w8s2_wgmma_sm90a"
+    wide = default_bwd_spec(160, "fp16", False, "sm90a", True, family="wgmma")
+    assert (wide.padded_head_dim, wide.block_n, wide.split_head_dim) == (256, 64, True)
+    assert default_bwd_spec(32, "bf16", False, "sm90a", family="wgmma").num_stages == 3  # 64's tiles
+    source = cuflash.generate(padded)
+    assert "kHeadDim = 128;" in source and "kHeadDimStored = 96;" in source and "kChunksValid = 12;" in source
+
+
+@pytest.mark.parametrize("head_dim", [80, 200])
+def test_padded_hopper_backward_compiles_without_spills(head_dim):
+    pytest.importorskip("cupy")
+    report = compile_offline(default_bwd_spec(head_dim, "bf16", True, "sm90a", family="wgmma"))
+    assert not report.spills and "Potential Performance Loss" not in report.log, report.log
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -99,8 +99,10 @@ struct WorkItem {
 
 // Copy kRows rows of kChunksPerRow 16-byte chunks with cp.async, thread `tid` of kThreads taking
 // every kThreads-th chunk; smem_offset(row, chunk) places a chunk in the tile. Rows at or past
-// rows_valid are zero-filled. kRolled keeps the loop rolled (for threads short of registers).
-template <int kRows, int kChunksPerRow, int kThreads, bool kRolled = false, class SmemOffset>
+// rows_valid are zero-filled, and so are the chunks at or past kChunksValid of every row (a
+// tile padded past the head dim). kRolled keeps the loop rolled (for threads short of registers).
+template <int kRows, int kChunksPerRow, int kThreads, bool kRolled = false, int kChunksValid = kChunksPerRow,
+          class SmemOffset>
 __device__ __forceinline__ void copy_rows_async(SmemOffset smem_offset, u32 smem_tile,
                                                 const unsigned short* gmem, long long row_stride,
                                                 int rows_valid, int tid) {
@@ -111,7 +113,7 @@ __device__ __forceinline__ void copy_rows_async(SmemOffset smem_offset, u32 smem
         if (kChunks % kThreads == 0 || idx < kChunks) {
             const int row = idx / kChunksPerRow;
             const int chunk = idx % kChunksPerRow;
-            const bool valid = row < rows_valid;
+            const bool valid = row < rows_valid && (kChunksValid == kChunksPerRow || chunk < kChunksValid);
             const unsigned short* src = valid ? gmem + row * row_stride + chunk * 8 : gmem;
             cp_async_16(smem_tile + smem_offset(row, chunk), src, valid);
         }

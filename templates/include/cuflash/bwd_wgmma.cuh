@@ -17,8 +17,14 @@
 // operands of their halves of dV += P^T dO and dK += dS^T Q.
 // The masking, the probabilities and the epilogue are those of the mma.sync backward.
 //
-// The generated kernel provides Cfg with kHeadDim, kBlockM, kBlockN, kStages, kCausal, kBF16,
-// kDeterministic, kSplitD, kChunksPerRow, kSmemK, kSmemV, kSmemQ, kSmemDO, kQTileBytes, kSmemLse2,
+// Head dims other than 64, 128 and 256 are computed padded to the next of them (kHeadDim; the
+// problem's is kHeadDimStored): the copies fill the missing columns of Q, K, V and dO with zeros,
+// which add nothing to S^T, dP^T or the products, and the extra columns of dK, dV and dQ are
+// neither stored nor accumulated.
+//
+// The generated kernel provides Cfg with kHeadDim, kHeadDimStored, kBlockM, kBlockN, kStages,
+// kCausal, kBF16, kDeterministic, kSplitD, kChunksPerRow (of the padded tile), kChunksValid (of
+// the problem's rows), kSmemK, kSmemV, kSmemQ, kSmemDO, kQTileBytes, kSmemLse2,
 // kSmemDelta, kSmemDS, kSmemP, the Params struct and the wgmma_scores / wgmma_grad (or
 // wgmma_grad_ss) / wgmma_dq wrappers.
 #pragma once
@@ -31,6 +37,7 @@ template <class Cfg>
 __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
     constexpr bool kBF16 = Cfg::kBF16;
     constexpr int kD = Cfg::kHeadDim;
+    constexpr int kDStored = Cfg::kHeadDimStored;  // <= kD; dQ's accumulator rows are this wide
     constexpr int kBM = Cfg::kBlockM;
     constexpr int kBN = Cfg::kBlockN;
     constexpr int kQT = kBM / 8;          // n=8 tiles of S^T (query columns)
@@ -63,17 +70,20 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
                               + w.head_k * p.k_head_stride + w.n0 * p.k_row_stride;
     const unsigned short* v = static_cast<const unsigned short*>(p.v) + w.batch * p.v_batch_stride
                               + w.head_k * p.v_head_stride + w.n0 * p.v_row_stride;
-    copy_rows_async<kBN, Cfg::kChunksPerRow, kThreads>(kv_layout, sK, k, p.k_row_stride, p.seqlen_k - w.n0, tid);
-    copy_rows_async<kBN, Cfg::kChunksPerRow, kThreads>(kv_layout, sV, v, p.v_row_stride, p.seqlen_k - w.n0, tid);
+    constexpr int kValid = Cfg::kChunksValid;
+    copy_rows_async<kBN, Cfg::kChunksPerRow, kThreads, false, kValid>(kv_layout, sK, k, p.k_row_stride,
+                                                                      p.seqlen_k - w.n0, tid);
+    copy_rows_async<kBN, Cfg::kChunksPerRow, kThreads, false, kValid>(kv_layout, sV, v, p.v_row_stride,
+                                                                      p.seqlen_k - w.n0, tid);
     cp_async_commit();
 
     // Step t's query tile (DkdvWork::step_head / step_m0) into ring slot `slot`.
     auto load_step = [&](int t, int slot) {
         const int m0 = w.step_m0<kBM>(t);
         const QueryRows rows = query_rows(p, w.batch, w.step_head(p.group, t), m0);
-        copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads>(q_layout, sQ + slot * Cfg::kQTileBytes, rows.q,
+        copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads, false, kValid>(q_layout, sQ + slot * Cfg::kQTileBytes, rows.q,
                                                            p.q_row_stride, p.seqlen_q - m0, tid);
-        copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads>(q_layout, sDO + slot * Cfg::kQTileBytes, rows.dout,
+        copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads, false, kValid>(q_layout, sDO + slot * Cfg::kQTileBytes, rows.dout,
                                                            p.do_row_stride, p.seqlen_q - m0, tid);
         load_row_stats_async<kBM, kThreads>(base + Cfg::kSmemLse2 + slot * kBM * 4,
                                             base + Cfg::kSmemDelta + slot * kBM * 4,
@@ -233,11 +243,12 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
                 fence_operands(acc_dv);
                 fence_operands(acc_dk);
                 float* accum = p.dq_accum + ((static_cast<long long>(w.batch) * p.heads + head) * p.rows_padded
-                                             + m0 + (warp % 4) * 16 + lane / 4) * kD + col0 + 2 * (lane % 4);
+                                             + m0 + (warp % 4) * 16 + lane / 4) * kDStored + col0 + 2 * (lane % 4);
 #pragma unroll
                 for (int nt = 0; nt < kChunkCols / 8; ++nt) {
+                    if (kDStored < kD && col0 + nt * 8 >= kDStored) break;  // padded columns
                     atomic_add2(accum + nt * 8, dq[nt][0], dq[nt][1]);
-                    atomic_add2(accum + 8 * kD + nt * 8, dq[nt][2], dq[nt][3]);
+                    atomic_add2(accum + 8 * kDStored + nt * 8, dq[nt][2], dq[nt][3]);
                 }
             }
         } else {
@@ -253,8 +264,11 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
                          + w.head_k * p.dk_head_stride + key * p.dk_row_stride + grad_col0;
     unsigned short* dv = static_cast<unsigned short*>(p.dv) + w.batch * p.dv_batch_stride
                          + w.head_k * p.dv_head_stride + key * p.dv_row_stride + grad_col0;
-    store_fragments<kBF16>(acc_dk, dk, p.dk_row_stride, 0, p.seqlen_k - key, lane, p.scale);
-    store_fragments<kBF16>(acc_dv, dv, p.dv_row_stride, 0, p.seqlen_k - key, lane, 1.f);
+    // Only the problem's columns; a warpgroup of kSplitD whose half lies wholly in the padding
+    // stores nothing.
+    const int cols_valid = kDStored == kD ? kGradCols : kDStored - grad_col0;
+    store_fragments<kBF16>(acc_dk, dk, p.dk_row_stride, 0, p.seqlen_k - key, lane, p.scale, cols_valid);
+    store_fragments<kBF16>(acc_dv, dv, p.dv_row_stride, 0, p.seqlen_k - key, lane, 1.f, cols_valid);
 }
 
 }  // namespace cuflash

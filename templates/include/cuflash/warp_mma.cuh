@@ -168,11 +168,12 @@ __device__ __forceinline__ void zero_fragments(float (&c)[kNT][4]) {
 }
 
 // Store a warp's 16 x 8*kNT fp32 block, times `scale`, as 16-bit values into rows `row0 + ...`
-// of a global tile (rows at or past rows_valid are skipped).
+// of a global tile (rows at or past rows_valid are skipped, and n=8 tiles at or past column
+// cols_valid, a multiple of 8, where a tile was padded past the head dim).
 template <bool kBF16, int kNT>
 __device__ __forceinline__ void store_fragments(const float (&c)[kNT][4], unsigned short* out,
                                                 long long row_stride, int row0, int rows_valid,
-                                                int lane, float scale) {
+                                                int lane, float scale, int cols_valid = 8 * kNT) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = row0 + lane / 4 + r * 8;
@@ -180,7 +181,7 @@ __device__ __forceinline__ void store_fragments(const float (&c)[kNT][4], unsign
         u32* dst = reinterpret_cast<u32*>(out + row * row_stride) + lane % 4;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
-            dst[nt * 4] = pack2<kBF16>(c[nt][2 * r] * scale, c[nt][2 * r + 1] * scale);
+            if (nt * 8 < cols_valid) dst[nt * 4] = pack2<kBF16>(c[nt][2 * r] * scale, c[nt][2 * r + 1] * scale);
     }
 }
 
