@@ -746,7 +746,7 @@ class BwdSpec:
         stored); other families compute the head dim itself."""
         if self.family != "wgmma":
             return self.head_dim
-        return min(d for d in BWD_WGMMA_HEAD_DIMS if d >= self.head_dim)
+        return _tiles_head_dim(self.head_dim, BWD_WGMMA_HEAD_DIMS)
 
     @property
     def d_split(self) -> int:
@@ -876,11 +876,23 @@ BWD_CANDIDATES = (
     (256, 64, 64, 8, 2), (256, 32, 64, 8, 2), (256, 16, 64, 8, 2), (256, 16, 32, 4, 2),
 )
 
-#: Head dims of the Hopper (wgmma) backward, the default there. Up to 128, two warpgroups of 64
-#: key rows keep dK and dV in registers; at 256 the warpgroups split the head dim (see
-#: split_head_dim) into halves of whole 64-column blocks, which transposed operands need. Other
-#: head dims run it padded to the next of these with ``family="wgmma"``.
+#: Head dims the Hopper (wgmma) backward computes. Up to 128, two warpgroups of 64 key rows keep
+#: dK and dV in registers; at 256 the warpgroups split the head dim (see split_head_dim) into
+#: halves of whole 64-column blocks, which transposed operands need. Other head dims run it
+#: padded to the next of these.
 BWD_WGMMA_HEAD_DIMS = (64, 128, 256)
+
+#: The narrowest head dim the Hopper backward is the default for, by the width it is padded to
+#: (fp16/bf16, sm90a). On the H200 (bf16, 16k tokens, TFLOP/s at 1k / 4k / 16k, non-causal) the
+#: padded kernel ran 163 / 193 / 202 against the portable kernel's 142 / 165 / 171 at head dim 40
+#: but 141 / 160 / 166 against 144 / 166 / 172 at 32; 164 / 185 / 190 against 159 / 178 / 184 at
+#: 176 but 157 / 176 / 181 against 161 / 180 / 186 at 168 (README).
+BWD_WGMMA_MIN_HEAD_DIM = {64: 40, 128: 72, 256: 176}
+
+
+def bwd_wgmma_is_default(head_dim: int) -> bool:
+    """Whether the Hopper backward is the default at a head dim (fp16/bf16, sm90a)."""
+    return head_dim >= BWD_WGMMA_MIN_HEAD_DIM[_tiles_head_dim(head_dim, BWD_WGMMA_HEAD_DIMS)]
 
 #: Tiles of the float32 backward: (block_m, block_n, num_warps).
 BWD_SIMT_TILES = (32, 32, 8)
@@ -898,14 +910,14 @@ def default_bwd_spec(head_dim: int, dtype: str, causal: bool, arch: str, determi
         raise ValueError(f"arch={arch!r} is not supported (one of {list(SMEM_LIMIT)})")
     if family is None:
         family = "simt" if not entry.tensor_core else \
-            "wgmma" if arch == "sm90a" and head_dim in BWD_WGMMA_HEAD_DIMS else "mma"
+            "wgmma" if arch == "sm90a" and bwd_wgmma_is_default(head_dim) else "mma"
     if family not in FAMILIES or (family == "simt") == entry.tensor_core:
         raise ValueError(f"family={family!r} does not take dtype={entry.tag} (mma, wgmma: fp16/bf16; simt: fp32)")
     if family == "simt":
         bm, bn, w = BWD_SIMT_TILES
         return BwdSpec(head_dim, entry.tag, causal, bm, bn, w, 1, arch, deterministic=True)
     if family == "wgmma":  # a third query tile in flight pays off where the tiles are small (H200)
-        padded = min(d for d in BWD_WGMMA_HEAD_DIMS if d >= head_dim)
+        padded = _tiles_head_dim(head_dim, BWD_WGMMA_HEAD_DIMS)
         return BwdSpec(head_dim, entry.tag, causal, 64, 64 if padded > 128 else 128, 8,
                        3 if padded == 64 else 2, arch, deterministic, family="wgmma")
     for max_d, bm, bn, w, s in BWD_CANDIDATES:

@@ -69,7 +69,7 @@ def test_awkward_lengths(seqlens, causal, warm_bwd_kernels, poison):
                                     dtype="bf16", causal=causal), poison)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 200, 256])
 def test_deterministic_gives_identical_bits(head_dim, warm_bwd_kernels):
     problem = AttentionProblem(batch=2, heads=4, heads_k=1, seqlen_q=1000, seqlen_k=1000, head_dim=head_dim,
                                dtype="bf16", causal=True)
