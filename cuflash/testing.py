@@ -29,11 +29,14 @@ from . import dtypes, fp8, reference, spec
 #: Sequence lengths that do not fall on tile boundaries; the strategies favour them.
 AWKWARD_SEQLENS = (1, 17, 113, 239, 1023)
 
-#: What the FP8 kernel covers: formats, descale granularities, output dtypes and head dims.
+#: What the FP8 kernels take: formats, descale granularities and output dtypes.
 FP8_FORMATS = ("e4m3", "e5m2")
 FP8_GRANULARITIES = ("tensor", "head")
 FP8_OUT_DTYPES = reference.FP8_OUT_DTYPES
-FP8_HEAD_DIMS = (64, 128, 256)
+#: The head dims the FP8 strategy draws by default: those with Hopper FP8 tiles of their own
+#: (spec.FP8_WGMMA_DEFAULTS: 64, 128, 256). FP8 runs at every head dim of spec.HEAD_DIMS; pass
+#: ``head_dims=`` to draw others.
+FP8_HEAD_DIMS = tuple(spec.FP8_WGMMA_DEFAULTS)
 
 #: Upper bound on ``batch * heads * seqlen_q * seqlen_k * head_dim`` of drawn problems, so the
 #: float64 reference of one example stays well under a second on a laptop core.
@@ -555,8 +558,9 @@ def fp8_attention_problems(*, head_dims=FP8_HEAD_DIMS, formats=FP8_FORMATS, gran
                            max_work: int = MAX_PROBLEM_WORK):
     """A Hypothesis strategy of :class:`Fp8AttentionProblem`.
 
-    Head dims, formats, granularities and output dtypes are ``sampled_from`` their arguments (the
-    defaults are the FP8 kernel's whole set), so the kernels a test compiles stay bounded.
+    Head dims, formats, granularities and output dtypes are ``sampled_from`` their arguments (by
+    default every format, granularity and output dtype, and the head dims of
+    :data:`FP8_HEAD_DIMS`), so the kernels a test compiles stay bounded.
     ``causal`` is a bool to fix it or None to draw it. Sequence lengths favour
     :data:`AWKWARD_SEQLENS` and are shrunk to ``max_work`` as in :func:`attention_problems`.
     With ``outliers`` half the problems get 4 outlier channels 50x larger in q and k, with the
