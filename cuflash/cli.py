@@ -158,8 +158,9 @@ def cmd_info(args) -> int:
         for deterministic in (False, True) if not spec.fp8 else ():  # FP8 attention is forward only
             bwd = default_bwd_spec(args.head_dim, args.dtype, args.causal, args.arch or arch, deterministic)
             label = "backward (deterministic)" if deterministic else "backward"
+            padded = f", computed at {bwd.padded_head_dim} columns" if bwd.padded_head_dim != bwd.head_dim else ""
             rows.append((label, f"{bwd.name} (family {bwd.family}, {bwd.threads} threads, "
-                                f"{bwd.smem_bytes} + {bwd.dq_smem_bytes} bytes shared memory)"))
+                                f"{bwd.smem_bytes} + {bwd.dq_smem_bytes} bytes shared memory{padded})"))
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
