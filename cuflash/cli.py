@@ -120,6 +120,11 @@ def _fail(command: str, message: str, code: int) -> int:
 
 
 # -- info -------------------------------------------------------------------------------------
+def _computed_at(spec) -> str:
+    """", computed at N columns" for a kernel that pads the head dim, else nothing."""
+    return f", computed at {spec.padded_head_dim} columns" if spec.padded_head_dim != spec.head_dim else ""
+
+
 def cmd_info(args) -> int:
     env = environment()
     rows = [
@@ -151,16 +156,14 @@ def cmd_info(args) -> int:
         except ValueError as exc:
             print(f"cuflash info: error: {exc}", file=sys.stderr)
             return 2
-        padded = f", computed at {spec.padded_head_dim} columns" if spec.padded_head_dim != spec.head_dim else ""
         rows.append(("kernel for the problem", f"{spec.name} (family {spec.family}, {spec.threads} threads, "
-                                                f"{spec.smem_bytes} bytes shared memory{padded})"))
+                                                f"{spec.smem_bytes} bytes shared memory{_computed_at(spec)})"))
         from .spec import default_bwd_spec
         for deterministic in (False, True) if not spec.fp8 else ():  # FP8 attention is forward only
             bwd = default_bwd_spec(args.head_dim, args.dtype, args.causal, args.arch or arch, deterministic)
             label = "backward (deterministic)" if deterministic else "backward"
-            padded = f", computed at {bwd.padded_head_dim} columns" if bwd.padded_head_dim != bwd.head_dim else ""
             rows.append((label, f"{bwd.name} (family {bwd.family}, {bwd.threads} threads, "
-                                f"{bwd.smem_bytes} + {bwd.dq_smem_bytes} bytes shared memory{padded})"))
+                                f"{bwd.smem_bytes} + {bwd.dq_smem_bytes} bytes shared memory{_computed_at(bwd)})"))
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -81,10 +81,10 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
     auto load_step = [&](int t, int slot) {
         const int m0 = w.step_m0<kBM>(t);
         const QueryRows rows = query_rows(p, w.batch, w.step_head(p.group, t), m0);
-        copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads, false, kValid>(q_layout, sQ + slot * Cfg::kQTileBytes, rows.q,
-                                                           p.q_row_stride, p.seqlen_q - m0, tid);
-        copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads, false, kValid>(q_layout, sDO + slot * Cfg::kQTileBytes, rows.dout,
-                                                           p.do_row_stride, p.seqlen_q - m0, tid);
+        copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads, false, kValid>(
+            q_layout, sQ + slot * Cfg::kQTileBytes, rows.q, p.q_row_stride, p.seqlen_q - m0, tid);
+        copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads, false, kValid>(
+            q_layout, sDO + slot * Cfg::kQTileBytes, rows.dout, p.do_row_stride, p.seqlen_q - m0, tid);
         load_row_stats_async<kBM, kThreads>(base + Cfg::kSmemLse2 + slot * kBM * 4,
                                             base + Cfg::kSmemDelta + slot * kBM * 4,
                                             p.lse2 + rows.row, p.delta + rows.row, tid);
