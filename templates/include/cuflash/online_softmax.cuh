@@ -150,17 +150,41 @@ __device__ __forceinline__ void fp8_probs_operand(u32 (&a)[4], const float (&s)[
 }
 
 // The natural-log LSE of a row from its raw running max and its (quad-summed) sum, with
-// softmax_step's boost taken out; -inf for a row that saw no key (sum 0).
+// softmax_step's boost taken out; -inf for a row that saw no key (sum 0). A row that saw a key
+// has a sum of at least 1 (its max's own term), where lg2.approx is accurate to 2^-22.
 template <int kLog2Boost>
 __device__ __forceinline__ float row_lse(float row_max, float sum, float scale_log2) {
     constexpr float kLn2 = 0.6931471805599453f;
-    return sum == 0.f ? neg_inf() : row_max * scale_log2 * kLn2 + logf(sum) - kLog2Boost * kLn2;
+    return sum == 0.f ? neg_inf() : (row_max * scale_log2 + log2_approx(sum) - kLog2Boost) * kLn2;
+}
+
+// What the end of a query tile needs per row of the warp: inv, out_scale over the quad-summed
+// sum (0 for a row that saw no key, so that its output is 0), and the LSE. Straight-line code
+// for all rows at once, so that their shuffles and special-function ops overlap. The quotient
+// is __fdividef's (2 ulp), ample for outputs rounded to 16 bits.
+template <int kLog2Boost, int kMT>
+__device__ __forceinline__ void row_totals(const float (&row_max)[kMT][2], const float (&row_sum)[kMT][2],
+                                           float scale_log2, float out_scale, float (&inv)[kMT][2],
+                                           float (&lse)[kMT][2]) {
+    float sum[kMT][2];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) sum[mt][r] = quad_sum(row_sum[mt][r]);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            inv[mt][r] = sum[mt][r] == 0.f ? 0.f : __fdividef(out_scale, sum[mt][r]);
+            lse[mt][r] = row_lse<kLog2Boost>(row_max[mt][r], sum[mt][r], scale_log2);
+        }
 }
 
 // Normalize a warp's output rows (to a 16-bit dtype), hand them to write(row, nt, packed), and
-// store the natural-log LSE: row counts from row0 (rows at or past seqlen_q are skipped), packed
-// holds this lane's two values of n=8 column tile nt (columns 8 nt + 2 (lane % 4), + 1), for
-// the first kStoredTiles tiles (all of them when 0; fewer when the head dim was padded).
+// store the natural-log LSE: row counts from row0, packed holds this lane's two values of n=8
+// column tile nt (columns 8 nt + 2 (lane % 4), + 1), for the first kStoredTiles tiles (all of
+// them when 0; fewer when the head dim was padded). Every row is written, those at or past
+// seqlen_q too (write skips them where they have no place); their LSE is not stored.
 // A row whose sum is 0 saw no key: O = 0, LSE = -inf. A NaN sum stays NaN. The rows are
 // multiplied by out_scale (FP8: v's descale); kLog2Boost is softmax_step's.
 template <bool kBF16, int kStoredTiles = 0, int kLog2Boost = 0, int kMT, int kOT, class Write>
@@ -168,21 +192,18 @@ __device__ __forceinline__ void finish_output(const float (&o)[kMT][kOT][4], con
                                               const float (&row_sum)[kMT][2], float* lse_rows, int row0,
                                               int seqlen_q, int lane, float scale_log2, float out_scale,
                                               Write write) {
+    float inv[kMT][2], lse[kMT][2];
+    row_totals<kLog2Boost>(row_max, row_sum, scale_log2, out_scale, inv, lse);
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const float sum = quad_sum(row_sum[mt][r]);
             const int local_row = mt * 16 + lane / 4 + r * 8;
-            const int row = row0 + local_row;
-            if (row >= seqlen_q) continue;
-            const float inv = sum == 0.f ? 0.f : out_scale / sum;
 #pragma unroll
             for (int nt = 0; nt < (kStoredTiles ? kStoredTiles : kOT); ++nt)
-                write(local_row, nt, pack2<kBF16>(o[mt][nt][2 * r] * inv, o[mt][nt][2 * r + 1] * inv));
-            if (lane % 4 == 0) lse_rows[row] = row_lse<kLog2Boost>(row_max[mt][r], sum, scale_log2);
+                write(local_row, nt, pack2<kBF16>(o[mt][nt][2 * r] * inv[mt][r], o[mt][nt][2 * r + 1] * inv[mt][r]));
+            if (row0 + local_row < seqlen_q && lane % 4 == 0) lse_rows[row0 + local_row] = lse[mt][r];
         }
-    }
 }
 
 // A row block's softmax state split by keys: save_state writes one thread's unnormalized output
@@ -236,7 +257,7 @@ __device__ __forceinline__ void merge_store(const float4* first, const float4* s
         const float base = new_max == neg_inf() ? 0.f : new_max * scale_log2;  // as in softmax_step
         const float wa = exp2_approx(max_a[r] * scale_log2 - base), wb = exp2_approx(max_b[r] * scale_log2 - base);
         const float sum = quad_sum(sum_a[r] * wa + sum_b[r] * wb);
-        const float inv = sum == 0.f ? 0.f : out_scale / sum;
+        const float inv = sum == 0.f ? 0.f : __fdividef(out_scale, sum);
         scale_a[r] = wa * inv;
         scale_b[r] = wb * inv;
         const int row = row0 + lane / 4 + r * 8;
@@ -286,7 +307,7 @@ __device__ __forceinline__ void store_output(const float (&o)[kMT][kOT][4], cons
                                              int seqlen_q, int lane, float scale_log2, float out_scale = 1.f) {
     finish_output<kBF16, kStoredTiles, kLog2Boost>(
         o, row_max, row_sum, lse_rows, row0, seqlen_q, lane, scale_log2, out_scale, [&](int row, int nt, u32 packed) {
-            reinterpret_cast<u32*>(out + (row0 + row) * out_row_stride)[nt * 4 + lane % 4] = packed;
+            if (row0 + row < seqlen_q) reinterpret_cast<u32*>(out + (row0 + row) * out_row_stride)[nt * 4 + lane % 4] = packed;
         });
 }
 
@@ -303,26 +324,25 @@ __device__ __forceinline__ void store_output_wide(const float (&o)[1][kOT][4], c
                                                   long long out_row_stride, float* lse_rows, int row0,
                                                   int seqlen_q, int lane, float scale_log2, float out_scale) {
     constexpr int kTiles = kStoredTiles ? kStoredTiles : kOT;
+    float inv[1][2], lse[1][2];
+    row_totals<kLog2Boost>(row_max, row_sum, scale_log2, out_scale, inv, lse);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const float sum = quad_sum(row_sum[0][r]);
         const int row = row0 + lane / 4 + r * 8;
         const bool valid = row < seqlen_q;
-        const float inv = sum == 0.f ? 0.f : out_scale / sum;
         u32* out_row = reinterpret_cast<u32*>(out + (valid ? row : row0) * out_row_stride);
 #pragma unroll
         for (int g = 0; g < kTiles / 4; ++g) {
             u32 words[4];
 #pragma unroll
             for (int j = 0; j < 4; ++j)
-                words[j] = pack2<kBF16>(o[0][4 * g + j][2 * r] * inv, o[0][4 * g + j][2 * r + 1] * inv);
+                words[j] = pack2<kBF16>(o[0][4 * g + j][2 * r] * inv[0][r], o[0][4 * g + j][2 * r + 1] * inv[0][r]);
             store_group_wide(out_row, g, words, lane, valid);
         }
 #pragma unroll
         for (int nt = kTiles / 4 * 4; nt < kTiles; ++nt)
-            if (valid) out_row[nt * 4 + lane % 4] = pack2<kBF16>(o[0][nt][2 * r] * inv, o[0][nt][2 * r + 1] * inv);
-        if (valid && lane % 4 == 0)
-            lse_rows[row] = row_lse<kLog2Boost>(row_max[0][r], sum, scale_log2);
+            if (valid) out_row[nt * 4 + lane % 4] = pack2<kBF16>(o[0][nt][2 * r] * inv[0][r], o[0][nt][2 * r + 1] * inv[0][r]);
+        if (valid && lane % 4 == 0) lse_rows[row] = lse[0][r];
     }
 }
 
