@@ -385,9 +385,9 @@ class KernelSpec:
 
     def _smem_bytes(self, o_stage_bytes: int) -> int:
         """wgmma: unpadded swizzled tiles (Q, the K/V ring, the output tile if staged), then
-        (warp-specialized) 2 + 4 * stages mbarriers and the current tile's number, and slack to
-        align the base."""
-        return self.smem_o_offset + o_stage_bytes + (8 * (2 + 4 * self.num_stages) + 16) * self.warp_specialized + 1024
+        (warp-specialized) 2 + 4 * stages mbarriers and the current work item (32 bytes), and
+        slack to align the base."""
+        return self.smem_o_offset + o_stage_bytes + (8 * (2 + 4 * self.num_stages) + 32) * self.warp_specialized + 1024
 
     @property
     def min_blocks_per_sm(self) -> int:

@@ -28,6 +28,18 @@ struct BlockWork {
         init(p, tile % q_tiles, q_tiles, rest % p.heads, rest / p.heads);
     }
 
+    // The same tile from its (query tile, head, batch), as coords divides its number.
+    template <class Params>
+    __device__ __forceinline__ BlockWork(const Params& p, int3 at, int q_tiles) {
+        init(p, at.x, q_tiles, at.y, at.z);
+    }
+
+    template <class Params>
+    __device__ __forceinline__ static int3 coords(const Params& p, int tile, int q_tiles) {
+        const int rest = tile / q_tiles;
+        return make_int3(tile % q_tiles, rest % p.heads, rest / p.heads);
+    }
+
     template <class Params>
     __device__ __forceinline__ void init(const Params& p, int x, int q_tiles, int head_, int batch_) {
         head = head_;
