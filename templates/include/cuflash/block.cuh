@@ -21,23 +21,22 @@ struct BlockWork {
         init(p, blockIdx.x, gridDim.x, blockIdx.y, blockIdx.z);
     }
 
-    // Work tile `tile` of a persistent block, numbered as the blocks of that grid would be.
-    template <class Params>
-    __device__ __forceinline__ BlockWork(const Params& p, int tile, int q_tiles) {
-        const int rest = tile / q_tiles;
-        init(p, tile % q_tiles, q_tiles, rest % p.heads, rest / p.heads);
-    }
-
-    // The same tile from its (query tile, head, batch), as coords divides its number.
-    template <class Params>
-    __device__ __forceinline__ BlockWork(const Params& p, int3 at, int q_tiles) {
-        init(p, at.x, q_tiles, at.y, at.z);
-    }
-
+    // Work tile `tile` of a persistent block, numbered as the blocks of that grid would be, as
+    // (query tile, head, batch).
     template <class Params>
     __device__ __forceinline__ static int3 coords(const Params& p, int tile, int q_tiles) {
         const int rest = tile / q_tiles;
         return make_int3(tile % q_tiles, rest % p.heads, rest / p.heads);
+    }
+
+    // That tile, from its number or from its coords.
+    template <class Params>
+    __device__ __forceinline__ BlockWork(const Params& p, int tile, int q_tiles)
+        : BlockWork(p, coords(p, tile, q_tiles), q_tiles) {}
+
+    template <class Params>
+    __device__ __forceinline__ BlockWork(const Params& p, int3 at, int q_tiles) {
+        init(p, at.x, q_tiles, at.y, at.z);
     }
 
     template <class Params>
