@@ -15,7 +15,7 @@ import numpy as np
 from .spec import BWD_PARAM_FIELDS, PARAM_FIELDS, BwdSpec, KernelSpec, ceil_div
 from .validate import Fp8Scales, Problem
 
-_FORMATS = {"u8": "Q", "i8": "q", "i4": "i", "f4": "f"}
+_FORMATS = {"u8": "Q", "i8": "q", "u4": "I", "i4": "i", "f4": "f"}
 _STRUCT = struct.Struct("<" + "".join(_FORMATS[fmt] for _, _, fmt in PARAM_FIELDS))
 _PARAMS = np.dtype((np.void, _STRUCT.size))
 _BWD_STRUCT = struct.Struct("<" + "".join(_FORMATS[fmt] for _, _, fmt in BWD_PARAM_FIELDS))
@@ -126,11 +126,25 @@ def _split_workspace(spec: KernelSpec, plan: SplitPlan, key: tuple):
 _split_workspaces: dict = {}
 
 
+@functools.lru_cache(maxsize=4096)
+def divider(d: int) -> tuple[int, int]:
+    """(magic, shifts) with which a kernel divides any unsigned 32-bit n by d >= 1 without a
+    divide instruction (ptx.cuh fast_div): t = umulhi(magic, n), n / d = (t + ((n - t) >> s1))
+    >> s2, shifts = s1 | s2 << 8. The round-up method for unsigned division by an invariant
+    (Granlund and Montgomery); magic fits in 32 bits for every d."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"divisor {d} must be in [1, 2**31)")
+    log2_up = (d - 1).bit_length()
+    magic = ((1 << 32) * ((1 << log2_up) - d)) // d + 1
+    return magic, min(log2_up, 1) | max(log2_up - 1, 0) << 8
+
+
 def pack_params(problem: Problem, q, k, v, out, lse, out_strides, tile_counter: int = 0,
-                scales: Fp8Scales | None = None, plan: SplitPlan | None = None, split=(0, 0)) -> np.ndarray:
+                scales: Fp8Scales | None = None, plan: SplitPlan | None = None, split=(0, 0),
+                q_tiles: int = 1) -> np.ndarray:
     """The parameter block as a one-element void array, which CuPy passes by value. ``scales``:
     the descales of an FP8 call; ``plan`` and ``split`` (pointers to the states and flags): how
-    the warp-specialized kernel deals out its work."""
+    the warp-specialized kernel deals out its work; ``q_tiles``: its query tiles per head."""
     descales = (0, 0, 0) if scales is None else \
         (scales.q_descale.data.ptr, scales.k_descale.data.ptr, scales.v_descale.data.ptr)
     descale_strides = (0, 0, 0, 0) if scales is None else (*scales.q_strides, *scales.kv_strides)
@@ -140,7 +154,9 @@ def pack_params(problem: Problem, q, k, v, out, lse, out_strides, tile_counter: 
         problem.heads, problem.heads // max(problem.heads_k, 1),
         problem.seqlen_q, problem.seqlen_k,
         problem.scale * _LOG2E, problem.batch, *descale_strides,
-        *(plan or SplitPlan(0)), 0,
+        *(plan or SplitPlan(0)),
+        *divider(max(q_tiles, 1)), *divider(max(problem.heads, 1)), *divider(max(problem.heads // max(problem.heads_k, 1), 1)),
+        0,
     )
     return np.frombuffer(raw, dtype=_PARAMS)
 
@@ -159,7 +175,8 @@ def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_st
         if plan.shares:
             states, flags = _split_workspace(spec, plan, key)
             split = (states.data.ptr, flags.data.ptr)
-        args = (pack_params(problem, q, k, v, out, lse, out_strides, counter.data.ptr, scales, plan, split),
+        args = (pack_params(problem, q, k, v, out, lse, out_strides, counter.data.ptr, scales, plan, split,
+                            ceil_div(problem.seqlen_q, spec.block_m)),
                 forward_maps(spec, problem, q, k, v))
         if spec.tma_store:
             from .tma import output_map

@@ -385,9 +385,9 @@ class KernelSpec:
 
     def _smem_bytes(self, o_stage_bytes: int) -> int:
         """wgmma: unpadded swizzled tiles (Q, the K/V ring, the output tile if staged), then
-        (warp-specialized) 2 + 4 * stages mbarriers and the current work item (32 bytes), and
-        slack to align the base."""
-        return self.smem_o_offset + o_stage_bytes + (8 * (2 + 4 * self.num_stages) + 32) * self.warp_specialized + 1024
+        (warp-specialized) 2 + 4 * stages mbarriers and the current tile's number, and slack to
+        align the base."""
+        return self.smem_o_offset + o_stage_bytes + (8 * (2 + 4 * self.num_stages) + 16) * self.warp_specialized + 1024
 
     @property
     def min_blocks_per_sm(self) -> int:
@@ -977,7 +977,12 @@ PARAM_FIELDS = (
     ("kv_descale_batch_stride", "int", "i4"), ("kv_descale_head_stride", "int", "i4"),
     # warp-specialized kernel: work counter values below dp_tiles are whole tiles, the next
     # `shares` values shares of the share_units key tiles of the remaining tiles (block.cuh)
-    ("dp_tiles", "int", "i4"), ("shares", "int", "i4"), ("share_units", "int", "i4"), ("_pad", "int", "i4"),
+    ("dp_tiles", "int", "i4"), ("shares", "int", "i4"), ("share_units", "int", "i4"),
+    # Division without a divide instruction (launch.divider, ptx.cuh fast_div) by the query tiles
+    # per head (warp-specialized kernel), the query heads and the query heads per kv head
+    ("q_tiles_magic", "unsigned", "u4"), ("q_tiles_shifts", "int", "i4"),
+    ("heads_magic", "unsigned", "u4"), ("heads_shifts", "int", "i4"),
+    ("group_magic", "unsigned", "u4"), ("group_shifts", "int", "i4"), ("_pad", "int", "i4"),
 )
 
 

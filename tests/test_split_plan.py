@@ -71,3 +71,28 @@ def test_fp8_splits_short_sequences_too():
     assert launch.split_plan(spec, one_key_tile) == launch.SplitPlan(300)
     wide = default_spec(256, "e4m3", False, "sm90a", out_dtype="bf16")
     assert launch.split_plan(wide, fp8) == launch.SplitPlan(300 - 168, 132, 168 * 8)  # 128-key tiles
+
+
+def _fast_div(n: int, magic: int, shifts: int) -> int:
+    """ptx.cuh fast_div, in unsigned 32-bit arithmetic."""
+    t = (magic * n) >> 32
+    return (t + (((n - t) & 0xFFFFFFFF) >> (shifts & 0xFF))) >> (shifts >> 8)
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 5, 7, 8, 9, 16, 17, 31, 32, 33, 100, 127, 128, 129, 641, 1000, 65535,
+                               65536, 65537, 2**20 + 1, 2**30 - 1, 2**30, 2**30 + 1, 2**31 - 1])
+def test_divider_divides_every_32_bit_int(d):
+    """The kernels' division by a launch-time divisor (work tiles into query tile, head and batch;
+    heads into kv heads) matches integer division wherever a numerator can lie."""
+    magic, shifts = launch.divider(d)
+    assert 0 < magic < 2**32
+    numerators = {0, 1, d - 1, d, d + 1, 2**31 - 1, 2**31 - 2, (2**31 - 1) // d * d, (2**31 - 1) // d * d - 1}
+    numerators |= set(range(0, 5000)) | {k * d + r for k in (1, 2, 3, 1000, 65535) for r in (-1, 0, 1)}
+    for n in sorted(x for x in numerators if 0 <= x < 2**31):
+        assert _fast_div(n, magic, shifts) == n // d, (n, d)
+
+
+def test_divider_rejects_what_it_cannot_divide_by():
+    for d in (0, -3, 2**31):
+        with pytest.raises(ValueError, match="divisor"):
+            launch.divider(d)

@@ -21,22 +21,13 @@ struct BlockWork {
         init(p, blockIdx.x, gridDim.x, blockIdx.y, blockIdx.z);
     }
 
-    // Work tile `tile` of a persistent block, numbered as the blocks of that grid would be, as
-    // (query tile, head, batch).
+    // Work tile `tile` of a persistent block, numbered as the blocks of that grid would be
+    // (q_tiles: p.seqlen_q over kBlockM, rounded up, as p.q_tiles_magic divides).
     template <class Params>
-    __device__ __forceinline__ static int3 coords(const Params& p, int tile, int q_tiles) {
-        const int rest = tile / q_tiles;
-        return make_int3(tile % q_tiles, rest % p.heads, rest / p.heads);
-    }
-
-    // That tile, from its number or from its coords.
-    template <class Params>
-    __device__ __forceinline__ BlockWork(const Params& p, int tile, int q_tiles)
-        : BlockWork(p, coords(p, tile, q_tiles), q_tiles) {}
-
-    template <class Params>
-    __device__ __forceinline__ BlockWork(const Params& p, int3 at, int q_tiles) {
-        init(p, at.x, q_tiles, at.y, at.z);
+    __device__ __forceinline__ BlockWork(const Params& p, int tile, int q_tiles) {
+        const int rest = fast_div(tile, p.q_tiles_magic, p.q_tiles_shifts);
+        const int batch_ = fast_div(rest, p.heads_magic, p.heads_shifts);
+        init(p, tile - rest * q_tiles, q_tiles, rest - batch_ * p.heads, batch_);
     }
 
     template <class Params>
@@ -44,7 +35,7 @@ struct BlockWork {
         head = head_;
         batch = batch_;
         bh = batch * p.heads + head;
-        head_k = head / p.group;
+        head_k = fast_div(head, p.group_magic, p.group_shifts);
         // Query tiles vary fastest, so the blocks resident together share one head's K/V in L2;
         // within a head the heaviest (last) tiles go first, so a causal grid ends on short blocks.
         m0 = (q_tiles - 1 - x) * kBlockM;

@@ -86,16 +86,10 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     auto empty_k = [&](int slot) { return q_full + 16 + 16 * kStages + 8 * slot; };
     auto empty_v = [&](int slot) { return q_full + 16 + 24 * kStages + 8 * slot; };
     // The block's next work item (block.cuh; tile -1: none left), handed from the producer warp
-    // to the consumers through 32 bytes of shared memory and named barriers: the producer writes
-    // it and arrives on each consumer's kTileFull + group; each consumer syncs there (with the
-    // producer alone), reads it and arrives on kTileEmpty, where the producer syncs before
-    // writing the next one.
+    // to the consumers through named barriers: the producer writes it and arrives on each
+    // consumer's kTileFull + group; each consumer syncs there (with the producer alone), reads
+    // it and arrives on kTileEmpty, where the producer syncs before writing the next one.
     const u32 current_item = q_full + 16 + 32 * kStages;
-    // 16-bit kernels: the item's second 16 bytes hold its (query tile, head, batch), divided out
-    // by the producer, so that a consumer starts a tile without integer divisions (bf16 +1-3% at
-    // 1k keys on the H200). FP8 kernels divide in the consumers: with the hand-over, ptxas
-    // scheduled their key loop differently, and it ran 3-4% slower.
-    constexpr bool kHandCoords = !Cfg::kFp8;
     constexpr int kTileFull = 7, kTileEmpty = 15;  // 1..3 take turns, 4..6 order a warpgroup (below)
     constexpr int kTileThreads = 32 + 128 * kConsumers;
 
@@ -151,20 +145,15 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                     item = WorkItem::whole(value < p.dp_tiles ? value : -1);
                 }
             }
-            const bool done = item.tile < 0;
-            int3 at;  // 16-bit: the item's (query tile, head, batch), handed to the consumers
-            if constexpr (kHandCoords) at = done ? make_int3(0, 0, 0) : Work::coords(p, item.tile, q_tiles);
             if (q_count > 0) {
                 mbar_wait(q_empty, (q_count - 1) & 1);              // the consumers are done with Q
                 named_barrier_sync(kTileEmpty, kTileThreads);      // and have read its work item
             }
-            if (leader) {
-                st_shared_v4(current_item, item.tile, item.t_begin, item.t_end, item.kind | item.slot << 2);
-                if constexpr (kHandCoords) st_shared_v4(current_item + 16, at.x, at.y, at.z, 0);
-            }
+            const bool done = item.tile < 0;
+            if (leader) st_shared_v4(current_item, item.tile, item.t_begin, item.t_end, item.kind | item.slot << 2);
             for (int g = 0; g < kConsumers; ++g) named_barrier_arrive(kTileFull + g, 32 + 128);
             if (done) break;
-            const Work work = kHandCoords ? Work(p, at, q_tiles) : Work(p, item.tile, q_tiles);
+            const Work work(p, item.tile, q_tiles);
             const int n_tiles = work.n_tiles;
             const int t_begin = item.t_begin, t_end = min(item.t_end, n_tiles);
             if (leader) {
@@ -246,11 +235,9 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         if (tile < 0) break;
         const int t_begin = ld_shared(current_item + 4), t_end = ld_shared(current_item + 8);
         const int kind_slot = ld_shared(current_item + 12);  // kind | slot << 2
-        int3 at;
-        if constexpr (kHandCoords) at = make_int3(ld_shared(current_item + 16), ld_shared(current_item + 20), ld_shared(current_item + 24));
         named_barrier_arrive(kTileEmpty, kTileThreads);
         mbar_wait(q_full, q_count & 1);
-        const Work work = kHandCoords ? Work(p, at, q_tiles) : Work(p, tile, q_tiles);
+        const Work work(p, tile, q_tiles);
         const int n_tiles = min(t_end, work.n_tiles) - t_begin;  // key tiles this item visits
         const int first_n0 = (work.n_tiles - 1 - t_begin) * kBN;  // the first one's keys
         // No row of this consumer exists. Taken from lane 0, so that the compiler sees a
