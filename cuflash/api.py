@@ -20,22 +20,28 @@ def _arch(device_id: int) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _default(head_dim: int, dtype: str, causal: bool, device_id: int, family, out_dtype, seqlen: int) -> KernelSpec:
-    return default_spec(head_dim, dtype, causal, _arch(device_id), family, out_dtype, seqlen)
+def _default(head_dim: int, dtype: str, causal: bool, device_id: int, family, out_dtype, seqlen: int,
+             lse: bool) -> KernelSpec:
+    return default_spec(head_dim, dtype, causal, _arch(device_id), family, out_dtype, seqlen, lse)
 
 
-def select_spec(problem: Problem, family: str | None = None, out_dtype: str | None = None) -> KernelSpec:
+def select_spec(problem: Problem, family: str | None = None, out_dtype: str | None = None,
+                lse: bool = True) -> KernelSpec:
     """The specialization cuflash runs for a validated problem on its device (of ``family``, or
-    of the default family there; FP8 inputs: writing ``out_dtype``; tiles by length class)."""
+    of the default family there; FP8 inputs: writing ``out_dtype``; tiles by length class;
+    ``lse``: whether the caller takes the LSE)."""
     # Lengths past SHORT_SEQLEN all take the long tiles: one cache entry for them.
     seqlen = min(max(problem.seqlen_q, problem.seqlen_k), SHORT_SEQLEN + 1)
     return _default(problem.head_dim, problem.dtype.tag, problem.causal, problem.device_id, family, out_dtype,
-                    seqlen)
+                    seqlen, lse)
 
 
-def _check_forced_spec(spec, problem: Problem, out_dtype: str | None = None) -> KernelSpec:
+def _check_forced_spec(spec, problem: Problem, out_dtype: str | None = None, lse: bool = False) -> KernelSpec:
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"spec must be a cuflash.KernelSpec, got {type(spec).__name__}")
+    if lse and not spec.lse:
+        raise ValueError(f"spec {spec.name} has lse=False (row sums on the tensor cores, no exact LSE); "
+                         f"call with return_lse=False or pass a spec with lse=True")
     wanted = (problem.head_dim, problem.dtype.tag, problem.causal, out_dtype or spec.out_dtype)
     if (spec.head_dim, spec.dtype, spec.causal, spec.out_dtype) != wanted:
         raise ValueError(f"spec {spec.name} does not match the problem (head_dim={problem.head_dim}, "
@@ -58,7 +64,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
         causal: mask aligned bottom-right: query i attends key j iff j <= i + seqlen_k - seqlen_q.
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
         return_lse: also return the natural-log log-sum-exp of each query row, float32
-            [batch, heads, seqlen_q] (``-inf`` for a row with no key to attend).
+            [batch, heads, seqlen_q] (``-inf`` for a row with no key to attend). Without it the
+            Hopper FP8 kernel sums P on the tensor cores (``KernelSpec.sums_on_tensor_cores``).
         layout: ``"bhsd"`` or ``"bshd"``; the output uses the same layout.
         family: kernel family, for tests and comparisons: ``"wgmma"`` (Hopper warpgroup MMAs,
             sm_90a, every head dim, the default from head dim 24; FP8: multiples of 16, the default
@@ -109,7 +116,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
                                      out_dtype=out_dtype)
     out_tag = scales.out_dtype.tag if scales else None
     with _on_device(problem.device_id):
-        spec = select_spec(problem, family, out_tag) if spec is None else _check_forced_spec(spec, problem, out_tag)
+        spec = (select_spec(problem, family, out_tag, return_lse) if spec is None
+                else _check_forced_spec(spec, problem, out_tag, return_lse))
         if prepared_v is not None and not (spec.fp8 and spec.warp_specialized):
             raise ValueError(f"a prepared V is read by the Hopper FP8 kernel only (sm90a, head dims that are multiples "
                              f"of 16 from {FP8_WGMMA_MIN_HEAD_DIM}); "

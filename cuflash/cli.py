@@ -152,12 +152,17 @@ def cmd_info(args) -> int:
         from .spec import default_spec
         arch = env["arch"] if available and env["arch"] else (args.arch or FALLBACK_ARCH)
         try:
-            spec = default_spec(args.head_dim, args.dtype, args.causal, args.arch or arch, seqlen=args.seqlen)
+            # as cuflash.attention runs it without return_lse, and with it where that differs (FP8)
+            spec = default_spec(args.head_dim, args.dtype, args.causal, args.arch or arch, seqlen=args.seqlen,
+                                lse=False)
+            with_lse = default_spec(args.head_dim, args.dtype, args.causal, args.arch or arch, seqlen=args.seqlen)
         except ValueError as exc:
             print(f"cuflash info: error: {exc}", file=sys.stderr)
             return 2
         rows.append(("kernel for the problem", f"{spec.name} (family {spec.family}, {spec.threads} threads, "
                                                 f"{spec.smem_bytes} bytes shared memory{_computed_at(spec)})"))
+        if with_lse != spec:
+            rows.append(("with return_lse=True", f"{with_lse.name} ({with_lse.smem_bytes} bytes shared memory)"))
         from .spec import default_bwd_spec
         for deterministic in (False, True) if not spec.fp8 else ():  # FP8 attention is forward only
             bwd = default_bwd_spec(args.head_dim, args.dtype, args.causal, args.arch or arch, deterministic)
@@ -208,7 +213,7 @@ def cmd_generate(args) -> int:
             overrides.pop("overlap", None)
             spec = default_bwd_spec(args.head_dim, args.dtype, args.causal, arch, args.deterministic)
         else:
-            spec = default_spec(args.head_dim, args.dtype, args.causal, arch)
+            spec = default_spec(args.head_dim, args.dtype, args.causal, arch, lse=not args.no_lse)
         if overrides:
             spec = spec.replace(**overrides)
         from . import generate
@@ -407,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in _TILE_OPTIONS:
         gen.add_argument("--" + name.replace("_", "-"), dest=name, type=int,
                          help="override the default spec's " + name)
+    gen.add_argument("--no-lse", action="store_true", help="the forward kernel of calls without return_lse (the "
+                     "Hopper FP8 kernel then sums P on the tensor cores; the same kernel elsewhere)")
     gen.add_argument("--backward", action="store_true", help="the backward kernels instead of the forward")
     gen.add_argument("--deterministic", action="store_true", help="the deterministic backward (implies --backward)")
     gen.add_argument("-o", "--output", help="write the source to this file instead of stdout")

@@ -81,6 +81,7 @@ class KernelSpec:
     warp_specialized: bool = False  # wgmma: a TMA producer warpgroup feeds two consumer warpgroups
     pingpong: bool = False    # warp-specialized: the consumers take turns on the tensor cores
     out_dtype: str = ""       # output dtype tag; "" means the input dtype (FP8 inputs: "bf16")
+    lse: bool = True          # the LSE is exact; False (Hopper FP8): sums_on_tensor_cores, no LSE for the caller
 
     def __post_init__(self):
         if not self.family:
@@ -102,6 +103,9 @@ class KernelSpec:
             if self.block_n % 64 or not 64 <= self.block_n <= 256:
                 problems.append(f"block_n={self.block_n} must be a multiple of 64 from 64 to 256 for FP8 "
                                 f"(V^T tiles are read in boxes of 64 or 128 keys)")
+        if not self.lse and not (self.dtype in dtypes.FP8_DTYPES and self.family == "wgmma"):
+            problems.append(f"lse=False applies to the Hopper FP8 kernel only (dtype={self.dtype!r}, "
+                            f"family={self.family!r}); every other kernel computes the LSE exactly at no cost")
         if self.dtype not in dtypes.FP8_DTYPES and self.out_dtype != self.dtype:
             problems.append(f"out_dtype={self.out_dtype!r} must equal dtype={self.dtype!r} (only FP8 inputs choose it)")
         if self.num_warps not in (1, 2, 4, 8, 12, 16):
@@ -165,8 +169,9 @@ class KernelSpec:
         if self.warp_specialized:
             family += "ws" + ("p" if self.pingpong else "")
         dtype = self.dtype + ("o" + self.out_dtype if self.fp8 else "")
+        no_lse = "" if self.lse else "_nolse"
         return (f"fwd_{dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
-                f"w{self.num_warps}s{self.num_stages}{overlap}{family}_{self.arch}")
+                f"w{self.num_warps}s{self.num_stages}{overlap}{family}{no_lse}_{self.arch}")
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)
@@ -289,9 +294,28 @@ class KernelSpec:
         return self.warp_specialized and not self.causal and self.compute_warpgroups == 2
 
     @property
-    def smem_barriers_offset(self) -> int:
-        """wgmma: byte offset of the mbarriers, after Q, the K/V ring and the output tile."""
+    def sums_on_tensor_cores(self) -> bool:
+        """The Hopper FP8 kernel without an LSE for the caller (lse=False) sums each row's P on
+        the tensor cores, as P (rounded to e4m3 for P V) times a block of ones in shared memory
+        (an m64n8k32 wgmma beside each k-step of P V), instead of one float add per probability
+        in the softmax. The output is normalized by the sums of the very P it was made of; the
+        LSE from those sums is off by P's rounding (about 1e-2), so it is not returned."""
+        return not self.lse
+
+    #: sums_on_tensor_cores: bytes of the block of FP8 ones that the row sums' wgmma reads.
+    ONES_BYTES = 512
+
+    @property
+    def smem_ones_offset(self) -> int:
+        """wgmma: byte offset of the block of ones (sums_on_tensor_cores), after Q, the K/V ring
+        and the output tile; 512-byte aligned."""
         return self.smem_o_offset + (self.o_stage_bytes if self.tma_store else 0)
+
+    @property
+    def smem_barriers_offset(self) -> int:
+        """wgmma: byte offset of the mbarriers, after Q, the K/V ring, the output tile and the
+        block of ones."""
+        return self.smem_ones_offset + self.ONES_BYTES * self.sums_on_tensor_cores
 
     @property
     def padded_head_dim(self) -> int:
@@ -387,7 +411,8 @@ class KernelSpec:
         """wgmma: unpadded swizzled tiles (Q, the K/V ring, the output tile if staged), then
         (warp-specialized) 2 + 4 * stages mbarriers and the current tile's number, and slack to
         align the base."""
-        return self.smem_o_offset + o_stage_bytes + (8 * (2 + 4 * self.num_stages) + 16) * self.warp_specialized + 1024
+        return (self.smem_o_offset + o_stage_bytes + self.ONES_BYTES * self.sums_on_tensor_cores
+                + (8 * (2 + 4 * self.num_stages) + 16) * self.warp_specialized + 1024)
 
     @property
     def min_blocks_per_sm(self) -> int:
@@ -490,7 +515,7 @@ def default_family(head_dim: int, dtype: str, arch: str) -> str:
 
 
 def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str | None = None,
-                 out_dtype: str | None = None, seqlen: int | None = None) -> KernelSpec:
+                 out_dtype: str | None = None, seqlen: int | None = None, lse: bool = True) -> KernelSpec:
     """The default specialization for a problem. ``family`` (default: :func:`default_family`)
     picks the kernel family; the mma family's tiles come from the tuned table (fastest spill-free
     candidate, see :mod:`cuflash.tune`), else the first candidate that fits the target; the
@@ -498,7 +523,9 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
     lengths; None: long) through :func:`length_class`. FP8
     inputs (``dtype`` "e4m3"/"e5m2", output ``out_dtype``) run the Hopper FP8 kernel where it
     has the head dim (family wgmma), else the portable kernel, which converts the codes on chip
-    (family mma, :func:`fp8_portable_spec`)."""
+    (family mma, :func:`fp8_portable_spec`). ``lse=False``: the caller does not need the LSE, so
+    that the Hopper FP8 kernel may sum P on the tensor cores (:attr:`KernelSpec.sums_on_tensor_cores`);
+    every other kernel computes the LSE anyway and ignores it."""
     entry = dtypes.from_tag(dtype)
     if entry.tag in dtypes.FP8_DTYPES:
         family = family or default_family(head_dim, entry.tag, arch)
@@ -510,7 +537,8 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
                              f"got head_dim={head_dim}, arch={arch!r}, family={family!r}")
         bm, bn, stages = FP8_WGMMA_DEFAULTS[fp8_wgmma_tile_head_dim(head_dim)]
         return KernelSpec(head_dim, entry.tag, causal, bm, bn, 4 + bm // 16, stages, arch, overlap=True,
-                          family="wgmma", warp_specialized=True, pingpong=True, out_dtype=out_dtype or "bf16")
+                          family="wgmma", warp_specialized=True, pingpong=True, out_dtype=out_dtype or "bf16",
+                          lse=lse)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} is not supported (multiples of 8 from 8 to 256)")
     if arch not in SMEM_LIMIT:
@@ -589,14 +617,15 @@ def fp8_portable_spec(head_dim: int, fmt: str, causal: bool, arch: str, out_dtyp
 FP8_PORTABLE_TEST_HEAD_DIMS = (64, 72, 80, 96, 128, 256)
 
 
-def all_fp8_specs(arch: str = "sm90a", causal=(False, True)) -> list[KernelSpec]:
+def all_fp8_specs(arch: str = "sm90a", causal=(False, True), lse=(True, False)) -> list[KernelSpec]:
     """The Hopper FP8 specializations of a target at the head dims with tiles of their own (64,
-    128, 256): formats x head dims x causal x output dtypes (none off sm90a; the portable ones
-    are :func:`all_fp8_portable_specs`). Other multiples of 16 run the same code padded."""
+    128, 256): formats x head dims x causal x output dtypes x with and without the LSE (none off
+    sm90a; the portable ones are :func:`all_fp8_portable_specs`). Other multiples of 16 run the
+    same code padded."""
     if arch != "sm90a":
         return []
-    return [default_spec(d, t, c, arch, out_dtype=o) for t in dtypes.FP8_DTYPES for d in FP8_WGMMA_DEFAULTS
-            for c in causal for o in dtypes.FP8_OUT_TAGS]
+    return [default_spec(d, t, c, arch, out_dtype=o, lse=e) for t in dtypes.FP8_DTYPES for d in FP8_WGMMA_DEFAULTS
+            for c in causal for o in dtypes.FP8_OUT_TAGS for e in lse]
 
 
 def all_fp8_portable_specs(arch: str, head_dims=FP8_PORTABLE_TEST_HEAD_DIMS, causal=(False, True)) -> list[KernelSpec]:

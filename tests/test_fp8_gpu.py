@@ -15,6 +15,7 @@ import math
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import cuflash
 import cuflash.reference
@@ -51,28 +52,36 @@ def warm_portable_fp8_kernels():
     cuflash.warmup(all_fp8_portable_specs(compile_mod.device_arch()), progress=False)
 
 
-def run_and_check(problem: Fp8AttentionProblem, poison, seed=None, family=None, spec=None):
+def run_and_check(problem: Fp8AttentionProblem, poison, seed=None, family=None, spec=None, return_lse=True):
+    """One call checked against the reference. Without return_lse the Hopper kernel sums P on
+    the tensor cores (spec.sums_on_tensor_cores); only the output is checked then."""
     inputs = problem.make_inputs(cupy, seed=seed)
     q_shape, _ = problem.shapes()
     poison(math.prod(q_shape) * 2, problem.batch * problem.heads * problem.seqlen_q * 4)
-    out, lse = cuflash.attention(inputs.q, inputs.k, inputs.v, return_lse=True, family=family, spec=spec,
-                                 **problem.attention_kwargs(inputs))
+    result = cuflash.attention(inputs.q, inputs.k, inputs.v, return_lse=return_lse, family=family, spec=spec,
+                               **problem.attention_kwargs(inputs))
+    out, lse = result if return_lse else (result, None)
     assert out.dtype == problem.out_numpy_dtype and out.shape == q_shape
-    assert lse.dtype == cupy.float32 and lse.shape == (problem.batch, problem.heads, problem.seqlen_q)
     ref, ref_lse = problem.reference(inputs)
     base, _ = problem.naive(inputs)
-    assert_attention_close(out, ref, problem.fp8_format, baseline=base, lse=lse, ref_lse=ref_lse)
+    if return_lse:
+        assert lse.dtype == cupy.float32 and lse.shape == (problem.batch, problem.heads, problem.seqlen_q)
+        assert_attention_close(out, ref, problem.fp8_format, baseline=base, lse=lse, ref_lse=ref_lse)
+    else:
+        assert_attention_close(out, ref, problem.fp8_format, baseline=base)
     return inputs, out, lse
 
 
 def check_every_kernel(fmt, head_dim, causal, poison, family=None):
     """Tails in both sequences, seqlen_q != seqlen_k both ways, GQA, both layouts, both descale
-    granularities and both output dtypes: every kernel of a set runs once per output dtype."""
+    granularities, both output dtypes, with and without the LSE: every kernel of a set runs
+    twice."""
     for sq, sk, layout, granularity, out_dtype in ((113, 239, "bhsd", "tensor", "bf16"),
                                                    (239, 113, "bshd", "head", "fp16")):
         problem = Fp8AttentionProblem(2, 4, 2, sq, sk, head_dim, fmt, granularity, out_dtype, causal=causal,
                                       layout=layout)
-        run_and_check(problem, poison, family=family)
+        for return_lse in (True, False):
+            run_and_check(problem, poison, family=family, return_lse=return_lse)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -82,13 +91,29 @@ def test_every_kernel(fmt, head_dim, causal, warm_fp8_kernels, poison):
     check_every_kernel(fmt, head_dim, causal, poison)
 
 
+@pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "no_lse"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_last_tiles_dealt_out_by_keys(head_dim, hopper, poison):
+def test_last_tiles_dealt_out_by_keys(head_dim, return_lse, hopper, poison):
     """Enough tiles without a causal mask that the last ones are dealt out by keys
     (launch.split_plan), twice in a row."""
     problem = Fp8AttentionProblem(3, 100, 20, 250, 700, head_dim, "e4m3", "head", "bf16")
     for _ in range(2):
-        run_and_check(problem, poison)
+        run_and_check(problem, poison, return_lse=return_lse)
+
+
+def test_sums_on_tensor_cores_without_lse_only(warm_fp8_kernels):
+    """A call without return_lse runs the kernel that sums P on the tensor cores; one with it
+    the kernel whose LSE is exact; forcing the former with return_lse=True is refused."""
+    from cuflash.spec import default_spec
+
+    problem = Fp8AttentionProblem(1, 2, 2, 100, 100, 128, "e4m3", "tensor")
+    inputs = problem.make_inputs(cupy, seed=0)
+    kwargs = problem.attention_kwargs(inputs)
+    fast = default_spec(128, "e4m3", False, "sm90a", lse=False)
+    assert fast.sums_on_tensor_cores and not default_spec(128, "e4m3", False, "sm90a").sums_on_tensor_cores
+    cuflash.attention(inputs.q, inputs.k, inputs.v, spec=fast, **kwargs)
+    with pytest.raises(ValueError, match="lse=False"):
+        cuflash.attention(inputs.q, inputs.k, inputs.v, spec=fast, return_lse=True, **kwargs)
 
 
 @pytest.mark.parametrize("block_n", [64, 128])
@@ -153,9 +178,9 @@ def test_head_dim_72_runs_the_portable_fp8_kernel(out_dtype, warm_portable_fp8_k
 
 # The fixtures are module-wide or stateless helpers, safe to share between examples.
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(problem=fp8_attention_problems())
-def test_property_against_reference(problem, warm_fp8_kernels, poison):
-    run_and_check(problem, poison)
+@given(problem=fp8_attention_problems(), return_lse=st.booleans())
+def test_property_against_reference(problem, return_lse, warm_fp8_kernels, poison):
+    run_and_check(problem, poison, return_lse=return_lse)
 
 
 @pytest.mark.parametrize("seqlens", [(1, 1), (1, 700), (700, 1), (128, 128), (129, 257), (257, 129)])
@@ -171,6 +196,9 @@ def test_fully_masked_rows_give_zero_and_minus_inf(warm_fp8_kernels, poison):
     out, lse = cupy.asnumpy(out).astype(np.float32), cupy.asnumpy(lse)
     assert np.all(out[:, :, :200] == 0) and not np.isnan(out).any()
     assert np.all(lse[:, :, :200] == -np.inf) and np.all(np.isfinite(lse[:, :, 200:]))
+    _, out, _ = run_and_check(problem, poison, return_lse=False)  # the sums from the tensor cores
+    out = cupy.asnumpy(out).astype(np.float32)
+    assert np.all(out[:, :, :200] == 0) and not np.isnan(out).any()
 
 
 def test_descale_forms_and_int8_codes_agree(warm_fp8_kernels):

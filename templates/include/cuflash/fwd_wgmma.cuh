@@ -69,6 +69,24 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[Cfg::kHeadDim / 8][4],
     wgmma_commit();
 }
 
+// issue_pv, and beside each k-step the row sums of P (FP8, Cfg::kSumsOnTensorCores): P times
+// the block of ones at `ones` (any 8 x 32 of it reads ones) into every column of acc_sum.
+template <class Cfg>
+__device__ __forceinline__ void issue_pv_sums(float (&acc_o)[Cfg::kHeadDim / 8][4], float (&acc_sum)[1][4],
+                                              const u32 (&probs)[Cfg::kBlockN / Cfg::kPVStep][4], u32 v_tile,
+                                              u32 ones) {
+    const u64 ones_desc = smem_desc_64b(ones, 16, 512);
+    fence_operands(acc_o);
+    fence_operands(acc_sum);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kBlockN / Cfg::kPVStep; ++kk) {
+        Cfg::wgmma_pv(acc_o, probs[kk], fp8_v_desc<Cfg::kVBoxKeys, Cfg::kHeadDim>(v_tile, kk), 1);
+        Cfg::wgmma_sums(acc_sum, probs[kk], ones_desc);
+    }
+    wgmma_commit();
+}
+
 template <class Cfg>
 __device__ __forceinline__ void fwd_wgmma(const typename Cfg::Params& p) {
     constexpr int kBM = Cfg::kBlockM;

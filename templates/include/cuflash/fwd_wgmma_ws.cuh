@@ -113,6 +113,10 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         }
         fence_barrier_init();
     }
+    if constexpr (Cfg::kSumsOnTensorCores) {  // the block of ones that P's row sums read
+        if (tid < Cfg::kOnesBytes / 4) st_shared(smem_base + Cfg::kSmemOnes + 4 * tid, static_cast<int>(Cfg::kOnes));
+        fence_proxy_async();
+    }
     __syncthreads();
 
     // Ring positions run on across work tiles: the block's c-th K (V) tile goes to slot
@@ -266,6 +270,19 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         float row_max[1][2], row_sum[1][2], alphas[1][2];
         u32 probs[kBN / Cfg::kPVStep][4];
         softmax_start(acc_o, row_max, row_sum);
+        // kSumsOnTensorCores: every column of acc_sum is the row's sum of P (as rounded for P V)
+        float acc_sum[1][1][4] = {};
+        constexpr bool kSums = Cfg::kSumsOnTensorCores;
+        const u32 ones = smem_base + Cfg::kSmemOnes;
+        auto pv = [&](u32 v_tile) {
+            if constexpr (kSums) issue_pv_sums<Cfg>(acc_o[0], acc_sum[0], probs, v_tile, ones);
+            else issue_pv<Cfg>(acc_o[0], probs, v_tile);
+        };
+        // After the wait for P V (generic, so that kernels without the sums never see the
+        // n=8 accumulator's fence): the sums are final, then scaled as the output rows are.
+        auto sums_landed = [&](auto& sums) {
+            if constexpr (kSums) fence_operands(sums[0]);
+        };
         // FP8: the descales of q and k scale the scores, v's the output. A negative product of
         // descales (the max would become the min) makes the tile's scores NaN, not wrong.
         float scale_log2 = p.scale_log2, out_scale = 1.f;
@@ -282,7 +299,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             const int n0 = first_n0 - i * kBN;
             if (work.needs_mask(n0, p.seqlen_k))
                 mask_scores<Cfg::kCausal>(acc_s, n0, work.m0 + warp_row0, lane, p.seqlen_k, work.causal_offset);
-            softmax_step<kLog2Boost>(acc_s, row_max, row_sum, alphas, scale_log2);
+            softmax_step<kLog2Boost, !kSums>(acc_s, row_max, row_sum, alphas, scale_log2);
         };
 
         if (n_tiles == 0) release(q_empty);  // no key to attend: the rows are stored as zeros
@@ -302,7 +319,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 take_turn();
                 issue_scores<Cfg>(acc_s[0], q_rows, sK + slot_of(c) * Cfg::kKVTileBytes);
                 mbar_wait(full_v(slot_of(c - 1)), phase_of(c - 1));
-                issue_pv<Cfg>(acc_o[0], probs, sV + slot_of(c - 1) * Cfg::kKVTileBytes);
+                pv(sV + slot_of(c - 1) * Cfg::kKVTileBytes);
                 pass_turn();
                 wgmma_wait<1>();  // S_i is done; P_{i-1} V_{i-1} may still run
                 release(empty_k(slot_of(c)));
@@ -310,20 +327,27 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 scores_ready(i);
                 wgmma_wait<0>();
                 fence_operands(acc_o[0]);
+                sums_landed(acc_sum);
                 release(empty_v(slot_of(c - 1)));
                 rescale_output<false>(acc_o, alphas);
+                if constexpr (kSums) rescale_output<false>(acc_sum, alphas);
                 probs_registers<Cfg>(probs, acc_s[0]);
             }
             const int c = ring + n_tiles - 1;
             mbar_wait(full_v(slot_of(c)), phase_of(c));
             take_turn();
-            issue_pv<Cfg>(acc_o[0], probs, sV + slot_of(c) * Cfg::kKVTileBytes);
+            pv(sV + slot_of(c) * Cfg::kKVTileBytes);
             pass_turn();
             wgmma_wait<0>();
             fence_operands(acc_o[0]);
+            sums_landed(acc_sum);
             release(empty_v(slot_of(c)));
             ring += n_tiles;
         }
+        // The tensor cores' sums, a quarter in each lane of the quad, as the epilogue (which adds
+        // up the quad's partial sums) expects them.
+        if constexpr (kSums)
+            for (int r = 0; r < 2; ++r) row_sum[0][r] = 0.25f * acc_sum[0][0][2 * r];
         float* lse_rows = p.lse + static_cast<long long>(work.bh) * p.seqlen_q;
         unsigned short* o = static_cast<unsigned short*>(p.o) + work.batch * p.o_batch_stride + work.head * p.o_head_stride;
         const int kind = kind_slot & 3;

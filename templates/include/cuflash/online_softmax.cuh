@@ -49,8 +49,9 @@ __device__ __forceinline__ void mask_scores(float (&s)[kMT][kNT][4], int n0, int
 // the running sum is rescaled by alpha = exp2(old max - new max), and alphas[mt][r] is left for
 // rescaling the output rows (rescale_output). row_max holds raw scores. kLog2Boost scales P
 // and the running sum by 2^kLog2Boost (FP8: P up to 256 keeps e4m3's precision; store_output
-// takes it out of the LSE, and the quotient O / sum does not see it).
-template <int kLog2Boost = 0, int kMT, int kNT>
+// takes it out of the LSE, and the quotient O / sum does not see it). Without kRowSums the
+// running sums are left alone: the caller sums P elsewhere (on the tensor cores).
+template <int kLog2Boost = 0, bool kRowSums = true, int kMT, int kNT>
 __device__ __forceinline__ void softmax_step(float (&s)[kMT][kNT][4], float (&row_max)[kMT][2],
                                              float (&row_sum)[kMT][2], float (&alphas)[kMT][2],
                                              float scale_log2) {
@@ -86,13 +87,13 @@ __device__ __forceinline__ void softmax_step(float (&s)[kMT][kNT][4], float (&ro
 #pragma unroll
                 for (int e = 2 * r; e < 2 * r + 2; ++e) {
                     s[mt][nt][e] = exp2_approx(fmaf(s[mt][nt][e], scale_log2, shift));
-                    chain_sum[nt % kChains] += s[mt][nt][e];
+                    if constexpr (kRowSums) chain_sum[nt % kChains] += s[mt][nt][e];
                 }
             }
             float tile_sum = chain_sum[0];
 #pragma unroll
             for (int c = 1; c < kChains; ++c) tile_sum += chain_sum[c];
-            row_sum[mt][r] = row_sum[mt][r] * alphas[mt][r] + tile_sum;
+            if constexpr (kRowSums) row_sum[mt][r] = row_sum[mt][r] * alphas[mt][r] + tile_sum;
         }
     }
 }
