@@ -480,6 +480,13 @@ def length_class(seqlen: int | None) -> str:
 #: and 128 (README); head dim 256 has no registers for them.
 FP8_WGMMA_DEFAULTS = {64: (128, 192, 2), 128: (128, 192, 2), 256: (128, 128, 2)}
 
+#: The tiles (head dims of FP8_WGMMA_DEFAULTS) on which a call without the LSE sums P on the
+#: tensor cores (KernelSpec.sums_on_tensor_cores). On the H200 (e4m3, 16k tokens, two rounds
+#: against float sums, README) head dim 256 gained 3% without and 4-14% with a causal mask at
+#: 16k; head dim 128 lost 5% with a causal mask (its n=8 products weigh more beside P V's 128
+#: columns) and gained nothing without one.
+FP8_SUMS_ON_TENSOR_CORES_TILES = (256,)
+
 #: The Hopper FP8 kernel takes head dims that are multiples of 16 (TMA copies rows of whole 16
 #: bytes), computed padded to whole 128-column blocks as 64 is; it is the default on sm_90a from
 #: this head dim up, the portable kernel below it and at head dims of 8 mod 16. On the H200
@@ -524,8 +531,9 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
     inputs (``dtype`` "e4m3"/"e5m2", output ``out_dtype``) run the Hopper FP8 kernel where it
     has the head dim (family wgmma), else the portable kernel, which converts the codes on chip
     (family mma, :func:`fp8_portable_spec`). ``lse=False``: the caller does not need the LSE, so
-    that the Hopper FP8 kernel may sum P on the tensor cores (:attr:`KernelSpec.sums_on_tensor_cores`);
-    every other kernel computes the LSE anyway and ignores it."""
+    that the Hopper FP8 kernel may sum P on the tensor cores (:attr:`KernelSpec.sums_on_tensor_cores`)
+    where that pays (:data:`FP8_SUMS_ON_TENSOR_CORES_TILES`); every other kernel computes the LSE
+    anyway and ignores it."""
     entry = dtypes.from_tag(dtype)
     if entry.tag in dtypes.FP8_DTYPES:
         family = family or default_family(head_dim, entry.tag, arch)
@@ -535,10 +543,11 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
             raise ValueError(f"FP8 attention has a Hopper kernel (family wgmma) for head dims that are "
                              f"multiples of 16 on sm90a and the portable one (family mma) everywhere; "
                              f"got head_dim={head_dim}, arch={arch!r}, family={family!r}")
-        bm, bn, stages = FP8_WGMMA_DEFAULTS[fp8_wgmma_tile_head_dim(head_dim)]
+        tiles = fp8_wgmma_tile_head_dim(head_dim)
+        bm, bn, stages = FP8_WGMMA_DEFAULTS[tiles]
         return KernelSpec(head_dim, entry.tag, causal, bm, bn, 4 + bm // 16, stages, arch, overlap=True,
                           family="wgmma", warp_specialized=True, pingpong=True, out_dtype=out_dtype or "bf16",
-                          lse=lse)
+                          lse=lse or tiles not in FP8_SUMS_ON_TENSOR_CORES_TILES)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} is not supported (multiples of 8 from 8 to 256)")
     if arch not in SMEM_LIMIT:
@@ -619,13 +628,14 @@ FP8_PORTABLE_TEST_HEAD_DIMS = (64, 72, 80, 96, 128, 256)
 
 def all_fp8_specs(arch: str = "sm90a", causal=(False, True), lse=(True, False)) -> list[KernelSpec]:
     """The Hopper FP8 specializations of a target at the head dims with tiles of their own (64,
-    128, 256): formats x head dims x causal x output dtypes x with and without the LSE (none off
+    128, 256): formats x head dims x causal x output dtypes, with and without the LSE where they
+    differ (none off
     sm90a; the portable ones are :func:`all_fp8_portable_specs`). Other multiples of 16 run the
     same code padded."""
     if arch != "sm90a":
         return []
-    return [default_spec(d, t, c, arch, out_dtype=o, lse=e) for t in dtypes.FP8_DTYPES for d in FP8_WGMMA_DEFAULTS
-            for c in causal for o in dtypes.FP8_OUT_TAGS for e in lse]
+    return list(dict.fromkeys(default_spec(d, t, c, arch, out_dtype=o, lse=e) for t in dtypes.FP8_DTYPES
+                              for d in FP8_WGMMA_DEFAULTS for c in causal for o in dtypes.FP8_OUT_TAGS for e in lse))
 
 
 def all_fp8_portable_specs(arch: str, head_dims=FP8_PORTABLE_TEST_HEAD_DIMS, causal=(False, True)) -> list[KernelSpec]:

@@ -101,19 +101,19 @@ def test_last_tiles_dealt_out_by_keys(head_dim, return_lse, hopper, poison):
         run_and_check(problem, poison, return_lse=return_lse)
 
 
-def test_sums_on_tensor_cores_without_lse_only(warm_fp8_kernels):
-    """A call without return_lse runs the kernel that sums P on the tensor cores; one with it
-    the kernel whose LSE is exact; forcing the former with return_lse=True is refused."""
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sums_on_tensor_cores_forced(head_dim, causal, hopper, poison):
+    """The row sums on the tensor cores at the head dims whose default keeps float sums, forced;
+    forcing them with return_lse=True is refused."""
     from cuflash.spec import default_spec
 
-    problem = Fp8AttentionProblem(1, 2, 2, 100, 100, 128, "e4m3", "tensor")
+    fast = default_spec(head_dim, "e5m2", causal, "sm90a", out_dtype="fp16").replace(lse=False)
+    problem = Fp8AttentionProblem(2, 4, 2, 239, 113, head_dim, "e5m2", "head", "fp16", causal=causal)
+    run_and_check(problem, poison, spec=fast, return_lse=False)
     inputs = problem.make_inputs(cupy, seed=0)
-    kwargs = problem.attention_kwargs(inputs)
-    fast = default_spec(128, "e4m3", False, "sm90a", lse=False)
-    assert fast.sums_on_tensor_cores and not default_spec(128, "e4m3", False, "sm90a").sums_on_tensor_cores
-    cuflash.attention(inputs.q, inputs.k, inputs.v, spec=fast, **kwargs)
     with pytest.raises(ValueError, match="lse=False"):
-        cuflash.attention(inputs.q, inputs.k, inputs.v, spec=fast, return_lse=True, **kwargs)
+        cuflash.attention(inputs.q, inputs.k, inputs.v, spec=fast, return_lse=True, **problem.attention_kwargs(inputs))
 
 
 @pytest.mark.parametrize("block_n", [64, 128])
