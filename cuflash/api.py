@@ -36,10 +36,10 @@ def select_spec(problem: Problem, family: str | None = None, out_dtype: str | No
                     seqlen, lse)
 
 
-def _check_forced_spec(spec, problem: Problem, out_dtype: str | None = None, lse: bool = False) -> KernelSpec:
+def _check_forced_spec(spec, problem: Problem, out_dtype: str | None = None, return_lse: bool = False) -> KernelSpec:
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"spec must be a cuflash.KernelSpec, got {type(spec).__name__}")
-    if lse and not spec.lse:
+    if return_lse and not spec.lse:
         raise ValueError(f"spec {spec.name} has lse=False (row sums on the tensor cores, no exact LSE); "
                          f"call with return_lse=False or pass a spec with lse=True")
     wanted = (problem.head_dim, problem.dtype.tag, problem.causal, out_dtype or spec.out_dtype)

@@ -148,14 +148,15 @@ def pack_params(problem: Problem, q, k, v, out, lse, out_strides, tile_counter: 
     descales = (0, 0, 0) if scales is None else \
         (scales.q_descale.data.ptr, scales.k_descale.data.ptr, scales.v_descale.data.ptr)
     descale_strides = (0, 0, 0, 0) if scales is None else (*scales.q_strides, *scales.kv_strides)
+    group = problem.heads // max(problem.heads_k, 1)
     raw = _STRUCT.pack(
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, tile_counter, *split, *descales,
         *problem.q_strides, *problem.k_strides, *problem.v_strides, *out_strides,
-        problem.heads, problem.heads // max(problem.heads_k, 1),
+        problem.heads, group,
         problem.seqlen_q, problem.seqlen_k,
         problem.scale * _LOG2E, problem.batch, *descale_strides,
         *(plan or SplitPlan(0)),
-        *divider(max(q_tiles, 1)), *divider(max(problem.heads, 1)), *divider(max(problem.heads // max(problem.heads_k, 1), 1)),
+        *divider(max(q_tiles, 1)), *divider(max(problem.heads, 1)), *divider(max(group, 1)),
         0,
     )
     return np.frombuffer(raw, dtype=_PARAMS)

@@ -629,9 +629,8 @@ FP8_PORTABLE_TEST_HEAD_DIMS = (64, 72, 80, 96, 128, 256)
 def all_fp8_specs(arch: str = "sm90a", causal=(False, True), lse=(True, False)) -> list[KernelSpec]:
     """The Hopper FP8 specializations of a target at the head dims with tiles of their own (64,
     128, 256): formats x head dims x causal x output dtypes, with and without the LSE where they
-    differ (none off
-    sm90a; the portable ones are :func:`all_fp8_portable_specs`). Other multiples of 16 run the
-    same code padded."""
+    differ (none off sm90a; the portable ones are :func:`all_fp8_portable_specs`). Other
+    multiples of 16 run the same code padded."""
     if arch != "sm90a":
         return []
     return list(dict.fromkeys(default_spec(d, t, c, arch, out_dtype=o, lse=e) for t in dtypes.FP8_DTYPES

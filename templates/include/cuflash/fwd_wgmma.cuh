@@ -51,11 +51,17 @@ __device__ __forceinline__ void probs_registers(u32 (&probs)[Cfg::kBlockN / Cfg:
 
 // O += P V: P from registers (settled before the call: wgmma reads them asynchronously), V
 // (keys x head_dim, head_dim contiguous) read transposed, 16 keys 2048 bytes apart; FP8: V^T
-// (head_dim rows of 128 keys), K-major, 32 keys 32 bytes apart.
+// (head_dim rows of 128 keys), K-major, 32 keys 32 bytes apart. beside(kk) runs after k-step
+// kk's product, in the same commit group (the FP8 row sums on the tensor cores issue theirs).
 // Issued and committed; the caller waits.
-template <class Cfg>
+struct NoStep {
+    __device__ __forceinline__ void operator()(int) const {}
+};
+
+template <class Cfg, class Beside = NoStep>
 __device__ __forceinline__ void issue_pv(float (&acc_o)[Cfg::kHeadDim / 8][4],
-                                         const u32 (&probs)[Cfg::kBlockN / Cfg::kPVStep][4], u32 v_tile) {
+                                         const u32 (&probs)[Cfg::kBlockN / Cfg::kPVStep][4], u32 v_tile,
+                                         Beside beside = {}) {
     const u64 v_desc = smem_desc(v_tile, Cfg::kVLeadingBytes, Cfg::kVStrideBytes);
     fence_operands(acc_o);
     wgmma_fence();
@@ -65,24 +71,7 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[Cfg::kHeadDim / 8][4],
             Cfg::wgmma_pv(acc_o, probs[kk], fp8_v_desc<Cfg::kVBoxKeys, Cfg::kHeadDim>(v_tile, kk), 1);
         else
             Cfg::wgmma_pv(acc_o, probs[kk], desc_advance(v_desc, kk * 2048), 1);
-    }
-    wgmma_commit();
-}
-
-// issue_pv, and beside each k-step the row sums of P (FP8, Cfg::kSumsOnTensorCores): P times
-// the block of ones at `ones` (any 8 x 32 of it reads ones) into every column of acc_sum.
-template <class Cfg>
-__device__ __forceinline__ void issue_pv_sums(float (&acc_o)[Cfg::kHeadDim / 8][4], float (&acc_sum)[1][4],
-                                              const u32 (&probs)[Cfg::kBlockN / Cfg::kPVStep][4], u32 v_tile,
-                                              u32 ones) {
-    const u64 ones_desc = smem_desc_64b(ones, 16, 512);
-    fence_operands(acc_o);
-    fence_operands(acc_sum);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kBlockN / Cfg::kPVStep; ++kk) {
-        Cfg::wgmma_pv(acc_o, probs[kk], fp8_v_desc<Cfg::kVBoxKeys, Cfg::kHeadDim>(v_tile, kk), 1);
-        Cfg::wgmma_sums(acc_sum, probs[kk], ones_desc);
+        beside(kk);
     }
     wgmma_commit();
 }

@@ -270,18 +270,23 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         float row_max[1][2], row_sum[1][2], alphas[1][2];
         u32 probs[kBN / Cfg::kPVStep][4];
         softmax_start(acc_o, row_max, row_sum);
-        // kSumsOnTensorCores: every column of acc_sum is the row's sum of P (as rounded for P V)
+        // kSumsOnTensorCores: every column of acc_sum is the row's sum of P (as rounded for P V),
+        // P times the block of ones (any 8 x 32 of it reads ones) beside each k-step of P V.
         float acc_sum[1][1][4] = {};
         constexpr bool kSums = Cfg::kSumsOnTensorCores;
-        const u32 ones = smem_base + Cfg::kSmemOnes;
-        auto pv = [&](u32 v_tile) {
-            if constexpr (kSums) issue_pv_sums<Cfg>(acc_o[0], acc_sum[0], probs, v_tile, ones);
-            else issue_pv<Cfg>(acc_o[0], probs, v_tile);
-        };
-        // After the wait for P V (generic, so that kernels without the sums never see the
-        // n=8 accumulator's fence): the sums are final, then scaled as the output rows are.
+        // Pins the sums' registers around their products (generic, so that kernels without the
+        // sums never see the n=8 accumulator's fence).
         auto sums_landed = [&](auto& sums) {
             if constexpr (kSums) fence_operands(sums[0]);
+        };
+        auto pv = [&](u32 v_tile) {
+            if constexpr (kSums) {
+                const u64 ones = smem_desc_64b(smem_base + Cfg::kSmemOnes, 16, 512);
+                sums_landed(acc_sum);
+                issue_pv<Cfg>(acc_o[0], probs, v_tile, [&](int kk) { Cfg::wgmma_sums(acc_sum[0], probs[kk], ones); });
+            } else {
+                issue_pv<Cfg>(acc_o[0], probs, v_tile);
+            }
         };
         // FP8: the descales of q and k scale the scores, v's the output. A negative product of
         // descales (the max would become the min) makes the tile's scores NaN, not wrong.
