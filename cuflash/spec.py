@@ -82,6 +82,7 @@ class KernelSpec:
     pingpong: bool = False    # warp-specialized: the consumers take turns on the tensor cores
     out_dtype: str = ""       # output dtype tag; "" means the input dtype (FP8 inputs: "bf16")
     lse: bool = True          # the LSE is exact; False (Hopper FP8): sums_on_tensor_cores, no LSE for the caller
+    lazy_rescale: bool = False  # warp-specialized: the row max moves only by more than a slack (LAZY_SLACK_LOG2)
 
     def __post_init__(self):
         if not self.family:
@@ -155,6 +156,8 @@ class KernelSpec:
             problems.append(f"warp_specialized applies to the wgmma family only (family={self.family!r})")
         if self.pingpong and not self.warp_specialized:
             problems.append("pingpong applies to the warp-specialized schedule only")
+        if self.lazy_rescale and not self.warp_specialized:
+            problems.append("lazy_rescale applies to the warp-specialized schedule only")
         if not problems and self.smem_bytes > SMEM_LIMIT[self.arch]:
             problems.append(f"needs {self.smem_bytes} bytes of shared memory, {self.arch} allows {SMEM_LIMIT[self.arch]}")
         if problems:
@@ -170,8 +173,9 @@ class KernelSpec:
             family += "ws" + ("p" if self.pingpong else "")
         dtype = self.dtype + ("o" + self.out_dtype if self.fp8 else "")
         no_lse = "" if self.lse else "_nolse"
+        lazy = "_lazy" if self.lazy_rescale else ""
         return (f"fwd_{dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
-                f"w{self.num_warps}s{self.num_stages}{overlap}{family}{no_lse}_{self.arch}")
+                f"w{self.num_warps}s{self.num_stages}{overlap}{family}{lazy}{no_lse}_{self.arch}")
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)
@@ -304,6 +308,15 @@ class KernelSpec:
 
     #: sums_on_tensor_cores: bytes of the block of FP8 ones that the row sums' wgmma reads.
     ONES_BYTES = 512
+
+    @property
+    def lazy_slack_log2(self) -> float:
+        """lazy_rescale: how far (log2 units of P) a tile's max may exceed the row's running max
+        before the max moves. Until it moves, alpha is exactly 1 and a warp whose rows all kept
+        their max skips the output's rescale; P runs up to 2^slack times its usual top. FP8's P,
+        scaled to 2^8 and rounded to e4m3 (largest 448 = 2^8.8), takes 0.75; 16-bit P (at most
+        1, then 2^8 = 256) takes 8."""
+        return 0.75 if self.fp8 else 8.0
 
     @property
     def smem_ones_offset(self) -> int:
@@ -480,6 +493,15 @@ def length_class(seqlen: int | None) -> str:
 #: and 128 (README); head dim 256 has no registers for them.
 FP8_WGMMA_DEFAULTS = {64: (128, 192, 2), 128: (128, 192, 2), 256: (128, 128, 2)}
 
+#: (tiles, causal) of the Hopper kernels that move the row max lazily (KernelSpec.lazy_rescale;
+#: tiles: a head dim of WGMMA_DEFAULTS or FP8_WGMMA_DEFAULTS). It pays where the output's
+#: rescale weighs most beside the softmax. On the H200 (16k tokens, interleaved rounds, README):
+#: bf16 head dim 256 gained 2-9% without a causal mask and 1-5% with one; 192 moved within the
+#: rounds' spread; 64 and 128 lost up to 10% with a causal mask. FP8 head dim 128 gained 1-3%
+#: without a mask and lost up to 6% with one; FP8 256 lost 2-10%.
+LAZY_RESCALE_TILES = ((256, False), (256, True))
+FP8_LAZY_RESCALE_TILES = ((128, False),)
+
 #: The tiles (head dims of FP8_WGMMA_DEFAULTS) on which a call without the LSE sums P on the
 #: tensor cores (KernelSpec.sums_on_tensor_cores). On the H200 (e4m3, 16k tokens, two rounds
 #: against float sums, README) head dim 256 gained 3% without and 4-14% with a causal mask at
@@ -547,7 +569,8 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
         bm, bn, stages = FP8_WGMMA_DEFAULTS[tiles]
         return KernelSpec(head_dim, entry.tag, causal, bm, bn, 4 + bm // 16, stages, arch, overlap=True,
                           family="wgmma", warp_specialized=True, pingpong=True, out_dtype=out_dtype or "bf16",
-                          lse=lse or tiles not in FP8_SUMS_ON_TENSOR_CORES_TILES)
+                          lse=lse or tiles not in FP8_SUMS_ON_TENSOR_CORES_TILES,
+                          lazy_rescale=(tiles, causal) in FP8_LAZY_RESCALE_TILES)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} is not supported (multiples of 8 from 8 to 256)")
     if arch not in SMEM_LIMIT:
@@ -564,7 +587,8 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
         tiles = wgmma_tile_head_dim(head_dim)
         bm, bn, stages = WGMMA_TABLE.get((tiles, causal, length_class(seqlen)), WGMMA_DEFAULTS[tiles])
         return KernelSpec(head_dim, entry.tag, causal, bm, bn, 4 + bm // 16, stages, arch, overlap=True,
-                          family="wgmma", warp_specialized=True, pingpong=True)
+                          family="wgmma", warp_specialized=True, pingpong=True,
+                          lazy_rescale=(tiles, causal) in LAZY_RESCALE_TILES)
     if (family == "mma") != entry.tensor_core:
         raise ValueError(f"family={family!r} does not take dtype={entry.tag}")
     if entry.tensor_core:

@@ -275,6 +275,42 @@ def test_both_tensor_core_families(family, head_dim, dtype, causal, warm_kernels
         assert_attention_close(out, ref, dtype, baseline=base, lse=lse, ref_lse=ref_lse)
 
 
+def _keys_rising_in_steps(k, tiles_of: int, step: float):
+    """k with each run of ``tiles_of`` keys scaled up by ``step`` more than the run after it: the
+    kernels visit key tiles from the last to the first, so each row's max rises tile after tile,
+    by more than the lazy slack on some tiles and by less on others."""
+    seqlen_k = k.shape[2]
+    factors = 1 + step * ((seqlen_k - 1 - cupy.arange(seqlen_k)) // tiles_of)
+    return (k.astype(cupy.float32) * factors[:, None]).astype(k.dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_hopper_lazy_row_max(head_dim, dtype, causal, poison):
+    """The Hopper kernel with and without lazy_rescale (the row max moves only by more than a
+    slack, the output's rescale skipped while no row of a warp moves) on maxima that rise over
+    many key tiles: the same accuracy rule."""
+    if not _hopper():
+        pytest.skip("the wgmma family needs sm_90a")
+    from cuflash.spec import default_spec
+
+    sq, sk = (300, 2900) if not causal else (2900, 2900)
+    problem = AttentionProblem(batch=1, heads=2, heads_k=2, seqlen_q=sq, seqlen_k=sk, head_dim=head_dim,
+                               dtype=dtype, causal=causal)
+    specs = [default_spec(head_dim, dtype, causal, "sm90a", seqlen=sk).replace(lazy_rescale=lazy) for lazy in (True, False)]
+    cuflash.warmup(specs, progress=False)
+    for step in (0.02, 0.15):
+        q, k, v = problem.make_inputs(cupy)
+        k = _keys_rising_in_steps(k, 100, step)
+        ref, ref_lse = problem.reference(q, k, v)
+        base, base_lse = problem.naive(q, k, v)
+        for spec in specs:
+            poison(math.prod(problem.shapes()[0]) * 2, sq * 2 * 4)
+            out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, spec=spec)
+            assert_attention_close(out, ref, dtype, baseline=base, lse=lse, ref_lse=ref_lse)
+
+
 def test_hopper_defaults_of_both_length_classes(poison):
     """Every default Hopper kernel, short and long sequences' tiles alike, on small problems
     (forced), and the dispatch: a problem past SHORT_SEQLEN runs the long class's kernel. With

@@ -213,6 +213,32 @@ def test_fp8_row_sums_on_tensor_cores_only_without_the_lse():
         default_spec(128, "e4m3", False, "sm80").replace(lse=False)
 
 
+def test_lazy_rescale_where_the_table_puts_it():
+    """lazy_rescale (the row max moves only by more than a slack) comes from the (tiles, causal)
+    tables, names its kernels, reaches the source, and applies to the warp-specialized kernel
+    only; the slack keeps FP8's P (x 2^8, e4m3) under 448."""
+    from cuflash import generate
+    from cuflash.spec import FP8_LAZY_RESCALE_TILES, LAZY_RESCALE_TILES, fp8_wgmma_tile_head_dim, wgmma_tile_head_dim
+
+    for head_dim in (64, 96, 128, 192, 200, 256):
+        for causal in (False, True):
+            spec = default_spec(head_dim, "bf16", causal, "sm90a")
+            assert spec.lazy_rescale == ((wgmma_tile_head_dim(head_dim), causal) in LAZY_RESCALE_TILES)
+            fp8 = default_spec(head_dim, "e4m3", causal, "sm90a")
+            assert fp8.lazy_rescale == ((fp8_wgmma_tile_head_dim(head_dim), causal) in FP8_LAZY_RESCALE_TILES)
+            for s in (spec, fp8):
+                assert ("_lazy_" in s.name) == s.lazy_rescale
+                if s.warp_specialized:
+                    assert f"kLazyRescale = {str(s.lazy_rescale).lower()};" in generate(s)
+    assert default_spec(256, "bf16", True, "sm90a").lazy_rescale and default_spec(128, "e4m3", False, "sm90a").lazy_rescale
+    lazy = default_spec(128, "bf16", False, "sm90a").replace(lazy_rescale=True)
+    assert lazy.name.endswith("_lazy_sm90a") and lazy.lazy_slack_log2 == 8.0
+    assert 2 ** (8 + default_spec(128, "e4m3", False, "sm90a").lazy_slack_log2) < 448
+    for arch in ("sm80", "sm90a"):
+        with pytest.raises(ValueError, match="lazy_rescale"):
+            default_spec(128, "bf16", False, arch, family="mma").replace(lazy_rescale=True)
+
+
 # -- the portable FP8 kernel (family mma: codes converted to fp16 on chip) -------------------------
 
 @pytest.mark.parametrize("spec", [s for arch in ("sm80", "sm90a") for s in

@@ -298,13 +298,17 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             if (!(scale_log2 >= 0.f)) scale_log2 = __int_as_float(0x7fffffff);
         }
         constexpr int kLog2Boost = Cfg::kFp8 ? 8 : 0;
+        // kLazyRescale: the row max moves only when a tile's max exceeds it by more than the
+        // slack (softmax_step), in raw-score units here; max() keeps it finite at a scale of 0.
+        constexpr bool kLazy = Cfg::kLazyRescale;
+        const float slack = Cfg::kLazySlackLog2 / fmaxf(scale_log2, 1e-30f);
 
         auto scores_ready = [&](int i) {  // S_i has landed: mask it, softmax it
             fence_operands(acc_s[0]);
             const int n0 = first_n0 - i * kBN;
             if (work.needs_mask(n0, p.seqlen_k))
                 mask_scores<Cfg::kCausal>(acc_s, n0, work.m0 + warp_row0, lane, p.seqlen_k, work.causal_offset);
-            softmax_step<kLog2Boost, !kSums>(acc_s, row_max, row_sum, alphas, scale_log2);
+            softmax_step<kLog2Boost, !kSums, kLazy>(acc_s, row_max, row_sum, alphas, scale_log2, slack);
         };
 
         if (n_tiles == 0) release(q_empty);  // no key to attend: the rows are stored as zeros
@@ -334,8 +338,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 fence_operands(acc_o[0]);
                 sums_landed(acc_sum);
                 release(empty_v(slot_of(c - 1)));
-                rescale_output<false>(acc_o, alphas);
-                if constexpr (kSums) rescale_output<false>(acc_sum, alphas);
+                rescale_output<kLazy>(acc_o, alphas);
+                if constexpr (kSums) rescale_output<kLazy>(acc_sum, alphas);
                 probs_registers<Cfg>(probs, acc_s[0]);
             }
             const int c = ring + n_tiles - 1;

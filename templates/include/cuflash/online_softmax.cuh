@@ -51,10 +51,14 @@ __device__ __forceinline__ void mask_scores(float (&s)[kMT][kNT][4], int n0, int
 // and the running sum by 2^kLog2Boost (FP8: P up to 256 keeps e4m3's precision; store_output
 // takes it out of the LSE, and the quotient O / sum does not see it). Without kRowSums the
 // running sums are left alone: the caller sums P elsewhere (on the tensor cores).
-template <int kLog2Boost = 0, bool kRowSums = true, int kMT, int kNT>
+// kLazyMax: the running max (the base of the exponentials) moves only when a tile's max exceeds
+// it by more than `slack` (raw-score units): P then runs up to 2^(kLog2Boost + slack *
+// scale_log2), and alpha is exactly 1 while the base stays, so that rescale_output<true> can
+// skip the output's rescale. Any base gives the same O and LSE; only P's range depends on it.
+template <int kLog2Boost = 0, bool kRowSums = true, bool kLazyMax = false, int kMT, int kNT>
 __device__ __forceinline__ void softmax_step(float (&s)[kMT][kNT][4], float (&row_max)[kMT][2],
                                              float (&row_sum)[kMT][2], float (&alphas)[kMT][2],
-                                             float scale_log2) {
+                                             float scale_log2, float slack = 0.f) {
     constexpr int kChains = kNT >= 8 ? 4 : kNT >= 2 ? 2 : 1;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
@@ -72,11 +76,12 @@ __device__ __forceinline__ void softmax_step(float (&s)[kMT][kNT][4], float (&ro
 #pragma unroll
             for (int c = 1; c < kChains; ++c) tile_max = fmaxf(tile_max, chain_max[c]);
             tile_max = quad_max(tile_max);
-            const float new_max = fmaxf(row_max[mt][r], tile_max);
+            const bool moves = kLazyMax ? tile_max > row_max[mt][r] + slack : true;
+            const float new_max = kLazyMax ? (moves ? tile_max : row_max[mt][r]) : fmaxf(row_max[mt][r], tile_max);
             // A row with nothing unmasked yet keeps max -inf; using 0 as its base keeps
             // exp2(-inf - base) at 0 rather than NaN.
             const float base = new_max == neg_inf() ? 0.f : new_max * scale_log2;
-            alphas[mt][r] = exp2_approx(row_max[mt][r] * scale_log2 - base);
+            alphas[mt][r] = moves ? exp2_approx(row_max[mt][r] * scale_log2 - base) : 1.f;
             row_max[mt][r] = new_max;
             float chain_sum[kChains];
 #pragma unroll
