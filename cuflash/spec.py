@@ -422,10 +422,10 @@ class KernelSpec:
 
     def _smem_bytes(self, o_stage_bytes: int) -> int:
         """wgmma: unpadded swizzled tiles (Q, the K/V ring, the output tile if staged), then
-        (warp-specialized) 2 + 4 * stages mbarriers and the current tile's number, and slack to
-        align the base."""
+        (warp-specialized) 2 + 4 * stages mbarriers and two 16-byte slots for the work items, and
+        slack to align the base."""
         return (self.smem_o_offset + o_stage_bytes + self.ONES_BYTES * self.sums_on_tensor_cores
-                + (8 * (2 + 4 * self.num_stages) + 16) * self.warp_specialized + 1024)
+                + (8 * (2 + 4 * self.num_stages) + 32) * self.warp_specialized + 1024)
 
     @property
     def min_blocks_per_sm(self) -> int:

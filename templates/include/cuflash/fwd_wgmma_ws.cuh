@@ -88,8 +88,11 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     // The block's next work item (block.cuh; tile -1: none left), handed from the producer warp
     // to the consumers through named barriers: the producer writes it and arrives on each
     // consumer's kTileFull + group; each consumer syncs there (with the producer alone), reads
-    // it and arrives on kTileEmpty, where the producer syncs before writing the next one.
-    const u32 current_item = q_full + 16 + 32 * kStages;
+    // it and arrives on kTileEmpty, where the producer syncs before writing the next one. Items
+    // alternate between two 16-byte slots (the n-th in slot n & 1), so that an item is never
+    // written over the one just read: compute-sanitizer's racecheck reported the single slot
+    // as a potential write-after-read hazard on causal problems with fully masked query tiles.
+    const u32 item_slots = q_full + 16 + 32 * kStages;
     constexpr int kTileFull = 7, kTileEmpty = 15;  // 1..3 take turns, 4..6 order a warpgroup (below)
     constexpr int kTileThreads = 32 + 128 * kConsumers;
 
@@ -131,7 +134,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         const bool leader = lane == 0;
         constexpr u32 kQBytes = kBM * kColBlocks * 128;
         constexpr u32 kTileBytes = kBN * kColBlocks * 128;
-        int ring = 0, q_count = 0;
+        int ring = 0, q_count = 0, items_written = 0;
         int share = -1, share_index = 0;  // the share being dealt out (block.cuh), its next item
         const int key_tiles = (p.seqlen_k + kBN - 1) / kBN;  // of every tile, when tiles are shared out
         for (;;) {
@@ -154,7 +157,10 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 named_barrier_sync(kTileEmpty, kTileThreads);      // and have read its work item
             }
             const bool done = item.tile < 0;
-            if (leader) st_shared_v4(current_item, item.tile, item.t_begin, item.t_end, item.kind | item.slot << 2);
+            if (leader)
+                st_shared_v4(item_slots + 16 * (items_written & 1), item.tile, item.t_begin, item.t_end,
+                             item.kind | item.slot << 2);
+            ++items_written;
             for (int g = 0; g < kConsumers; ++g) named_barrier_arrive(kTileFull + g, 32 + 128);
             if (done) break;
             const Work work(p, item.tile, q_tiles);
@@ -235,10 +241,11 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     int ring = 0;
     for (int q_count = 0;; ++q_count) {
         named_barrier_sync(kTileFull + group, 32 + 128);
-        const int tile = ld_shared(current_item);
+        const u32 item_at = item_slots + 16 * (q_count & 1);  // the q_count-th item
+        const int tile = ld_shared(item_at);
         if (tile < 0) break;
-        const int t_begin = ld_shared(current_item + 4), t_end = ld_shared(current_item + 8);
-        const int kind_slot = ld_shared(current_item + 12);  // kind | slot << 2
+        const int t_begin = ld_shared(item_at + 4), t_end = ld_shared(item_at + 8);
+        const int kind_slot = ld_shared(item_at + 12);  // kind | slot << 2
         named_barrier_arrive(kTileEmpty, kTileThreads);
         mbar_wait(q_full, q_count & 1);
         const Work work(p, tile, q_tiles);
