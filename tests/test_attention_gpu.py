@@ -284,22 +284,37 @@ def _keys_rising_in_steps(k, tiles_of: int, step: float):
     return (k.astype(cupy.float32) * factors[:, None]).astype(k.dtype)
 
 
+LAZY_SEQLEN_K = 1700  # 14 to 22 key tiles
+
+
+def _lazy_specs(head_dim, dtype, causal):
+    """The Hopper kernel of a problem with LAZY_SEQLEN_K keys, with and without lazy_rescale."""
+    from cuflash.spec import default_spec
+
+    spec = default_spec(head_dim, dtype, causal, "sm90a", seqlen=LAZY_SEQLEN_K)
+    return [spec.replace(lazy_rescale=lazy) for lazy in (True, False)]
+
+
+@pytest.fixture(scope="module")
+def warm_lazy_kernels():
+    """Compile test_hopper_lazy_row_max's kernels at once, in parallel processes."""
+    if not _hopper():
+        pytest.skip("the wgmma family needs sm_90a")
+    cuflash.warmup([s for hd in (64, 128, 256) for dt in ("fp16", "bf16") for c in (False, True)
+                    for s in _lazy_specs(hd, dt, c)], progress=False)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_hopper_lazy_row_max(head_dim, dtype, causal, poison):
+def test_hopper_lazy_row_max(head_dim, dtype, causal, warm_lazy_kernels, poison):
     """The Hopper kernel with and without lazy_rescale (the row max moves only by more than a
     slack, the output's rescale skipped while no row of a warp moves) on maxima that rise over
     many key tiles: the same accuracy rule."""
-    if not _hopper():
-        pytest.skip("the wgmma family needs sm_90a")
-    from cuflash.spec import default_spec
-
-    sq, sk = (200, 1700) if not causal else (1700, 1700)
+    sq, sk = (200, LAZY_SEQLEN_K) if not causal else (LAZY_SEQLEN_K, LAZY_SEQLEN_K)
     problem = AttentionProblem(batch=1, heads=2, heads_k=1, seqlen_q=sq, seqlen_k=sk, head_dim=head_dim,
                                dtype=dtype, causal=causal)
-    specs = [default_spec(head_dim, dtype, causal, "sm90a", seqlen=sk).replace(lazy_rescale=lazy) for lazy in (True, False)]
-    cuflash.warmup(specs, progress=False)
+    specs = _lazy_specs(head_dim, dtype, causal)
     for step in (0.02, 0.15):
         q, k, v = problem.make_inputs(cupy)
         k = _keys_rising_in_steps(k, 100, step)

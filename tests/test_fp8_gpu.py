@@ -116,9 +116,18 @@ def test_sums_on_tensor_cores_forced(head_dim, causal, hopper, poison):
         cuflash.attention(inputs.q, inputs.k, inputs.v, spec=fast, return_lse=True, **problem.attention_kwargs(inputs))
 
 
+@pytest.fixture(scope="module")
+def warm_lazy_fp8_kernels(hopper):
+    """Compile test_lazy_row_max's kernels at once, in parallel processes."""
+    from cuflash.spec import default_spec
+
+    cuflash.warmup([default_spec(hd, "e4m3", c, "sm90a").replace(lazy_rescale=lazy) for hd in (64, 128, 256)
+                    for c in (False, True) for lazy in (True, False)], progress=False)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_lazy_row_max(head_dim, causal, hopper, poison):
+def test_lazy_row_max(head_dim, causal, warm_lazy_fp8_kernels, poison):
     """The Hopper FP8 kernel with and without lazy_rescale (the row max moves only by more than
     a slack, P up to 2^8.75) on keys whose scale rises by steps over many key tiles, so that each
     row's max moves by more than the slack on some tiles and by less on others. Only the output
