@@ -161,3 +161,46 @@ def test_bench_picks_the_backward_family_it_is_asked_for():
     assert _spec_for(config, "sm90a", {}).family == "wgmma"
     assert _spec_for(config, "sm90a", {"family": "mma"}).family == "mma"
     assert _spec_for(config, "sm90a", {"deterministic": True}).deterministic
+
+
+def test_launch_backward_packs_every_field_and_launches_three_kernels():
+    """launch.launch_backward on stand-ins for the arrays and kernels: each field of the parameter
+    block (spec.BWD_PARAM_FIELDS) holds what the problem says, and the three kernels get it with
+    their grids (the GPU tests run it for real)."""
+    from types import SimpleNamespace
+
+    from cuflash import dtypes
+    from cuflash.launch import launch_backward, rows_padded
+    from cuflash.spec import BWD_PARAM_FIELDS
+    from cuflash.validate import Problem
+
+    problem = Problem(dtypes.from_tag("bf16"), batch=3, heads=8, heads_k=2, seqlen_q=300, seqlen_k=500, head_dim=64,
+                      causal=True, scale=0.125, layout="bhsd", device_id=0, q_strides=(1, 2, 3),
+                      k_strides=(4, 5, 6), v_strides=(7, 8, 9))
+    names = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "lse2", "delta")
+    tensors = {name: SimpleNamespace(data=SimpleNamespace(ptr=0x1000 * (i + 1))) for i, name in enumerate(names)}
+    stride_names = ("q", "k", "v", "o", "do", "dq", "dk", "dv")
+    strides = {t: (100 * i + 1, 100 * i + 2, 100 * i + 3) for i, t in enumerate(stride_names)}
+    calls = []
+
+    def kernel(tag):
+        return lambda grid, block, args, shared_mem=0: calls.append((tag, grid, block, args, shared_mem))
+
+    spec = default_bwd_spec(64, "bf16", True, "sm80")
+    launch_backward((kernel("pre"), kernel("dkdv"), kernel("dq")), spec, SimpleNamespace(forward=problem), tensors,
+                    strides)
+    assert [c[0] for c in calls] == ["pre", "dkdv", "dq"]
+    fields = np.dtype([(name, "<" + fmt) for name, _, fmt in BWD_PARAM_FIELDS])
+    for _, _, _, args, _ in calls:
+        (block,) = args
+        assert block.nbytes == fields.itemsize
+        params = np.frombuffer(block.tobytes(), dtype=fields)[0]
+        for i, name in enumerate(names):
+            assert params[name] == 0x1000 * (i + 1), name
+        for t in stride_names:
+            assert tuple(params[f"{t}_{s}_stride"] for s in ("batch", "head", "row")) == strides[t], t
+        assert (params["heads"], params["group"], params["seqlen_q"], params["seqlen_k"]) == (8, 4, 300, 500)
+        assert params["rows_padded"] == rows_padded(spec, 300) and params["rows_padded"] % spec.block_m == 0
+        assert params["scale"] == np.float32(0.125)
+        assert params["scale_log2"] == np.float32(0.125 * 1.4426950408889634)
+    assert calls[1][1] == (-(-500 // spec.block_n), 2, 3) and calls[1][4] == spec.smem_bytes

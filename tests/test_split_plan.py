@@ -1,5 +1,5 @@
-"""launch.split_plan: which launches deal their last tiles out by keys (CPU only: the
-multiprocessor count is set by hand)."""
+"""launch.split_plan: which launches deal their last tiles out by keys (the multiprocessor count
+is set by hand); launch.divider; and launch.pack_params, the forward's parameter block (CPU only)."""
 import pytest
 
 from cuflash import dtypes, launch
@@ -96,3 +96,39 @@ def test_divider_rejects_what_it_cannot_divide_by():
     for d in (0, -3, 2**31):
         with pytest.raises(ValueError, match="divisor"):
             launch.divider(d)
+
+
+def test_pack_params_fills_every_field():
+    """launch.pack_params on stand-ins for the arrays: each field of the forward's parameter block
+    (spec.PARAM_FIELDS) holds what the problem, the FP8 descales and the split plan say."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from cuflash.spec import PARAM_FIELDS
+    from cuflash.validate import Fp8Scales
+
+    def array(ptr):
+        return SimpleNamespace(data=SimpleNamespace(ptr=ptr))
+
+    problem = Problem(dtypes.from_tag("bf16"), batch=3, heads=12, heads_k=4, seqlen_q=300, seqlen_k=500, head_dim=64,
+                      causal=False, scale=0.125, layout="bhsd", device_id=0, q_strides=(1, 2, 3),
+                      k_strides=(4, 5, 6), v_strides=(7, 8, 9))
+    scales = Fp8Scales(dtypes.from_tag("bf16"), array(0xA0), array(0xB0), array(0xC0), (12, 1), (4, 1))
+    block = launch.pack_params(problem, array(0x10), array(0x20), array(0x30), array(0x40), array(0x50), (10, 11, 12),
+                               tile_counter=0x60, scales=scales, plan=launch.SplitPlan(7, 5, 3), split=(0x70, 0x80),
+                               q_tiles=3)
+    fields = np.dtype([(name, "<" + fmt) for name, _, fmt in PARAM_FIELDS])
+    assert block.nbytes == fields.itemsize
+    p = np.frombuffer(block.tobytes(), dtype=fields)[0]
+    pointers = ("q", "k", "v", "o", "lse", "tile_counter", "split_ws", "split_flags", "q_descale", "k_descale", "v_descale")
+    assert [int(p[name]) for name in pointers] == [0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0xA0, 0xB0, 0xC0]
+    for t, want in zip("qkvo", ((1, 2, 3), (4, 5, 6), (7, 8, 9), (10, 11, 12))):
+        assert tuple(int(p[f"{t}_{s}_stride"]) for s in ("batch", "head", "row")) == want
+    assert (p["heads"], p["group"], p["seqlen_q"], p["seqlen_k"], p["batch"]) == (12, 3, 300, 500, 3)
+    assert p["scale_log2"] == np.float32(0.125 * 1.4426950408889634)
+    assert (p["q_descale_batch_stride"], p["q_descale_head_stride"]) == (12, 1)
+    assert (p["kv_descale_batch_stride"], p["kv_descale_head_stride"]) == (4, 1)
+    assert (p["dp_tiles"], p["shares"], p["share_units"]) == (7, 5, 3)
+    for name, d in (("q_tiles", 3), ("heads", 12), ("group", 3)):
+        assert (p[f"{name}_magic"], p[f"{name}_shifts"]) == launch.divider(d)
