@@ -82,7 +82,7 @@ class KernelSpec:
     pingpong: bool = False    # warp-specialized: the consumers take turns on the tensor cores
     out_dtype: str = ""       # output dtype tag; "" means the input dtype (FP8 inputs: "bf16")
     lse: bool = True          # the LSE is exact; False (Hopper FP8): sums_on_tensor_cores, no LSE for the caller
-    lazy_rescale: bool = False  # warp-specialized: the row max moves only by more than a slack (LAZY_SLACK_LOG2)
+    lazy_rescale: bool = False  # warp-specialized: the row max moves only by more than lazy_slack_log2
 
     def __post_init__(self):
         if not self.family:

@@ -308,7 +308,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         // kLazyRescale: the row max moves only when a tile's max exceeds it by more than the
         // slack (softmax_step), in raw-score units here; max() keeps it finite at a scale of 0.
         constexpr bool kLazy = Cfg::kLazyRescale;
-        const float slack = Cfg::kLazySlackLog2 / fmaxf(scale_log2, 1e-30f);
+        const float slack = kLazy ? Cfg::kLazySlackLog2 / fmaxf(scale_log2, 1e-30f) : 0.f;
 
         auto scores_ready = [&](int i) {  // S_i has landed: mask it, softmax it
             fence_operands(acc_s[0]);
