@@ -107,7 +107,7 @@ WGMMA_CANDIDATES = {
 #: length, and a candidate's rate at a length is its median over the rounds. Interleaving
 #: matters: the H200's clock moves by up to ~15% within a run, so candidates timed one after the
 #: other were ranked by when they ran.
-TUNE_SEQLENS = {"short": (1024, 2048), "long": (4096, 16384)}
+TUNE_SEQLENS = {"short": (512, 1024), "long": (2048, 4096, 16384)}
 TUNE_ROUNDS = 5
 
 

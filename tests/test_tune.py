@@ -18,13 +18,13 @@ def test_every_hopper_head_dim_has_fitting_candidates(head_dim, causal):
 
 
 def test_tuner_keeps_the_fastest_spill_free_candidate_per_length_class():
-    # hd128, rates at (1k, 2k, 4k, 16k). Short: (128, 96, 3) wins; long: (128, 176, 2) is fastest at
-    # 16k only, (128, 128, 3) wins on the geometric mean; (128, 144, 2) would win both but "spills".
-    rates = {(128, 128, 2): (500, 500, 500, 600), (128, 176, 2): (300, 300, 300, 900),
-             (128, 128, 3): (400, 400, 600, 610), (128, 144, 2): (900, 900, 900, 900),
-             (128, 96, 3): (520, 520, 100, 100)}
+    # hd128, rates at (512, 1k, 2k, 4k, 16k). Short: (128, 96, 3) wins; long: (128, 176, 2) is fastest
+    # at 16k only, (128, 128, 3) wins on the geometric mean; (128, 144, 2) would win both but "spills".
+    rates = {(128, 128, 2): (500, 500, 500, 500, 600), (128, 176, 2): (300, 300, 300, 300, 900),
+             (128, 128, 3): (400, 400, 600, 600, 610), (128, 144, 2): (900, 900, 900, 900, 900),
+             (128, 96, 3): (520, 520, 100, 100, 100)}
     lengths = [n for group in tune.TUNE_SEQLENS.values() for n in group]
-    assert lengths == [1024, 2048, 4096, 16384]
+    assert lengths == [512, 1024, 2048, 4096, 16384]
     warmed, lines, calls = [], [], []
 
     def timer(spec, seqlen, reps):
@@ -42,7 +42,7 @@ def test_tuner_keeps_the_fastest_spill_free_candidate_per_length_class():
     assert all("TFLOP/s" in line for line in lines)
     # rounds interleave the candidates: every candidate once per length before the next round
     assert [shape for shape, _ in calls[:4]] == [(128, 128, 2), (128, 176, 2), (128, 128, 3), (128, 96, 3)]
-    assert len(calls) == 2 * 3 * 4 * 4
+    assert len(calls) == 2 * 3 * 4 * 5
 
 
 def test_writing_one_table_keeps_the_other(tmp_path):
