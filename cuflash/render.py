@@ -82,6 +82,7 @@ def generate(spec: KernelSpec | BwdSpec) -> str:
         param_fields=PARAM_FIELDS,
         nvrtc_arch=nvrtc_arch(spec.arch),
         include_dir=include_dir(),
-        wgmma_ns=sorted({spec.block_n, spec.padded_head_dim} | ({8} if spec.sums_on_tensor_cores else set())),
+        wgmma_ns=sorted({spec.block_n, spec.padded_head_dim} | ({8} if spec.sums_on_tensor_cores else set())
+                         | ({spec.block_n // 2} if spec.warp_specialized else set())),
         elem_ctype=dtypes.from_tag(spec.dtype).ctype,
     )

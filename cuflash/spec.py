@@ -83,6 +83,7 @@ class KernelSpec:
     out_dtype: str = ""       # output dtype tag; "" means the input dtype (FP8 inputs: "bf16")
     lse: bool = True          # the LSE is exact; False (Hopper FP8): sums_on_tensor_cores, no LSE for the caller
     lazy_rescale: bool = False  # warp-specialized: the row max moves only by more than lazy_slack_log2
+    half_first_tile: bool = False  # warp-specialized: a first key tile whose second half no row sees is computed half wide
 
     def __post_init__(self):
         if not self.family:
@@ -158,6 +159,11 @@ class KernelSpec:
             problems.append("pingpong applies to the warp-specialized schedule only")
         if self.lazy_rescale and not self.warp_specialized:
             problems.append("lazy_rescale applies to the warp-specialized schedule only")
+        if self.half_first_tile and not self.warp_specialized:
+            problems.append("half_first_tile applies to the warp-specialized schedule only")
+        if self.half_first_tile and self.block_n % (2 * self.pv_k):
+            problems.append(f"half_first_tile needs block_n={self.block_n} to be a multiple of 2 x {self.pv_k} "
+                            f"(whole k-steps of P V in each half)")
         if not problems and self.smem_bytes > SMEM_LIMIT[self.arch]:
             problems.append(f"needs {self.smem_bytes} bytes of shared memory, {self.arch} allows {SMEM_LIMIT[self.arch]}")
         if problems:
@@ -174,8 +180,9 @@ class KernelSpec:
         dtype = self.dtype + ("o" + self.out_dtype if self.fp8 else "")
         no_lse = "" if self.lse else "_nolse"
         lazy = "_lazy" if self.lazy_rescale else ""
+        half = "_half" if self.half_first_tile else ""
         return (f"fwd_{dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
-                f"w{self.num_warps}s{self.num_stages}{overlap}{family}{lazy}{no_lse}_{self.arch}")
+                f"w{self.num_warps}s{self.num_stages}{overlap}{family}{lazy}{half}{no_lse}_{self.arch}")
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)
@@ -504,6 +511,16 @@ FP8_WGMMA_DEFAULTS = {64: (128, 192, 2), 128: (128, 192, 2), 256: (128, 128, 2)}
 LAZY_RESCALE_TILES = ((256, False), (256, True))
 FP8_LAZY_RESCALE_TILES = ((128, False),)
 
+#: (tiles, causal, length class) of the Hopper kernels that compute a first key tile half wide
+#: where no row of a consumer warpgroup sees its second half (KernelSpec.half_first_tile: the
+#: causal diagonal's tile, for the consumer of the upper rows; the keys' tail), at the tiles'
+#: own head dim: with it ptxas serializes the wgmmas (C7511, short of registers) at the head
+#: dims padded to 64 and at 128, 192, and FP8 128 and 256. On the H200 (bf16, 16k tokens,
+#: interleaved with cuDNN, three rounds, README) head dim 64 causal on the short tiles
+#: (128 x 128) gained 7% at 512 and 3-4% at 1k; on its long tiles (192 x 128) it gained 0.2% at
+#: 2k and lost 1-5% at 4k-16k; head dim 96 causal lost 0.7% at 1k, FP8 head dim 64 causal 4.5%.
+HALF_FIRST_TILE_TILES = ((64, True, "short"),)
+
 #: The tiles (head dims of FP8_WGMMA_DEFAULTS) on which a call without the LSE sums P on the
 #: tensor cores (KernelSpec.sums_on_tensor_cores). On the H200 (e4m3, 16k tokens, two rounds
 #: against float sums, README) head dim 256 gained 3% without and 4-14% with a causal mask at
@@ -590,7 +607,9 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
         bm, bn, stages = WGMMA_TABLE.get((tiles, causal, length_class(seqlen)), WGMMA_DEFAULTS[tiles])
         return KernelSpec(head_dim, entry.tag, causal, bm, bn, 4 + bm // 16, stages, arch, overlap=True,
                           family="wgmma", warp_specialized=True, pingpong=True,
-                          lazy_rescale=(tiles, causal) in LAZY_RESCALE_TILES)
+                          lazy_rescale=(tiles, causal) in LAZY_RESCALE_TILES,
+                          half_first_tile=head_dim == tiles
+                          and (tiles, causal, length_class(seqlen)) in HALF_FIRST_TILE_TILES)
     if (family == "mma") != entry.tensor_core:
         raise ValueError(f"family={family!r} does not take dtype={entry.tag}")
     if entry.tensor_core:

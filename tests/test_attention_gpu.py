@@ -326,6 +326,36 @@ def test_hopper_lazy_row_max(head_dim, dtype, causal, warm_lazy_kernels, poison)
             assert_attention_close(out, ref, dtype, baseline=base, lse=lse, ref_lse=ref_lse)
 
 
+def _half_first_tile_specs():
+    """Hopper kernels that compute a first key tile half wide where no row of a warpgroup sees
+    its second half: head dim 64's tiles of both length classes (two and three consumers), and
+    the tiles of 128 (128 keys) and 192 (96 keys)."""
+    from cuflash.spec import default_spec
+
+    return [default_spec(hd, dtype, causal, "sm90a", seqlen=seqlen).replace(half_first_tile=True)
+            for hd, dtype, seqlen in ((64, "bf16", 1024), (64, "fp16", 4096), (128, "bf16", None), (192, "fp16", None))
+            for causal in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def warm_half_first_tile_kernels():
+    if not _hopper():
+        pytest.skip("the wgmma family needs sm_90a")
+    cuflash.warmup(_half_first_tile_specs(), progress=False)
+
+
+@pytest.mark.parametrize("spec", _half_first_tile_specs(), ids=lambda s: s.name)
+def test_hopper_half_first_tile(spec, warm_half_first_tile_kernels, poison):
+    """half_first_tile: the causal diagonal (queries and keys aligned, more keys than queries,
+    more queries than keys: rows that see nothing) and key tails shorter and longer than half a
+    tile, against the float64 reference."""
+    shapes = ((300, 300), (130, 400), (400, 130), (77, 1000)) if spec.causal else ((150, 300), (150, 200))
+    for sq, sk in shapes:
+        problem = AttentionProblem(batch=1, heads=3, heads_k=1, seqlen_q=sq, seqlen_k=sk, head_dim=spec.head_dim,
+                                   dtype=spec.dtype, causal=spec.causal)
+        run_and_check(problem, poison, spec=spec)
+
+
 def test_hopper_defaults_of_both_length_classes(poison):
     """Every default Hopper kernel, short and long sequences' tiles alike, on small problems
     (forced), and the dispatch: a problem past SHORT_SEQLEN runs the long class's kernel. With

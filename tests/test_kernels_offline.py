@@ -239,6 +239,34 @@ def test_lazy_rescale_where_the_table_puts_it():
             default_spec(128, "bf16", False, arch, family="mma").replace(lazy_rescale=True)
 
 
+def test_half_first_tile_where_the_table_puts_it():
+    """half_first_tile comes from the (tiles, causal, length class) table at the tiles' own head
+    dims, names its kernels,
+    reaches the source with the half-wide product's wrapper, and needs the warp-specialized
+    kernel and whole k-steps of P V in each half of a key tile."""
+    from cuflash import generate
+    from cuflash.spec import HALF_FIRST_TILE_TILES, length_class, wgmma_tile_head_dim
+
+    for head_dim in (40, 64, 96, 128, 256):
+        for causal in (False, True):
+            for seqlen in (512, 1024, 2048, None):
+                spec = default_spec(head_dim, "bf16", causal, "sm90a", seqlen=seqlen)
+                tiles = wgmma_tile_head_dim(head_dim)  # padded head dims keep whole tiles
+                assert spec.half_first_tile == (head_dim == tiles and (tiles, causal, length_class(seqlen))
+                                                in HALF_FIRST_TILE_TILES)
+                assert ("_half_" in spec.name) == spec.half_first_tile
+    half = default_spec(64, "fp16", True, "sm90a", seqlen=1024)
+    assert half.half_first_tile and half.block_n == 128
+    source = generate(half)
+    assert "kHalfFirstTile = true;" in source and "wgmma_ss_n64(" in source
+    assert "kHalfFirstTile = false;" in generate(half.replace(half_first_tile=False))
+    assert not default_spec(64, "e4m3", True, "sm90a").half_first_tile
+    with pytest.raises(ValueError, match="half_first_tile"):
+        default_spec(64, "bf16", True, "sm90a", family="mma").replace(half_first_tile=True)
+    with pytest.raises(ValueError, match="block_n=80"):
+        default_spec(256, "bf16", True, "sm90a").replace(half_first_tile=True)
+
+
 # -- the portable FP8 kernel (family mma: codes converted to fp16 on chip) -------------------------
 
 @pytest.mark.parametrize("spec", [s for arch in ("sm80", "sm90a") for s in

@@ -22,10 +22,10 @@ namespace cuflash {
 
 // S = Q K^T for one warpgroup's 64 query rows (q_rows: their first column block) against the
 // key tile at k_tile: both operands K-major in shared memory, 128-byte swizzled; k-steps (16
-// elements, 32 for FP8) are 32 bytes apart inside a 128-byte column block. Issued and
-// committed; the caller waits.
-template <class Cfg>
-__device__ __forceinline__ void issue_scores(float (&acc)[Cfg::kBlockN / 8][4], u32 q_rows, u32 k_tile) {
+// elements, 32 for FP8) are 32 bytes apart inside a 128-byte column block. kNT n=8 tiles: the
+// whole key tile, or (kHalfFirstTile) its first half. Issued and committed; the caller waits.
+template <class Cfg, int kNT>
+__device__ __forceinline__ void issue_scores(float (&acc)[kNT][4], u32 q_rows, u32 k_tile) {
     const u64 q_desc = smem_desc(q_rows, 16, 1024), k_desc = smem_desc(k_tile, 16, 1024);
     wgmma_fence();
 #pragma unroll
@@ -38,14 +38,21 @@ __device__ __forceinline__ void issue_scores(float (&acc)[Cfg::kBlockN / 8][4], 
 }
 
 // P (the softmax numerators in the S accumulators) as wgmma's A operand: rounded to 16 bits,
-// or (FP8) to e4m3, 32 keys per k-step in the order of fp8_probs_operand.
-template <class Cfg>
+// or (FP8) to e4m3, 32 keys per k-step in the order of fp8_probs_operand. Accumulators of kNT
+// n=8 tiles fill the first 8 kNT keys; P past them (a half-wide first tile) is 0.
+template <class Cfg, int kNT>
 __device__ __forceinline__ void probs_registers(u32 (&probs)[Cfg::kBlockN / Cfg::kPVStep][4],
-                                                const float (&acc)[Cfg::kBlockN / 8][4]) {
+                                                const float (&acc)[kNT][4]) {
 #pragma unroll
     for (int kk = 0; kk < Cfg::kBlockN / Cfg::kPVStep; ++kk) {
-        if constexpr (Cfg::kFp8) fp8_probs_operand(probs[kk], acc, kk);
-        else probs_operand<Cfg::kBF16>(probs[kk], acc, kk);
+        if (kk >= kNT * 8 / Cfg::kPVStep) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) probs[kk][r] = 0u;
+        } else if constexpr (Cfg::kFp8) {
+            fp8_probs_operand(probs[kk], acc, kk);
+        } else {
+            probs_operand<Cfg::kBF16>(probs[kk], acc, kk);
+        }
     }
 }
 

@@ -320,17 +320,43 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             softmax_step<kLog2Boost, !kSums, kLazy>(acc_s, row_max, row_sum, alphas, scale_log2, slack);
         };
 
+        // kHalfFirstTile: no row of this warpgroup sees the second half of the first key tile
+        // (the causal diagonal's, or the tail of the keys): its scores are computed half wide
+        // (the first kNT / 2 n=8 tiles of acc_s) and P there is 0. Each branch waits for its
+        // own product: a wgmma left in flight across the branch makes ptxas serialize them all.
+        float (&half_s)[1][kNT / 2][4] = reinterpret_cast<float (&)[1][kNT / 2][4]>(acc_s);
+        bool half_first = false;
+        if constexpr (Cfg::kHalfFirstTile) {
+            int last_key = p.seqlen_k - 1;  // the last key any row of the warpgroup sees
+            if constexpr (Cfg::kCausal) last_key = min(last_key, work.m0 + group * 64 + 63 + work.causal_offset);
+            half_first = __shfl_sync(0xffffffffu, last_key < first_n0 + kBN / 2, 0);
+        }
+
         if (n_tiles == 0) release(q_empty);  // no key to attend: the rows are stored as zeros
         if (n_tiles > 0) {
             mbar_wait(full_k(slot_of(ring)), phase_of(ring));
+            const u32 k_first = sK + slot_of(ring) * Cfg::kKVTileBytes;
             take_turn();
-            issue_scores<Cfg>(acc_s[0], q_rows, sK + slot_of(ring) * Cfg::kKVTileBytes);
-            pass_turn();
-            wgmma_wait<0>();
+            if (half_first) {
+                issue_scores<Cfg>(half_s[0], q_rows, k_first);
+                pass_turn();
+                wgmma_wait<0>();
+            } else {
+                issue_scores<Cfg>(acc_s[0], q_rows, k_first);
+                pass_turn();
+                wgmma_wait<0>();
+            }
             release(empty_k(slot_of(ring)));
             if (n_tiles == 1) release(q_empty);
-            scores_ready(0);
-            probs_registers<Cfg>(probs, acc_s[0]);
+            if (half_first) {
+                fence_operands(half_s[0]);
+                mask_scores<Cfg::kCausal>(half_s, first_n0, work.m0 + warp_row0, lane, p.seqlen_k, work.causal_offset);
+                softmax_step<kLog2Boost, !kSums, kLazy>(half_s, row_max, row_sum, alphas, scale_log2, slack);
+                probs_registers<Cfg>(probs, half_s[0]);
+            } else {
+                scores_ready(0);
+                probs_registers<Cfg>(probs, acc_s[0]);
+            }
             for (int i = 1; i < n_tiles; ++i) {
                 const int c = ring + i;
                 mbar_wait(full_k(slot_of(c)), phase_of(c));
