@@ -35,6 +35,11 @@ class SplitPlan(NamedTuple):
     shares: int = 0
     share_units: int = 0
 
+    @property
+    def shares_end_inside_tiles(self) -> bool:
+        """Some share ends inside a tile, which leaves that tile's state to the next share."""
+        return self.shares > 0 and self.share_units % self.shares != 0
+
 
 #: Keys up to which 16-bit launches keep whole tiles: dealing the last tiles out by keys cost
 #: 1-5% there (H200, bf16, 16k tokens, 1k keys: head dim 128 614 against 621 TFLOP/s, 256 643

@@ -102,7 +102,7 @@ def shares_end_inside_tiles(problem: Fp8AttentionProblem, return_lse: bool) -> b
     spec = default_spec(problem.head_dim, problem.fp8_format, False, "sm90a", lse=return_lse)
     plan = split_plan(spec, validate(inputs.q, inputs.k, inputs.v, causal=False, scale=None, layout=problem.layout,
                                      fp8_format=problem.fp8_format))
-    return plan.shares > 0 and plan.share_units % plan.shares != 0
+    return plan.shares_end_inside_tiles
 
 
 # 280 query tiles of 128 rows (1 x 140 heads x 2) on 132 multiprocessors: the last 148 are dealt

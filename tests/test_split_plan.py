@@ -61,6 +61,12 @@ def test_whole_waves_fewer_than_two_waves_or_one_key_tile_stay_whole():
     assert launch.split_plan(spec, _heads(300, 128, 2048)) == launch.SplitPlan(300 - 168, 132, 168 * 16)
 
 
+def test_shares_end_inside_tiles():
+    assert not launch.SplitPlan(300).shares_end_inside_tiles                    # whole tiles
+    assert not launch.SplitPlan(300 - 168, 132, 168 * 11).shares_end_inside_tiles  # 14 key tiles each
+    assert launch.SplitPlan(300 - 168, 132, 168 * 16).shares_end_inside_tiles   # 20.4 each
+
+
 def test_fp8_splits_short_sequences_too():
     spec = default_spec(128, "e4m3", False, "sm90a", out_dtype="bf16")
     fp8 = Problem(dtypes.from_tag("e4m3"), 1, 300, 300, 128, 1024, 128, False, 1.0, "bhsd", 0,
