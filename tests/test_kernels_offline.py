@@ -241,9 +241,8 @@ def test_lazy_rescale_where_the_table_puts_it():
 
 def test_half_first_tile_where_the_table_puts_it():
     """half_first_tile comes from the (tiles, causal, length class) table at the tiles' own head
-    dims, names its kernels,
-    reaches the source with the half-wide product's wrapper, and needs the warp-specialized
-    kernel and whole k-steps of P V in each half of a key tile."""
+    dims, names its kernels, reaches the source with the half-wide product's wrapper, and needs
+    the warp-specialized kernel and whole k-steps of P V in each half of a key tile."""
     from cuflash import generate
     from cuflash.spec import HALF_FIRST_TILE_TILES, length_class, wgmma_tile_head_dim
 
