@@ -521,6 +521,13 @@ FP8_LAZY_RESCALE_TILES = ((128, False),)
 #: 2k and lost 1-5% at 4k-16k; head dim 96 causal lost 0.7% at 1k, FP8 head dim 64 causal 4.5%.
 HALF_FIRST_TILE_TILES = ((64, True, "short"),)
 
+#: (tiles, causal, length class) of the Hopper kernels whose consumers issue their products
+#: without taking turns (KernelSpec.pingpong off). On the H200 (bf16, 16k tokens, interleaved
+#: with cuDNN, three rounds, README) head dim 96 non-causal gained 1-1.4% at 512 and 1-3% at
+#: 1k without them, head dim 80 (96's tiles) 2-4% at 1k; head dim 128 non-causal moved within
+#: 1% either way, and head dim 64 causal lost 3% at 1k.
+PINGPONG_OFF_TILES = ((96, False, "short"),)
+
 #: The tiles (head dims of FP8_WGMMA_DEFAULTS) on which a call without the LSE sums P on the
 #: tensor cores (KernelSpec.sums_on_tensor_cores). On the H200 (e4m3, 16k tokens, two rounds
 #: against float sums, README) head dim 256 gained 3% without and 4-14% with a causal mask at
@@ -605,11 +612,11 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
 
         tiles = wgmma_tile_head_dim(head_dim)
         bm, bn, stages = WGMMA_TABLE.get((tiles, causal, length_class(seqlen)), WGMMA_DEFAULTS[tiles])
+        classed = (tiles, causal, length_class(seqlen))
         return KernelSpec(head_dim, entry.tag, causal, bm, bn, 4 + bm // 16, stages, arch, overlap=True,
-                          family="wgmma", warp_specialized=True, pingpong=True,
+                          family="wgmma", warp_specialized=True, pingpong=classed not in PINGPONG_OFF_TILES,
                           lazy_rescale=(tiles, causal) in LAZY_RESCALE_TILES,
-                          half_first_tile=head_dim == tiles
-                          and (tiles, causal, length_class(seqlen)) in HALF_FIRST_TILE_TILES)
+                          half_first_tile=head_dim == tiles and classed in HALF_FIRST_TILE_TILES)
     if (family == "mma") != entry.tensor_core:
         raise ValueError(f"family={family!r} does not take dtype={entry.tag}")
     if entry.tensor_core:

@@ -266,6 +266,21 @@ def test_half_first_tile_where_the_table_puts_it():
         default_spec(256, "bf16", True, "sm90a").replace(half_first_tile=True)
 
 
+def test_pingpong_off_where_the_table_puts_it():
+    """The consumers take turns everywhere but on the (tiles, causal, length class) entries of
+    spec.PINGPONG_OFF_TILES; their kernels' names say so (wgmmaws, not wgmmawsp)."""
+    from cuflash.spec import PINGPONG_OFF_TILES, length_class, wgmma_tile_head_dim
+
+    for head_dim in (64, 80, 96, 128, 256):
+        for causal in (False, True):
+            for seqlen in (1024, 2048):
+                spec = default_spec(head_dim, "fp16", causal, "sm90a", seqlen=seqlen)
+                off = (wgmma_tile_head_dim(head_dim), causal, length_class(seqlen)) in PINGPONG_OFF_TILES
+                assert spec.pingpong == (not off) and ("_wgmmawsp_" in spec.name) == spec.pingpong
+    assert not default_spec(96, "bf16", False, "sm90a", seqlen=1024).pingpong
+    assert default_spec(96, "bf16", False, "sm90a", seqlen=2048).pingpong
+
+
 # -- the portable FP8 kernel (family mma: codes converted to fp16 on chip) -------------------------
 
 @pytest.mark.parametrize("spec", [s for arch in ("sm80", "sm90a") for s in
