@@ -611,8 +611,8 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
         from .tuned_defaults import WGMMA_TABLE  # written by ``python -m cuflash tune --family wgmma``
 
         tiles = wgmma_tile_head_dim(head_dim)
-        bm, bn, stages = WGMMA_TABLE.get((tiles, causal, length_class(seqlen)), WGMMA_DEFAULTS[tiles])
-        classed = (tiles, causal, length_class(seqlen))
+        classed = (tiles, causal, length_class(seqlen))  # the key of the per-class tables
+        bm, bn, stages = WGMMA_TABLE.get(classed, WGMMA_DEFAULTS[tiles])
         return KernelSpec(head_dim, entry.tag, causal, bm, bn, 4 + bm // 16, stages, arch, overlap=True,
                           family="wgmma", warp_specialized=True, pingpong=classed not in PINGPONG_OFF_TILES,
                           lazy_rescale=(tiles, causal) in LAZY_RESCALE_TILES,
