@@ -312,12 +312,15 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         constexpr bool kLazy = Cfg::kLazyRescale;
         const float slack = kLazy ? Cfg::kLazySlackLog2 / fmaxf(scale_log2, 1e-30f) : 0.f;
 
-        auto scores_ready = [&](int i) {  // S_i has landed: mask it, softmax it
-            fence_operands(acc_s[0]);
+        // S_i has landed in s (acc_s, or its first half: half_s below, always masked): mask it,
+        // softmax it.
+        auto scores_ready = [&](auto& s, int i) {
+            constexpr bool kHalf = sizeof(s) < sizeof(acc_s);
+            fence_operands(s[0]);
             const int n0 = first_n0 - i * kBN;
-            if (work.needs_mask(n0, p.seqlen_k))
-                mask_scores<Cfg::kCausal>(acc_s, n0, work.m0 + warp_row0, lane, p.seqlen_k, work.causal_offset);
-            softmax_step<kLog2Boost, !kSums, kLazy>(acc_s, row_max, row_sum, alphas, scale_log2, slack);
+            if (kHalf || work.needs_mask(n0, p.seqlen_k))
+                mask_scores<Cfg::kCausal>(s, n0, work.m0 + warp_row0, lane, p.seqlen_k, work.causal_offset);
+            softmax_step<kLog2Boost, !kSums, kLazy>(s, row_max, row_sum, alphas, scale_log2, slack);
         };
 
         // kHalfFirstTile: no row of this warpgroup sees the second half of the first key tile
@@ -336,27 +339,22 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         if (n_tiles > 0) {
             mbar_wait(full_k(slot_of(ring)), phase_of(ring));
             const u32 k_first = sK + slot_of(ring) * Cfg::kKVTileBytes;
+            auto first_scores = [&](auto& s) {
+                issue_scores<Cfg>(s[0], q_rows, k_first);
+                pass_turn();
+                wgmma_wait<0>();
+            };
             take_turn();
-            if (half_first) {
-                issue_scores<Cfg>(half_s[0], q_rows, k_first);
-                pass_turn();
-                wgmma_wait<0>();
-            } else {
-                issue_scores<Cfg>(acc_s[0], q_rows, k_first);
-                pass_turn();
-                wgmma_wait<0>();
-            }
+            if (half_first) first_scores(half_s);
+            else first_scores(acc_s);
             release(empty_k(slot_of(ring)));
             if (n_tiles == 1) release(q_empty);
-            if (half_first) {
-                fence_operands(half_s[0]);
-                mask_scores<Cfg::kCausal>(half_s, first_n0, work.m0 + warp_row0, lane, p.seqlen_k, work.causal_offset);
-                softmax_step<kLog2Boost, !kSums, kLazy>(half_s, row_max, row_sum, alphas, scale_log2, slack);
-                probs_registers<Cfg>(probs, half_s[0]);
-            } else {
-                scores_ready(0);
-                probs_registers<Cfg>(probs, acc_s[0]);
-            }
+            auto first_probs = [&](auto& s) {
+                scores_ready(s, 0);
+                probs_registers<Cfg>(probs, s[0]);
+            };
+            if (half_first) first_probs(half_s);
+            else first_probs(acc_s);
             for (int i = 1; i < n_tiles; ++i) {
                 const int c = ring + i;
                 mbar_wait(full_k(slot_of(c)), phase_of(c));
@@ -368,7 +366,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 wgmma_wait<1>();  // S_i is done; P_{i-1} V_{i-1} may still run
                 release(empty_k(slot_of(c)));
                 if (i == n_tiles - 1) release(q_empty);
-                scores_ready(i);
+                scores_ready(acc_s, i);
                 wgmma_wait<0>();
                 fence_operands(acc_o[0]);
                 sums_landed(acc_sum);
