@@ -277,8 +277,10 @@ def test_pingpong_off_where_the_table_puts_it():
                 spec = default_spec(head_dim, "fp16", causal, "sm90a", seqlen=seqlen)
                 off = (wgmma_tile_head_dim(head_dim), causal, length_class(seqlen)) in PINGPONG_OFF_TILES
                 assert spec.pingpong == (not off) and ("_wgmmawsp_" in spec.name) == spec.pingpong
-    assert not default_spec(96, "bf16", False, "sm90a", seqlen=1024).pingpong
-    assert default_spec(96, "bf16", False, "sm90a", seqlen=2048).pingpong
+    for head_dim in (96, 128):
+        assert not default_spec(head_dim, "bf16", False, "sm90a", seqlen=1024).pingpong
+        assert default_spec(head_dim, "bf16", False, "sm90a", seqlen=2048).pingpong
+        assert default_spec(head_dim, "bf16", True, "sm90a", seqlen=1024).pingpong
 
 
 # -- the portable FP8 kernel (family mma: codes converted to fp16 on chip) -------------------------
