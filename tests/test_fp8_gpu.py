@@ -173,12 +173,13 @@ def test_lazy_row_max(head_dim, causal, warm_lazy_fp8_kernels, poison):
         assert_attention_close(out, ref, "e4m3", baseline=base)
 
 
-@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("block_n", [64, 128, 160])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_key_tiles_other_than_the_default(fmt, causal, block_n, hopper, poison):
-    """Key tiles that are not a multiple of 128 (the default 192 among them) read V^T in 64-key
-    boxes with 64-byte swizzle, multiples of 128 in 128-key boxes with 128-byte swizzle."""
+    """Key tiles read V^T in boxes of 128 keys with 128-byte swizzle where block_n is a multiple
+    of 128, else of 64 keys with 64-byte swizzle (as the default 192 with a causal mask), else
+    of 32 keys with 32-byte swizzle (as the default 224 without one)."""
     import dataclasses
 
     from cuflash.spec import default_spec
@@ -186,7 +187,7 @@ def test_key_tiles_other_than_the_default(fmt, causal, block_n, hopper, poison):
     for sq, sk, layout, granularity, out_dtype in ((113, 239, "bhsd", "tensor", "bf16"),
                                                    (300, 451, "bshd", "head", "fp16")):
         spec = dataclasses.replace(default_spec(128, fmt, causal, "sm90a", out_dtype=out_dtype), block_n=block_n)
-        assert spec.fp8_v_box_keys == (64 if block_n % 128 else 128)
+        assert spec.fp8_v_box_keys == {64: 64, 128: 128, 160: 32}[block_n]
         problem = Fp8AttentionProblem(2, 4, 2, sq, sk, 128, fmt, granularity, out_dtype, causal=causal,
                                       layout=layout)
         run_and_check(problem, poison, spec=spec)

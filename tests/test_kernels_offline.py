@@ -184,8 +184,13 @@ def test_fp8_specs_and_their_limits():
     with pytest.raises(ValueError, match="out_dtype"):
         spec.replace(out_dtype="fp32")
     with pytest.raises(ValueError, match="block_n"):
-        spec.replace(block_n=96)
-    assert (spec.fp8_v_box_keys, spec.replace(block_n=128).fp8_v_box_keys) == (64, 128)
+        spec.replace(block_n=80)
+    assert [spec.replace(block_n=n).fp8_v_box_keys for n in (128, 192, 224, 160, 96)] == [128, 64, 32, 32, 32]
+    # 224 keys at head dim 128 without a mask (spec.FP8_BLOCK_N), the table's tiles elsewhere
+    assert default_spec(128, "e4m3", False, "sm90a").block_n == 224
+    assert default_spec(112, "e5m2", False, "sm90a").block_n == 224
+    assert default_spec(128, "e4m3", True, "sm90a").block_n == 192
+    assert default_spec(256, "e4m3", False, "sm90a").block_n == 128
     with pytest.raises(ValueError, match="out_dtype"):
         default_spec(128, "bf16", False, "sm90a").replace(out_dtype="fp16")
 

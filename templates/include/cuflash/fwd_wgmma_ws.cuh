@@ -35,9 +35,9 @@
 // FP8 inputs (kFp8): Q, K and V are 1-byte e4m3/e5m2 codes and both products run on FP8 wgmma
 // (k=32). Column blocks are 128 elements wide (head dims pad to multiples of 128). FP8 operands
 // must be K-major, so V arrives as V^T (head_dim rows of keys, cuflash.fp8.v_operand) and each
-// key tile of it is one TMA box of 128 keys by kHeadDim rows. P is scaled by 2^8 and rounded to
-// e4m3 in registers (fp8_probs_operand); the descale factors of q and k multiply the softmax
-// scale and v's multiplies the output.
+// key tile of it is TMA boxes of 128, 64 or 32 keys by kHeadDim rows (spec.fp8_v_box_keys). P is
+// scaled by 2^8 and rounded to e4m3 in registers (fp8_probs_operand); the descale factors of q
+// and k multiply the softmax scale and v's multiplies the output.
 //
 // The generated kernel provides Cfg with kHeadDim, kHeadDimStored, kBlockM (128 or 192),
 // kBlockN, kStages, kCausal, kBF16, kPingPong, kProducerRegisters, kComputeRegisters, kSmemQ,

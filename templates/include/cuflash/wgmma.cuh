@@ -31,6 +31,14 @@ __device__ __forceinline__ u64 smem_desc_64b(u32 addr, u32 leading_bytes, u32 st
            | (2ull << 62);
 }
 
+// The same with 32-byte swizzle (layout type 3): 8-row atoms of 256 bytes.
+__device__ __forceinline__ u64 smem_desc_32b(u32 addr, u32 leading_bytes, u32 stride_bytes) {
+    return static_cast<u64>((addr & 0x3FFFF) >> 4)
+           | (static_cast<u64>(leading_bytes >> 4) << 16)
+           | (static_cast<u64>(stride_bytes >> 4) << 32)
+           | (3ull << 62);
+}
+
 // The descriptor of the tile `bytes` further on in shared memory (a multiple of 16). Only the
 // start address (the low 14 bits, in 16-byte units) moves; it never carries out of them, as
 // the tile stays inside shared memory. One 32-bit add, where a descriptor built anew from the
@@ -46,7 +54,8 @@ __device__ __forceinline__ u64 fp8_v_desc(u32 v_tile, int kk) {
     constexpr int kStepsPerBox = kBoxKeys / 32;
     const u32 offset = (kk / kStepsPerBox) * kHeadDim * kBoxKeys + (kk % kStepsPerBox) * 32;
     if constexpr (kBoxKeys == 128) return desc_advance(smem_desc(v_tile, 16, 1024), offset);
-    else return desc_advance(smem_desc_64b(v_tile, 16, 512), offset);
+    else if constexpr (kBoxKeys == 64) return desc_advance(smem_desc_64b(v_tile, 16, 512), offset);
+    else return desc_advance(smem_desc_32b(v_tile, 16, 256), offset);
 }
 
 // Registers that wgmma reads or accumulates into were written by ordinary instructions.
