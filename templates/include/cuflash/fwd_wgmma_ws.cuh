@@ -290,7 +290,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         };
         auto pv = [&](u32 v_tile) {
             if constexpr (kSums) {
-                const u64 ones = smem_desc_64b(smem_base + Cfg::kSmemOnes, 16, 512);
+                const u64 ones = smem_desc<64>(smem_base + Cfg::kSmemOnes, 16, 512);
                 sums_landed(acc_sum);
                 issue_pv<Cfg>(acc_o[0], probs, v_tile, [&](int kk) { Cfg::wgmma_sums(acc_sum[0], probs[kk], ones); });
             } else {

@@ -14,29 +14,17 @@ __device__ __forceinline__ u32 swizzled_offset(int row, int chunk, int rows) {
     return (chunk / 8) * rows * 128 + row * 128 + (((chunk % 8) ^ (row % 8)) * 16);
 }
 
-// Shared-memory matrix descriptor, 128-byte swizzle (layout type 1 in bits 62-63).
-// Addresses and offsets are encoded in 16-byte units.
+// Shared-memory matrix descriptor of a tile in the kSwizzleBytes-byte swizzle (128, 64 or 32:
+// layout types 1, 2 and 3 in bits 62-63; 8-row atoms of 8 * kSwizzleBytes bytes). Addresses and
+// offsets are encoded in 16-byte units.
+template <int kSwizzleBytes = 128>
 __device__ __forceinline__ u64 smem_desc(u32 addr, u32 leading_bytes, u32 stride_bytes) {
+    static_assert(kSwizzleBytes == 128 || kSwizzleBytes == 64 || kSwizzleBytes == 32, "a wgmma swizzle");
+    constexpr u64 kLayout = kSwizzleBytes == 128 ? 1 : kSwizzleBytes == 64 ? 2 : 3;
     return static_cast<u64>((addr & 0x3FFFF) >> 4)
            | (static_cast<u64>(leading_bytes >> 4) << 16)
            | (static_cast<u64>(stride_bytes >> 4) << 32)
-           | (1ull << 62);
-}
-
-// The same with 64-byte swizzle (layout type 2): 8-row atoms of 512 bytes.
-__device__ __forceinline__ u64 smem_desc_64b(u32 addr, u32 leading_bytes, u32 stride_bytes) {
-    return static_cast<u64>((addr & 0x3FFFF) >> 4)
-           | (static_cast<u64>(leading_bytes >> 4) << 16)
-           | (static_cast<u64>(stride_bytes >> 4) << 32)
-           | (2ull << 62);
-}
-
-// The same with 32-byte swizzle (layout type 3): 8-row atoms of 256 bytes.
-__device__ __forceinline__ u64 smem_desc_32b(u32 addr, u32 leading_bytes, u32 stride_bytes) {
-    return static_cast<u64>((addr & 0x3FFFF) >> 4)
-           | (static_cast<u64>(leading_bytes >> 4) << 16)
-           | (static_cast<u64>(stride_bytes >> 4) << 32)
-           | (3ull << 62);
+           | (kLayout << 62);
 }
 
 // The descriptor of the tile `bytes` further on in shared memory (a multiple of 16). Only the
@@ -53,9 +41,7 @@ template <int kBoxKeys, int kHeadDim>
 __device__ __forceinline__ u64 fp8_v_desc(u32 v_tile, int kk) {
     constexpr int kStepsPerBox = kBoxKeys / 32;
     const u32 offset = (kk / kStepsPerBox) * kHeadDim * kBoxKeys + (kk % kStepsPerBox) * 32;
-    if constexpr (kBoxKeys == 128) return desc_advance(smem_desc(v_tile, 16, 1024), offset);
-    else if constexpr (kBoxKeys == 64) return desc_advance(smem_desc_64b(v_tile, 16, 512), offset);
-    else return desc_advance(smem_desc_32b(v_tile, 16, 256), offset);
+    return desc_advance(smem_desc<kBoxKeys>(v_tile, 16, 8 * kBoxKeys), offset);
 }
 
 // Registers that wgmma reads or accumulates into were written by ordinary instructions.
