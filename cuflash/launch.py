@@ -65,6 +65,35 @@ def split_plan(spec: KernelSpec, problem: Problem) -> SplitPlan:
     return SplitPlan(tiles - shared, sms, shared * key_tiles)
 
 
+#: Bytes of K and V that one band of causal work tiles (band_heads) may span: a share of the
+#: H200's 60 MB L2, and less up to 512 keys, where tiles are short and bands of more heads
+#: meant fewer tiles sharing each head's first reads (README, "Causal work tiles in bands").
+BAND_BYTES = 16 << 20
+BAND_SHORT_BYTES, BAND_SHORT_SEQLEN = 4 << 20, 512
+
+
+def band_heads(spec: KernelSpec, problem: Problem) -> int:
+    """(batch, head) pairs per band of the warp-specialized kernel's causal work tiles
+    (block.cuh): within a band, blocks take the heaviest query tile of every pair first, then the
+    next heaviest, so that a launch ends on its lightest tiles instead of on some pair's
+    heaviest. The band is the largest divisor of batch x heads whose K and V fit BAND_BYTES
+    (BAND_SHORT_BYTES up to BAND_SHORT_SEQLEN keys); without a causal mask (tiles of equal
+    work), one pair."""
+    if not (spec.warp_specialized and spec.causal):
+        return 1
+    kv_bytes = 2 * problem.seqlen_k * problem.head_dim * spec.elem_bytes
+    budget = BAND_SHORT_BYTES if problem.seqlen_k <= BAND_SHORT_SEQLEN else BAND_BYTES
+    return _largest_divisor(problem.batch * problem.heads, max(1, budget // max(kv_bytes, 1)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _largest_divisor(n: int, limit: int) -> int:
+    """The largest divisor of n >= 1 that is at most limit >= 1."""
+    if n <= limit:
+        return n
+    return max(e for d in range(1, math.isqrt(n) + 1) if n % d == 0 for e in (d, n // d) if e <= limit)
+
+
 def grid(spec: KernelSpec, problem: Problem, plan: SplitPlan | None = None) -> tuple[int, int, int]:
     """(query tiles, heads, batch). Query tiles vary fastest so that the blocks resident at one
     time work on few heads and find their K/V tiles in L2; the kernel walks each head's tiles
@@ -146,10 +175,11 @@ def divider(d: int) -> tuple[int, int]:
 
 def pack_params(problem: Problem, q, k, v, out, lse, out_strides, tile_counter: int = 0,
                 scales: Fp8Scales | None = None, plan: SplitPlan | None = None, split=(0, 0),
-                q_tiles: int = 1) -> np.ndarray:
+                q_tiles: int = 1, band: int = 1) -> np.ndarray:
     """The parameter block as a one-element void array, which CuPy passes by value. ``scales``:
     the descales of an FP8 call; ``plan`` and ``split`` (pointers to the states and flags): how
-    the warp-specialized kernel deals out its work; ``q_tiles``: its query tiles per head."""
+    the warp-specialized kernel deals out its work; ``q_tiles``: its query tiles per head;
+    ``band``: (batch, head) pairs per band of causal work tiles (band_heads)."""
     descales = (0, 0, 0) if scales is None else \
         (scales.q_descale.data.ptr, scales.k_descale.data.ptr, scales.v_descale.data.ptr)
     descale_strides = (0, 0, 0, 0) if scales is None else (*scales.q_strides, *scales.kv_strides)
@@ -162,7 +192,7 @@ def pack_params(problem: Problem, q, k, v, out, lse, out_strides, tile_counter: 
         problem.scale * _LOG2E, problem.batch, *descale_strides,
         *(plan or SplitPlan(0)),
         *divider(max(q_tiles, 1)), *divider(max(problem.heads, 1)), *divider(max(group, 1)),
-        0,
+        band, *divider(band * max(q_tiles, 1)), *divider(band),
     )
     return np.frombuffer(raw, dtype=_PARAMS)
 
@@ -182,7 +212,7 @@ def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_st
             states, flags = _split_workspace(spec, plan, key)
             split = (states.data.ptr, flags.data.ptr)
         args = (pack_params(problem, q, k, v, out, lse, out_strides, counter.data.ptr, scales, plan, split,
-                            ceil_div(problem.seqlen_q, spec.block_m)),
+                            ceil_div(problem.seqlen_q, spec.block_m), band_heads(spec, problem)),
                 forward_maps(spec, problem, q, k, v))
         if spec.tma_store:
             from .tma import output_map

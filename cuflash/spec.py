@@ -1081,7 +1081,11 @@ PARAM_FIELDS = (
     # per head (warp-specialized kernel), the query heads and the query heads per kv head
     ("q_tiles_magic", "unsigned", "u4"), ("q_tiles_shifts", "int", "i4"),
     ("heads_magic", "unsigned", "u4"), ("heads_shifts", "int", "i4"),
-    ("group_magic", "unsigned", "u4"), ("group_shifts", "int", "i4"), ("_pad", "int", "i4"),
+    ("group_magic", "unsigned", "u4"), ("group_shifts", "int", "i4"),
+    # warp-specialized kernel with a causal mask: (batch, head) pairs per band of work tiles
+    # (launch.band_heads), and division by the band's tiles and by its pairs
+    ("band_heads", "int", "i4"), ("band_tiles_magic", "unsigned", "u4"), ("band_tiles_shifts", "int", "i4"),
+    ("band_heads_magic", "unsigned", "u4"), ("band_heads_shifts", "int", "i4"),
 )
 
 

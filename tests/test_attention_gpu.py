@@ -420,6 +420,32 @@ def test_hopper_blocks_walking_many_tiles(head_dim, causal, poison):
         assert_attention_close(out, ref, "bf16", baseline=problem.naive(q, k, v)[0], lse=lse, ref_lse=ref_lse)
 
 
+@pytest.mark.parametrize("band_bytes,band", [(0, 1), (2 * 300 * 64 * 2 * 3, 3), (1 << 30, 6)])
+def test_hopper_causal_tiles_in_bands(band_bytes, band, monkeypatch, poison):
+    """Causal work tiles go heaviest first across bands of (batch, head) pairs (launch.band_heads):
+    one pair per band, three (a divisor of the six pairs) and all six. Persistent blocks (300
+    keys) and one block per tile (4100 keys), query tiles that see no key (seqlen_q > seqlen_k)."""
+    if not _hopper():
+        pytest.skip("the warp-specialized kernel needs sm_90a")
+    from cuflash import launch
+    from cuflash.spec import default_spec
+    from cuflash.validate import validate
+    for sq, sk in ((700, 300), (300, 4100)):
+        for name in ("BAND_BYTES", "BAND_SHORT_BYTES"):
+            monkeypatch.setattr(launch, name, band_bytes * sk // 300)
+        problem = AttentionProblem(batch=2, heads=3, heads_k=1, seqlen_q=sq, seqlen_k=sk, head_dim=64, dtype="bf16",
+                                   causal=True)
+        q, k, v = problem.make_inputs(cupy)
+        spec = default_spec(64, "bf16", True, "sm90a", seqlen=sk)
+        assert launch.band_heads(spec, validate(q, k, v, causal=True, scale=None, layout="bhsd")) == band
+        ref, ref_lse = problem.reference(q, k, v)
+        base = problem.naive(q, k, v)[0]
+        for _ in range(2):
+            poison(math.prod(problem.shapes()[0]) * 2, problem.batch * problem.heads * sq * 4)
+            out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+            assert_attention_close(out, ref, "bf16", baseline=base, lse=lse, ref_lse=ref_lse)
+
+
 @pytest.mark.parametrize("head_dim,dtype,layout", [(96, "fp16", "bshd"), (128, "bf16", "bhsd"), (192, "bf16", "bshd"),
                                                       (256, "bf16", "bhsd")])
 def test_hopper_last_tiles_dealt_out_by_keys(head_dim, dtype, layout, poison):

@@ -1,5 +1,6 @@
 """launch.split_plan: which launches deal their last tiles out by keys (the multiprocessor count
-is set by hand); launch.divider; and launch.pack_params, the forward's parameter block (CPU only)."""
+is set by hand); launch.band_heads, the bands of causal work tiles; launch.divider; and
+launch.pack_params, the forward's parameter block (CPU only)."""
 import pytest
 
 from cuflash import dtypes, launch
@@ -28,6 +29,27 @@ def test_the_last_wave_and_the_rest_are_shared_out():
     plan = launch.split_plan(default_spec(128, "bf16", False, "sm90a", seqlen=16384), long)
     assert plan == launch.SplitPlan(2048 - 200, 132, 200 * 128)
     assert launch.grid(default_spec(128, "bf16", False, "sm90a", seqlen=16384), long) == (2048 - 200 + 132, 1, 1)
+
+
+@pytest.mark.parametrize("head_dim,seqlen,band", [
+    (64, 1024, 64),    # 16 x 32 pairs, 256 KB of K and V each: 64 fill the 16 MB
+    (128, 1024, 32),   # 16 x 16 pairs, 512 KB each
+    (64, 4096, 16),    # 4 x 32 pairs, 1 MB each
+    (64, 16384, 4),    # 1 x 32 pairs, 4 MB each
+    (256, 16384, 1),   # 16 MB each: one pair per band
+    (64, 512, 32),     # 32 x 32 pairs, 128 KB each: up to 512 keys, 32 fill the 4 MB
+    (256, 512, 8),     # 32 x 8 pairs, 512 KB each
+])
+def test_causal_bands(head_dim, seqlen, band):
+    problem = _problem(head_dim, seqlen, causal=True)
+    assert launch.band_heads(default_spec(head_dim, "bf16", True, "sm90a", seqlen=seqlen), problem) == band
+    # without a mask every tile costs the same: no bands
+    assert launch.band_heads(default_spec(head_dim, "bf16", False, "sm90a", seqlen=seqlen), problem) == 1
+
+
+def test_bands_divide_the_pairs():
+    assert [launch._largest_divisor(n, limit) for n, limit in ((512, 64), (509, 64), (6, 4), (120, 7), (5, 5), (1, 1))] \
+        == [64, 1, 3, 6, 5, 1]
 
 
 @pytest.mark.parametrize("head_dim,seqlen,causal,why", [

@@ -21,13 +21,26 @@ struct BlockWork {
         init(p, blockIdx.x, gridDim.x, blockIdx.y, blockIdx.z);
     }
 
-    // Work tile `tile` of a persistent block, numbered as the blocks of that grid would be
-    // (q_tiles: p.seqlen_q over kBlockM, rounded up, as p.q_tiles_magic divides).
+    // Work tile `tile` of the warp-specialized kernel (q_tiles: p.seqlen_q over kBlockM, rounded
+    // up). Without a causal mask every tile costs the same: tiles are numbered as the blocks of
+    // the grid (query tiles, heads, batch) would be, as p.q_tiles_magic divides. With one, tiles
+    // come in bands of p.band_heads (batch, head) pairs (launch.band_heads): within a band, the
+    // heaviest query tile of every pair, then the next heaviest, and so on, so that the launch
+    // ends on its lightest tiles (p.band_tiles_magic divides by the band's tiles).
     template <class Params>
     __device__ __forceinline__ BlockWork(const Params& p, int tile, int q_tiles) {
-        const int rest = fast_div(tile, p.q_tiles_magic, p.q_tiles_shifts);
+        int x, rest;
+        if constexpr (kCausal) {
+            const int band = fast_div(tile, p.band_tiles_magic, p.band_tiles_shifts);
+            const int in_band = tile - band * p.band_heads * q_tiles;
+            x = fast_div(in_band, p.band_heads_magic, p.band_heads_shifts);
+            rest = band * p.band_heads + in_band - x * p.band_heads;
+        } else {
+            rest = fast_div(tile, p.q_tiles_magic, p.q_tiles_shifts);
+            x = tile - rest * q_tiles;
+        }
         const int batch_ = fast_div(rest, p.heads_magic, p.heads_shifts);
-        init(p, tile - rest * q_tiles, q_tiles, rest - batch_ * p.heads, batch_);
+        init(p, x, q_tiles, rest - batch_ * p.heads, batch_);
     }
 
     template <class Params>

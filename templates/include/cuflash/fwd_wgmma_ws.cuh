@@ -3,7 +3,8 @@
 //
 // Work tiles (query tile of 64 rows per consumer, head, batch) are handed out at run time: the
 // producer takes the next one from a global counter (p.tile_counter) whenever it can load a new
-// Q, in the order a one-tile-per-block grid would run them, until none are left, and passes its
+// Q, in the order a one-tile-per-block grid would run them (with a causal mask: heaviest first
+// across a band of heads, BlockWork in block.cuh), until none are left, and passes its
 // number on to each consumer apart, so that a consumer goes on to the next tile without waiting
 // for the others. The grid may hold one block per tile,
 // or fewer (persistent): then a block walks several tiles, and the producer loads the next
