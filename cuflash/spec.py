@@ -532,9 +532,11 @@ HALF_FIRST_TILE_TILES = ((64, True, "short"),)
 #: without taking turns (KernelSpec.pingpong off). On the H200 (bf16, 16k tokens, interleaved
 #: with cuDNN, README) head dim 96 non-causal gained 1-1.4% at 512 and 1-3% at 1k without them,
 #: head dim 80 (96's tiles) 2-4% at 1k; head dim 128 non-causal at 1k gained 0.2-0.7% in 10 of
-#: 11 rounds over four calls (the other: -1.8%, while the clock fell), and moved both ways at
-#: 512 and from 2k to 16k; head dim 64 causal lost 3% at 1k.
-PINGPONG_OFF_TILES = ((96, False, "short"), (128, False, "short"))
+#: 11 rounds over four calls (the other: -1.8%, while the clock fell). Timed again after the
+#: causal bands, with the turns timed first and last: head dim 128 non-causal gained 0.6-1.3%
+#: at 4k, 0.7-1.1% at 8k and 1.0-1.2% at 16k, head dim 96 2-3% at 2k-16k; head dim 192 lost 3%
+#: at 16k, 256 5-9%, head dim 64 causal 3% at 1k, and head dim 128 causal moved both ways.
+PINGPONG_OFF_TILES = ((96, False, "short"), (96, False, "long"), (128, False, "short"), (128, False, "long"))
 
 #: The tiles (head dims of FP8_WGMMA_DEFAULTS) on which a call without the LSE sums P on the
 #: tensor cores (KernelSpec.sums_on_tensor_cores). On the H200 (e4m3, 16k tokens, two rounds

@@ -284,8 +284,10 @@ def test_pingpong_off_where_the_table_puts_it():
                 assert spec.pingpong == (not off) and ("_wgmmawsp_" in spec.name) == spec.pingpong
     for head_dim in (96, 128):
         assert not default_spec(head_dim, "bf16", False, "sm90a", seqlen=1024).pingpong
-        assert default_spec(head_dim, "bf16", False, "sm90a", seqlen=2048).pingpong
+        assert not default_spec(head_dim, "bf16", False, "sm90a", seqlen=16384).pingpong
         assert default_spec(head_dim, "bf16", True, "sm90a", seqlen=1024).pingpong
+    for head_dim in (64, 192, 256):
+        assert default_spec(head_dim, "bf16", False, "sm90a", seqlen=16384).pingpong
 
 
 # -- the portable FP8 kernel (family mma: codes converted to fp16 on chip) -------------------------
