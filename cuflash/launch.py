@@ -100,9 +100,9 @@ def grid(spec: KernelSpec, problem: Problem, plan: SplitPlan | None = None) -> t
     heaviest first.
 
     The warp-specialized kernel takes a 1-d grid and its blocks take work tiles, numbered the
-    same way (with a causal mask, in bands: band_heads), from a counter at run time: one block per tile, or (persistent, up to
-    PERSISTENT_MAX_SEQLEN_K keys) one block per multiprocessor, so that a tile's loads overlap
-    the previous tile's epilogue."""
+    same way (with a causal mask, in bands: band_heads), from a counter at run time: one block
+    per tile, or (persistent, up to PERSISTENT_MAX_SEQLEN_K keys) one block per multiprocessor,
+    so that a tile's loads overlap the previous tile's epilogue."""
     tiles = (ceil_div(problem.seqlen_q, spec.block_m), problem.heads, problem.batch)
     if spec.warp_specialized:
         plan = plan or split_plan(spec, problem)
