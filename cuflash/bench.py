@@ -57,8 +57,9 @@ _OURS = "cuflash"
 
 _L2_FLUSH_BYTES = 256 * 2**20
 _SPEC_OVERRIDE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "overlap", "warp_specialized", "pingpong",
-                       "lazy_rescale", "half_first_tile")
-_BOOL_OVERRIDES = ("overlap", "warp_specialized", "pingpong", "lazy_rescale", "half_first_tile")
+                       "lazy_rescale", "half_first_tile", "mask_in_loop", "early_rescale")
+_BOOL_OVERRIDES = ("overlap", "warp_specialized", "pingpong", "lazy_rescale", "half_first_tile", "mask_in_loop",
+                   "early_rescale")
 MODES = ("fwd", "bwd", "fwdbwd")
 #: FLOPs of a mode in units of the forward's.
 _MODE_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}

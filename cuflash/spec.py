@@ -84,6 +84,8 @@ class KernelSpec:
     lse: bool = True          # the LSE is exact; False (Hopper FP8): sums_on_tensor_cores, no LSE for the caller
     lazy_rescale: bool = False  # warp-specialized: the row max moves only by more than lazy_slack_log2
     half_first_tile: bool = False  # warp-specialized: a first key tile whose second half no row sees is computed half wide
+    mask_in_loop: bool = False  # warp-specialized: the key loop checks every tile for a mask (else masked tiles loop apart)
+    early_rescale: bool = False  # warp-specialized: O is rescaled before its P V product, under the next Q K^T
 
     def __post_init__(self):
         if not self.family:
@@ -159,8 +161,9 @@ class KernelSpec:
             problems.append("pingpong applies to the warp-specialized schedule only")
         if self.lazy_rescale and not self.warp_specialized:
             problems.append("lazy_rescale applies to the warp-specialized schedule only")
-        if self.half_first_tile and not self.warp_specialized:
-            problems.append("half_first_tile applies to the warp-specialized schedule only")
+        for field in ("half_first_tile", "mask_in_loop", "early_rescale"):
+            if getattr(self, field) and not self.warp_specialized:
+                problems.append(f"{field} applies to the warp-specialized schedule only")
         if self.half_first_tile and self.block_n % (2 * self.pv_k):
             problems.append(f"half_first_tile needs block_n={self.block_n} to be a multiple of 2 x {self.pv_k} "
                             f"(whole k-steps of P V in each half)")
@@ -181,8 +184,10 @@ class KernelSpec:
         no_lse = "" if self.lse else "_nolse"
         lazy = "_lazy" if self.lazy_rescale else ""
         half = "_half" if self.half_first_tile else ""
+        mask_loop = "_maskloop" if self.mask_in_loop else ""
+        early = "_early" if self.early_rescale else ""
         return (f"fwd_{dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
-                f"w{self.num_warps}s{self.num_stages}{overlap}{family}{lazy}{half}{no_lse}_{self.arch}")
+                f"w{self.num_warps}s{self.num_stages}{overlap}{family}{lazy}{half}{mask_loop}{early}{no_lse}_{self.arch}")
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)
@@ -191,6 +196,15 @@ class KernelSpec:
     @functools.cached_property
     def threads(self) -> int:
         return 32 * self.num_warps
+
+    @property
+    def epilogue_rereads_thread(self) -> bool:
+        """The warp-specialized kernel reads its thread index anew for the epilogue, where
+        registers are shortest: three consumers without a causal mask, and the early rescale.
+        Derived from the index read before the key loop, the epilogue's addresses are computed
+        ahead of the loop and held across it, which spilled 8 and 4 bytes there; elsewhere the
+        fresh read cost FP8 head dim 128 causal 3-5% on the H200 (README)."""
+        return self.warp_specialized and ((self.block_m == 192 and not self.causal) or self.early_rescale)
 
     @property
     def async_copies(self) -> bool:
@@ -518,6 +532,21 @@ FP8_BLOCK_N = {(128, False): 224}
 LAZY_RESCALE_TILES = ((256, False), (256, True))
 FP8_LAZY_RESCALE_TILES = ((128, False),)
 
+#: (tiles, causal) of the FP8 Hopper kernels whose key loop checks every key tile for a mask
+#: (KernelSpec.mask_in_loop). Everywhere else the tiles that need one (the keys' tail, the causal
+#: diagonal: the first ones visited) run in a loop of their own, and the loop of the other tiles
+#: has no masking branch, so that ptxas lets part of the softmax run before the wait for the
+#: last P V (README). On the H200 (16k tokens, interleaved rounds, README) that gained 1-5% at
+#: bf16 head dims 64-256 (up to 8% at 128 causal), FP8 64 and 256; FP8 head dim 128 lost 2% without
+#: a mask (where the early rescale then gains) and 5% with one.
+FP8_MASK_IN_LOOP_TILES = ((128, True),)
+
+#: (tiles, causal) of the FP8 Hopper kernels that rescale the output before its P V product,
+#: under the next tile's Q K^T (KernelSpec.early_rescale), rather than once that product is
+#: done. On the H200 (e4m3, interleaved rounds, README) head dim 128 without a mask gained 3% at
+#: 4k and 6-8% at 16k; with one it lost 7-9%, and bf16 lost up to 5%.
+FP8_EARLY_RESCALE_TILES = ((128, False),)
+
 #: (tiles, causal, length class) of the Hopper kernels that compute a first key tile half wide
 #: where no row of a consumer warpgroup sees its second half (KernelSpec.half_first_tile: the
 #: causal diagonal's tile, for the consumer of the upper rows; the keys' tail), at the tiles'
@@ -607,7 +636,9 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
         return KernelSpec(head_dim, entry.tag, causal, bm, bn, 4 + bm // 16, stages, arch, overlap=True,
                           family="wgmma", warp_specialized=True, pingpong=True, out_dtype=out_dtype or "bf16",
                           lse=lse or tiles not in FP8_SUMS_ON_TENSOR_CORES_TILES,
-                          lazy_rescale=(tiles, causal) in FP8_LAZY_RESCALE_TILES)
+                          lazy_rescale=(tiles, causal) in FP8_LAZY_RESCALE_TILES,
+                          mask_in_loop=(tiles, causal) in FP8_MASK_IN_LOOP_TILES,
+                          early_rescale=(tiles, causal) in FP8_EARLY_RESCALE_TILES)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} is not supported (multiples of 8 from 8 to 256)")
     if arch not in SMEM_LIMIT:

@@ -356,6 +356,44 @@ def test_hopper_half_first_tile(spec, warm_half_first_tile_kernels, poison):
         run_and_check(problem, poison, spec=spec)
 
 
+def _key_loop_specs():
+    """Hopper kernels with each choice of mask_in_loop (every key tile checked for a mask, or
+    the masked ones in a loop of their own) and early_rescale (the output rescaled before its
+    P V or after): head dim 64's long tiles (three consumers), 128 (ping-pong off without a
+    mask) and 256 (lazy row max)."""
+    from cuflash.spec import default_spec
+
+    return [default_spec(hd, dtype, causal, "sm90a").replace(mask_in_loop=mask, early_rescale=early)
+            for hd, dtype in ((64, "fp16"), (128, "bf16"), (256, "bf16")) for causal in (False, True)
+            for mask in (False, True) for early in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def warm_key_loop_kernels():
+    if not _hopper():
+        pytest.skip("the wgmma family needs sm_90a")
+    cuflash.warmup(_key_loop_specs(), progress=False)
+
+
+@pytest.mark.parametrize("spec", _key_loop_specs(), ids=lambda s: s.name)
+def test_hopper_key_loop_variants(spec, warm_key_loop_kernels, poison):
+    """mask_in_loop and early_rescale: causal diagonals that span one, two or more key tiles
+    (queries and keys aligned, more keys than queries, more queries than keys), key tails, and
+    keys whose scale rises tile after tile (so that the rescale matters), against the float64
+    reference."""
+    shapes = ((300, 300), (130, 700), (700, 130), (77, 1000)) if spec.causal else ((150, 300), (150, 1000))
+    for sq, sk in shapes:
+        problem = AttentionProblem(batch=1, heads=2, heads_k=1, seqlen_q=sq, seqlen_k=sk, head_dim=spec.head_dim,
+                                   dtype=spec.dtype, causal=spec.causal)
+        q, k, v = problem.make_inputs(cupy)
+        k = _keys_rising_in_steps(k, 100, 0.1)
+        ref, ref_lse = problem.reference(q, k, v)
+        base, _ = problem.naive(q, k, v)
+        poison(math.prod(problem.shapes()[0]) * 2, sq * 2 * 4)
+        out, lse = cuflash.attention(q, k, v, causal=spec.causal, return_lse=True, spec=spec)
+        assert_attention_close(out, ref, spec.dtype, baseline=base, lse=lse, ref_lse=ref_lse)
+
+
 def test_hopper_defaults_of_both_length_classes(poison):
     """Every default Hopper kernel, short and long sequences' tiles alike, on small problems
     (forced), and the dispatch: a problem past SHORT_SEQLEN runs the long class's kernel. With

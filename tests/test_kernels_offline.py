@@ -244,6 +244,32 @@ def test_lazy_rescale_where_the_table_puts_it():
             default_spec(128, "bf16", False, arch, family="mma").replace(lazy_rescale=True)
 
 
+def test_key_loop_choices_where_the_tables_put_them():
+    """mask_in_loop and early_rescale come from the FP8 (tiles, causal) tables (fp16/bf16 take
+    neither), name their kernels, reach the source, and apply to the warp-specialized kernel only."""
+    from cuflash import generate
+    from cuflash.spec import FP8_EARLY_RESCALE_TILES, FP8_MASK_IN_LOOP_TILES, fp8_wgmma_tile_head_dim
+
+    for head_dim in (64, 96, 128, 256):
+        for causal in (False, True):
+            spec = default_spec(head_dim, "bf16", causal, "sm90a")
+            assert not spec.mask_in_loop and not spec.early_rescale
+            fp8 = default_spec(head_dim, "e4m3", causal, "sm90a")
+            tiles = (fp8_wgmma_tile_head_dim(head_dim), causal)
+            assert fp8.mask_in_loop == (tiles in FP8_MASK_IN_LOOP_TILES)
+            assert fp8.early_rescale == (tiles in FP8_EARLY_RESCALE_TILES)
+            for s in (spec, fp8):
+                assert ("_maskloop" in s.name) == s.mask_in_loop and ("_early" in s.name) == s.early_rescale
+                source = generate(s)
+                assert f"kMaskInLoop = {str(s.mask_in_loop).lower()};" in source
+                assert f"kEarlyRescale = {str(s.early_rescale).lower()};" in source
+    assert default_spec(128, "e4m3", True, "sm90a").mask_in_loop
+    assert default_spec(128, "e4m3", False, "sm90a").early_rescale
+    for field in ("mask_in_loop", "early_rescale"):
+        with pytest.raises(ValueError, match=field):
+            default_spec(128, "bf16", False, "sm90a", family="mma").replace(**{field: True})
+
+
 def test_half_first_tile_where_the_table_puts_it():
     """half_first_tile comes from the (tiles, causal, length class) table at the tiles' own head
     dims, names its kernels, reaches the source with the half-wide product's wrapper, and needs

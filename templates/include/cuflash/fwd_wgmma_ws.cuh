@@ -50,6 +50,12 @@
 
 namespace cuflash {
 
+// A compile-time flag passed as an argument (to generic lambdas).
+template <bool B>
+struct Flag {
+    static constexpr bool value = B;
+};
+
 // Tensor maps of q, k and v, as 4-d tensors (head_dim, seqlen, heads, batch); boxes of 64
 // columns by kBlockM (q) or kBlockN (k, v) rows.
 struct FwdTensorMaps {
@@ -313,13 +319,13 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         constexpr bool kLazy = Cfg::kLazyRescale;
         const float slack = kLazy ? Cfg::kLazySlackLog2 / fmaxf(scale_log2, 1e-30f) : 0.f;
 
-        // S_i has landed in s (acc_s, or its first half: half_s below, always masked): mask it,
-        // softmax it.
-        auto scores_ready = [&](auto& s, int i) {
+        // S_i has landed in s (acc_s, or its first half: half_s below, always masked): mask it
+        // where it needs a mask (may_mask: Flag<false> where none does), softmax it.
+        auto scores_ready = [&](auto& s, int i, auto may_mask) {
             constexpr bool kHalf = sizeof(s) < sizeof(acc_s);
             fence_operands(s[0]);
             const int n0 = first_n0 - i * kBN;
-            if (kHalf || work.needs_mask(n0, p.seqlen_k))
+            if (kHalf || (decltype(may_mask)::value && work.needs_mask(n0, p.seqlen_k)))
                 mask_scores<Cfg::kCausal>(s, n0, work.m0 + warp_row0, lane, p.seqlen_k, work.causal_offset);
             softmax_step<kLog2Boost, !kSums, kLazy>(s, row_max, row_sum, alphas, scale_log2, slack);
         };
@@ -351,32 +357,54 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             release(empty_k(slot_of(ring)));
             if (n_tiles == 1) release(q_empty);
             auto first_probs = [&](auto& s) {
-                scores_ready(s, 0);
+                scores_ready(s, 0, Flag<true>());
                 probs_registers<Cfg>(probs, s[0]);
             };
             if (half_first) first_probs(half_s);
             else first_probs(acc_s);
-            for (int i = 1; i < n_tiles; ++i) {
+            // Key tile i >= 1: S_i issued with P_{i-1} V_{i-1}, then S_i's softmax. kEarlyRescale:
+            // O takes the last tile's alphas before P_{i-1} V_{i-1} is issued, under S_i, rather
+            // than this tile's once that product is done.
+            auto key_step = [&](int i, auto may_mask) {
                 const int c = ring + i;
                 mbar_wait(full_k(slot_of(c)), phase_of(c));
                 take_turn();
                 issue_scores<Cfg>(acc_s[0], q_rows, sK + slot_of(c) * Cfg::kKVTileBytes);
+                if constexpr (Cfg::kEarlyRescale) {
+                    rescale_output<kLazy>(acc_o, alphas);
+                    if constexpr (kSums) rescale_output<kLazy>(acc_sum, alphas);
+                }
                 mbar_wait(full_v(slot_of(c - 1)), phase_of(c - 1));
                 pv(sV + slot_of(c - 1) * Cfg::kKVTileBytes);
                 pass_turn();
                 wgmma_wait<1>();  // S_i is done; P_{i-1} V_{i-1} may still run
                 release(empty_k(slot_of(c)));
                 if (i == n_tiles - 1) release(q_empty);
-                scores_ready(acc_s, i);
+                scores_ready(acc_s, i, may_mask);
                 wgmma_wait<0>();
                 fence_operands(acc_o[0]);
                 sums_landed(acc_sum);
                 release(empty_v(slot_of(c - 1)));
+                if constexpr (!Cfg::kEarlyRescale) {
+                    rescale_output<kLazy>(acc_o, alphas);
+                    if constexpr (kSums) rescale_output<kLazy>(acc_sum, alphas);
+                }
+                probs_registers<Cfg>(probs, acc_s[0]);
+            };
+            // The tiles that need a mask are the first ones visited: without a causal mask only
+            // the keys' tail (tile 0, above), with one also the diagonal's. Unless kMaskInLoop, they
+            // run in a loop of their own and the loop of the others has no masking branch: ptxas
+            // places the wait for P_{i-1} V_{i-1} where that branch joins, and without it lets
+            // the softmax's max and first exponentials run before the wait (README).
+            int i = 1;
+            if constexpr (Cfg::kCausal && !Cfg::kMaskInLoop)
+                for (; i < n_tiles && work.needs_mask(first_n0 - i * kBN, p.seqlen_k); ++i) key_step(i, Flag<true>());
+            for (; i < n_tiles; ++i) key_step(i, Flag<Cfg::kMaskInLoop>());
+            const int c = ring + n_tiles - 1;
+            if constexpr (Cfg::kEarlyRescale) {
                 rescale_output<kLazy>(acc_o, alphas);
                 if constexpr (kSums) rescale_output<kLazy>(acc_sum, alphas);
-                probs_registers<Cfg>(probs, acc_s[0]);
             }
-            const int c = ring + n_tiles - 1;
             mbar_wait(full_v(slot_of(c)), phase_of(c));
             take_turn();
             pv(sV + slot_of(c) * Cfg::kKVTileBytes);
@@ -387,6 +415,13 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             release(empty_v(slot_of(c)));
             ring += n_tiles;
         }
+        // The epilogue's thread coordinates; kEpilogueRereadsThread: read anew after the key
+        // loop, where registers are shortest (spec.epilogue_rereads_thread). Derived from the
+        // earlier read, the compiler computes the epilogue's addresses before the loop and holds
+        // them across it.
+        const int epi_thread = Cfg::kEpilogueRereadsThread ? thread_index_reread() : tid;
+        const int epi_lane = epi_thread % 32;
+        const int epi_row0 = group * 64 + (epi_thread / 32 % 4) * 16;
         // The tensor cores' sums, a quarter in each lane of the quad, as the epilogue (which adds
         // up the quad's partial sums) expects them.
         if constexpr (kSums)
@@ -400,22 +435,22 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             // starts the next share saves its own (side 1), waits for the flag, and merges the two
             // into the rows it stores. Named barrier 4 + group orders the warpgroup's threads.
             const int flag_index = (kind_slot >> 2) * kConsumers + group;
-            float4* state = reinterpret_cast<float4*>(p.split_ws) + flag_index * 2 * 128 * (kOT + 1) + tid % 128;
+            float4* state = reinterpret_cast<float4*>(p.split_ws) + flag_index * 2 * 128 * (kOT + 1) + epi_thread % 128;
             float4* own = state + (kind == kMergeTile ? 128 * (kOT + 1) : 0);
             save_state(own, 128, acc_o, row_max, row_sum);
             if (kind == kPartialTile) {
                 __threadfence();
                 named_barrier_sync(4 + group, 128);
-                if (tid % 128 == 0) st_release(p.split_flags + flag_index, 1);
+                if (epi_thread % 128 == 0) st_release(p.split_flags + flag_index, 1);
                 continue;
             }
-            if (tid % 128 == 0) {
+            if (epi_thread % 128 == 0) {
                 while (ld_acquire(p.split_flags + flag_index) == 0) __nanosleep(100);
                 p.split_flags[flag_index] = 0;  // for the next launch
             }
             named_barrier_sync(4 + group, 128);
             merge_store<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost, kOT>(
-                state, own, 128, o, p.o_row_stride, lse_rows, work.m0 + warp_row0, p.seqlen_q, lane, scale_log2,
+                state, own, 128, o, p.o_row_stride, lse_rows, work.m0 + epi_row0, p.seqlen_q, epi_lane, scale_log2,
                 out_scale);
             continue;
         }
@@ -425,15 +460,15 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             // seqlen_q and columns past the head dim. The staging rows are reused once the
             // warpgroup's last stores have read them. One thread of the warpgroup issues the
             // stores; named barrier 4 + group (1..3 take turns) orders its 128 threads.
-            const bool store_leader = tid % 128 == 0;
+            const bool store_leader = epi_thread % 128 == 0;
             const int store_barrier = 4 + group;
             const u32 sO = smem_base + Cfg::kSmemO;
             if (store_leader) bulk_wait_group_read<0>();
             named_barrier_sync(store_barrier, 128);
             finish_output<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost>(
-                acc_o, row_max, row_sum, lse_rows, work.m0 + warp_row0, p.seqlen_q, lane, scale_log2, out_scale,
+                acc_o, row_max, row_sum, lse_rows, work.m0 + epi_row0, p.seqlen_q, epi_lane, scale_log2, out_scale,
                 [&](int row, int nt, u32 packed) {
-                    st_shared(sO + swizzled_offset(warp_row0 + row, nt, kBM) + (lane % 4) * 4, static_cast<int>(packed));
+                    st_shared(sO + swizzled_offset(epi_row0 + row, nt, kBM) + (epi_lane % 4) * 4, static_cast<int>(packed));
                 });
             fence_proxy_async();  // written through the generic proxy, read by the TMA store
             named_barrier_sync(store_barrier, 128);
@@ -446,7 +481,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             }
         } else {
             store_output_wide<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost>(
-                acc_o, row_max, row_sum, o, p.o_row_stride, lse_rows, work.m0 + warp_row0, p.seqlen_q, lane,
+                acc_o, row_max, row_sum, o, p.o_row_stride, lse_rows, work.m0 + epi_row0, p.seqlen_q, epi_lane,
                 scale_log2, out_scale);
         }
     }

@@ -14,6 +14,14 @@ __device__ __forceinline__ u32 smem_addr(const void* ptr) {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// threadIdx.x, read where the call stands: the compiler neither reuses an earlier read nor
+// computes what derives from it ahead of the code before the call.
+__device__ __forceinline__ int thread_index_reread() {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
+}
+
 // 2^x with the special-function unit; ex2.approx(-inf) is +0, which the masking relies on.
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
