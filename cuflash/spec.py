@@ -532,14 +532,12 @@ FP8_BLOCK_N = {(128, False): 224}
 LAZY_RESCALE_TILES = ((256, False), (256, True))
 FP8_LAZY_RESCALE_TILES = ((128, False),)
 
-#: (tiles, causal) of the FP8 Hopper kernels whose key loop checks every key tile for a mask
-#: (KernelSpec.mask_in_loop). Everywhere else the tiles that need one (the keys' tail, the causal
-#: diagonal: the first ones visited) run in a loop of their own, and the loop of the other tiles
-#: has no masking branch, so that ptxas lets part of the softmax run before the wait for the
-#: last P V (README). On the H200 (16k tokens, interleaved rounds, README) that gained 1-5% at
-#: bf16 head dims 64-256 (up to 8% at 128 causal), FP8 64 and 256; FP8 head dim 128 lost 2% without
-#: a mask (where the early rescale then gains) and 5% with one.
-FP8_MASK_IN_LOOP_TILES = ((128, True),)
+#: (tiles, causal) of the FP8 Hopper kernels whose consumers issue their products without taking
+#: turns (KernelSpec.pingpong off). On the H200 (e4m3, 16k tokens, three interleaved rounds,
+#: README) head dim 128 with a causal mask ran 938-942 TFLOP/s without the turns against 888-904
+#: with them, both with the masking branch out of the key loop (KernelSpec.mask_in_loop off; with
+#: it in the loop and no turns, 827-842). Without a mask it moved within the rounds' spread.
+FP8_PINGPONG_OFF_TILES = ((128, True),)
 
 #: (tiles, causal) of the FP8 Hopper kernels that rescale the output before its P V product,
 #: under the next tile's Q K^T (KernelSpec.early_rescale), rather than once that product is
@@ -634,10 +632,10 @@ def default_spec(head_dim: int, dtype: str, causal: bool, arch: str, family: str
         bm, bn, stages = FP8_WGMMA_DEFAULTS[tiles]
         bn = FP8_BLOCK_N.get((tiles, causal), bn)
         return KernelSpec(head_dim, entry.tag, causal, bm, bn, 4 + bm // 16, stages, arch, overlap=True,
-                          family="wgmma", warp_specialized=True, pingpong=True, out_dtype=out_dtype or "bf16",
+                          family="wgmma", warp_specialized=True, out_dtype=out_dtype or "bf16",
+                          pingpong=(tiles, causal) not in FP8_PINGPONG_OFF_TILES,
                           lse=lse or tiles not in FP8_SUMS_ON_TENSOR_CORES_TILES,
                           lazy_rescale=(tiles, causal) in FP8_LAZY_RESCALE_TILES,
-                          mask_in_loop=(tiles, causal) in FP8_MASK_IN_LOOP_TILES,
                           early_rescale=(tiles, causal) in FP8_EARLY_RESCALE_TILES)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim} is not supported (multiples of 8 from 8 to 256)")

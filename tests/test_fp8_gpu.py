@@ -197,23 +197,27 @@ def test_key_tiles_other_than_the_default(fmt, causal, block_n, hopper, poison):
 def warm_key_loop_fp8_kernels(hopper):
     from cuflash.spec import default_spec
 
-    cuflash.warmup([default_spec(128, "e4m3", c, "sm90a").replace(mask_in_loop=m, early_rescale=e)
-                    for c in (False, True) for m in (False, True) for e in (False, True)], progress=False)
+    cuflash.warmup([default_spec(128, "e4m3", c, "sm90a").replace(mask_in_loop=m, early_rescale=e, pingpong=t)
+                    for c in (False, True) for m in (False, True) for e in (False, True) for t in (False, True)],
+                   progress=False)
 
 
 @pytest.mark.parametrize("early", [False, True], ids=["late", "early"])
 @pytest.mark.parametrize("mask_in_loop", [False, True], ids=["masked_apart", "mask_in_loop"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_key_loop_variants(causal, mask_in_loop, early, warm_key_loop_fp8_kernels, poison):
-    """Head dim 128 with each choice of mask_in_loop and early_rescale (its defaults take one
-    each way: spec.FP8_MASK_IN_LOOP_TILES, spec.FP8_EARLY_RESCALE_TILES), on causal diagonals
-    and key tails."""
+    """Head dim 128 with each choice of mask_in_loop and early_rescale (the default takes the
+    early rescale without a mask, spec.FP8_EARLY_RESCALE_TILES), with and without the turns of
+    its default (none with a causal mask, spec.FP8_PINGPONG_OFF_TILES), on causal diagonals and
+    key tails."""
     from cuflash.spec import default_spec
 
-    spec = default_spec(128, "e4m3", causal, "sm90a").replace(mask_in_loop=mask_in_loop, early_rescale=early)
-    for sq, sk in ((300, 451), (451, 300)) if causal else ((113, 701),):
-        problem = Fp8AttentionProblem(1, 2, 1, sq, sk, 128, "e4m3", "head", "bf16", causal=causal)
-        run_and_check(problem, poison, spec=spec)
+    for turns in (False, True):
+        spec = default_spec(128, "e4m3", causal, "sm90a").replace(mask_in_loop=mask_in_loop, early_rescale=early,
+                                                                    pingpong=turns)
+        for sq, sk in ((300, 451), (451, 300)) if causal else ((113, 701),):
+            problem = Fp8AttentionProblem(1, 2, 1, sq, sk, 128, "e4m3", "head", "bf16", causal=causal)
+            run_and_check(problem, poison, spec=spec)
 
 
 #: Head dims without Hopper FP8 tiles of their own (padded to 128-column blocks), one format each.

@@ -245,10 +245,11 @@ def test_lazy_rescale_where_the_table_puts_it():
 
 
 def test_key_loop_choices_where_the_tables_put_them():
-    """mask_in_loop and early_rescale come from the FP8 (tiles, causal) tables (fp16/bf16 take
-    neither), name their kernels, reach the source, and apply to the warp-specialized kernel only."""
+    """No default kernel checks every key tile for a mask (mask_in_loop, kept for comparisons);
+    early_rescale comes from the FP8 (tiles, causal) table (fp16/bf16 never take it). Both name
+    their kernels, reach the source, and apply to the warp-specialized kernel only."""
     from cuflash import generate
-    from cuflash.spec import FP8_EARLY_RESCALE_TILES, FP8_MASK_IN_LOOP_TILES, fp8_wgmma_tile_head_dim
+    from cuflash.spec import FP8_EARLY_RESCALE_TILES, fp8_wgmma_tile_head_dim
 
     for head_dim in (64, 96, 128, 256):
         for causal in (False, True):
@@ -256,15 +257,16 @@ def test_key_loop_choices_where_the_tables_put_them():
             assert not spec.mask_in_loop and not spec.early_rescale
             fp8 = default_spec(head_dim, "e4m3", causal, "sm90a")
             tiles = (fp8_wgmma_tile_head_dim(head_dim), causal)
-            assert fp8.mask_in_loop == (tiles in FP8_MASK_IN_LOOP_TILES)
+            assert not fp8.mask_in_loop
             assert fp8.early_rescale == (tiles in FP8_EARLY_RESCALE_TILES)
             for s in (spec, fp8):
                 assert ("_maskloop" in s.name) == s.mask_in_loop and ("_early" in s.name) == s.early_rescale
                 source = generate(s)
                 assert f"kMaskInLoop = {str(s.mask_in_loop).lower()};" in source
                 assert f"kEarlyRescale = {str(s.early_rescale).lower()};" in source
-    assert default_spec(128, "e4m3", True, "sm90a").mask_in_loop
     assert default_spec(128, "e4m3", False, "sm90a").early_rescale
+    masked = default_spec(128, "bf16", True, "sm90a").replace(mask_in_loop=True)
+    assert "_maskloop" in masked.name and "kMaskInLoop = true;" in generate(masked)
     for field in ("mask_in_loop", "early_rescale"):
         with pytest.raises(ValueError, match=field):
             default_spec(128, "bf16", False, "sm90a", family="mma").replace(**{field: True})
@@ -314,6 +316,13 @@ def test_pingpong_off_where_the_table_puts_it():
         assert default_spec(head_dim, "bf16", True, "sm90a", seqlen=1024).pingpong
     for head_dim in (64, 192, 256):
         assert default_spec(head_dim, "bf16", False, "sm90a", seqlen=16384).pingpong
+    from cuflash.spec import FP8_PINGPONG_OFF_TILES, fp8_wgmma_tile_head_dim
+
+    for head_dim in (64, 96, 128, 256):
+        for causal in (False, True):
+            fp8 = default_spec(head_dim, "e4m3", causal, "sm90a")
+            assert fp8.pingpong == ((fp8_wgmma_tile_head_dim(head_dim), causal) not in FP8_PINGPONG_OFF_TILES)
+    assert not default_spec(128, "e4m3", True, "sm90a").pingpong and default_spec(128, "e4m3", False, "sm90a").pingpong
 
 
 # -- the portable FP8 kernel (family mma: codes converted to fp16 on chip) -------------------------
