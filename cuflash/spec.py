@@ -533,11 +533,16 @@ LAZY_RESCALE_TILES = ((256, False), (256, True))
 FP8_LAZY_RESCALE_TILES = ((128, False),)
 
 #: (tiles, causal) of the FP8 Hopper kernels whose consumers issue their products without taking
-#: turns (KernelSpec.pingpong off). On the H200 (e4m3, 16k tokens, three interleaved rounds,
-#: README) head dim 128 with a causal mask ran 938-942 TFLOP/s without the turns against 888-904
-#: with them, both with the masking branch out of the key loop (KernelSpec.mask_in_loop off; with
-#: it in the loop and no turns, 827-842). Without a mask it moved within the rounds' spread.
-FP8_PINGPONG_OFF_TILES = ((128, True),)
+#: turns (KernelSpec.pingpong off). On the H200 (e4m3, 16k tokens, three interleaved rounds per
+#: call, README), with the masking branch out of the key loop (KernelSpec.mask_in_loop off): head
+#: dim 128 with a causal mask ran 938-942 TFLOP/s without the turns against 888-904 with them
+#: (with the branch in the loop and no turns, 827-842); without a mask 956-973 against 903-960
+#: (and 856-874 against 842-872 at 4k); `bench` gave 987-1004 in three runs against 956-1003 in
+#: eight with the turns.
+#: Head dim 256 keeps the turns: with a causal mask it moved within the rounds' spread; without
+#: one it ran 1334-1347 against 1199-1253 in the rounds, but `bench` then gave 1344 against
+#: 1349-1379 in four runs with the turns.
+FP8_PINGPONG_OFF_TILES = ((128, False), (128, True))
 
 #: (tiles, causal) of the FP8 Hopper kernels that rescale the output before its P V product,
 #: under the next tile's Q K^T (KernelSpec.early_rescale), rather than once that product is

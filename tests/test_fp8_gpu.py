@@ -208,7 +208,7 @@ def warm_key_loop_fp8_kernels(hopper):
 def test_key_loop_variants(causal, mask_in_loop, early, warm_key_loop_fp8_kernels, poison):
     """Head dim 128 with each choice of mask_in_loop and early_rescale (the default takes the
     early rescale without a mask, spec.FP8_EARLY_RESCALE_TILES), with and without the turns of
-    its default (none with a causal mask, spec.FP8_PINGPONG_OFF_TILES), on causal diagonals and
+    its default (none at head dim 128, spec.FP8_PINGPONG_OFF_TILES), on causal diagonals and
     key tails."""
     from cuflash.spec import default_spec
 

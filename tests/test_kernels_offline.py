@@ -322,7 +322,7 @@ def test_pingpong_off_where_the_table_puts_it():
         for causal in (False, True):
             fp8 = default_spec(head_dim, "e4m3", causal, "sm90a")
             assert fp8.pingpong == ((fp8_wgmma_tile_head_dim(head_dim), causal) not in FP8_PINGPONG_OFF_TILES)
-    assert not default_spec(128, "e4m3", True, "sm90a").pingpong and default_spec(128, "e4m3", False, "sm90a").pingpong
+    assert not default_spec(128, "e4m3", True, "sm90a").pingpong and default_spec(256, "e4m3", True, "sm90a").pingpong
 
 
 # -- the portable FP8 kernel (family mma: codes converted to fp16 on chip) -------------------------
