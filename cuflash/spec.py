@@ -157,11 +157,7 @@ class KernelSpec:
                 problems.append(f"num_stages={self.num_stages}, overlap={self.overlap}: the float32 kernel takes 1 stage, no overlap")
         if self.warp_specialized and self.family != "wgmma":
             problems.append(f"warp_specialized applies to the wgmma family only (family={self.family!r})")
-        if self.pingpong and not self.warp_specialized:
-            problems.append("pingpong applies to the warp-specialized schedule only")
-        if self.lazy_rescale and not self.warp_specialized:
-            problems.append("lazy_rescale applies to the warp-specialized schedule only")
-        for field in ("half_first_tile", "mask_in_loop", "early_rescale"):
+        for field in ("pingpong", "lazy_rescale", "half_first_tile", "mask_in_loop", "early_rescale"):
             if getattr(self, field) and not self.warp_specialized:
                 problems.append(f"{field} applies to the warp-specialized schedule only")
         if self.half_first_tile and self.block_n % (2 * self.pv_k):

@@ -255,6 +255,13 @@ def _hopper() -> bool:
     return compile_mod.device_arch() == "sm90a"
 
 
+def _warm_hopper(specs) -> None:
+    """Compile a test's Hopper kernels at once, in parallel processes (skips off sm_90a)."""
+    if not _hopper():
+        pytest.skip("the wgmma family needs sm_90a")
+    cuflash.warmup(specs, progress=False)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
@@ -297,11 +304,8 @@ def _lazy_specs(head_dim, dtype, causal):
 
 @pytest.fixture(scope="module")
 def warm_lazy_kernels():
-    """Compile test_hopper_lazy_row_max's kernels at once, in parallel processes."""
-    if not _hopper():
-        pytest.skip("the wgmma family needs sm_90a")
-    cuflash.warmup([s for hd in (64, 128, 256) for dt in ("fp16", "bf16") for c in (False, True)
-                    for s in _lazy_specs(hd, dt, c)], progress=False)
+    _warm_hopper([s for hd in (64, 128, 256) for dt in ("fp16", "bf16") for c in (False, True)
+                  for s in _lazy_specs(hd, dt, c)])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -339,9 +343,7 @@ def _half_first_tile_specs():
 
 @pytest.fixture(scope="module")
 def warm_half_first_tile_kernels():
-    if not _hopper():
-        pytest.skip("the wgmma family needs sm_90a")
-    cuflash.warmup(_half_first_tile_specs(), progress=False)
+    _warm_hopper(_half_first_tile_specs())
 
 
 @pytest.mark.parametrize("spec", _half_first_tile_specs(), ids=lambda s: s.name)
@@ -370,9 +372,7 @@ def _key_loop_specs():
 
 @pytest.fixture(scope="module")
 def warm_key_loop_kernels():
-    if not _hopper():
-        pytest.skip("the wgmma family needs sm_90a")
-    cuflash.warmup(_key_loop_specs(), progress=False)
+    _warm_hopper(_key_loop_specs())
 
 
 @pytest.mark.parametrize("spec", _key_loop_specs(), ids=lambda s: s.name)
