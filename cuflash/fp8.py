@@ -250,7 +250,8 @@ def _v_operand_device(v, layout: str):
     if kernel is None:
         module = cupy.RawModule(code='#include "cuflash/fp8_v.cuh"\n', options=arch_options(device_arch(device)))
         kernel = _V_KERNELS[device] = module.get_function("cuflash_fp8_v_operand")
-    kernel((-(-padded // 64), -(-d // 64), b * h), (256,),
+    blocks = -(-padded // 128) * -(-d // 128) * b * h  # 128 keys by 128 columns each (fp8_v.cuh)
+    kernel((blocks,), (256,),
            (vb, out, np.int32(h), np.int32(s), np.int32(d), np.int32(padded),
             np.int64(vb.strides[0]), np.int64(vb.strides[1]), np.int64(vb.strides[2])))
     return out

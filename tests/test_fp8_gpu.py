@@ -333,6 +333,26 @@ def test_rotation_lowers_the_error_on_outliers(head_dim, fmt, warm_fp8_kernels):
 
 # -- bad input ----------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("shape", [(1, 1, 1, 16), (2, 3, 15, 48), (1, 2, 17, 144), (2, 1, 64, 256), (1, 2, 65, 128),
+                                   (3, 2, 200, 80)])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_v_operand_kernel_matches_numpy(shape, layout):
+    """The device kernel behind fp8.v_operand lays V out byte for byte as the NumPy definition
+    does: keys padded with zero codes, the order within each 16, both layouts, and a view whose
+    rows are not 16-byte aligned (copied first)."""
+    from cuflash import fp8
+
+    v = cupy.asarray(np.random.default_rng().integers(0, 256, shape, dtype=np.uint8))
+    if layout == "bshd":
+        v = v.transpose(0, 2, 1, 3)
+    want = fp8.v_operand(cupy.asnumpy(v), layout)
+    got = fp8.v_operand(v, layout)
+    assert got.shape == want.shape and bool((cupy.asnumpy(got) == want).all())
+    wide = cupy.asarray(np.random.default_rng().integers(0, 256, v.shape[:3] + (v.shape[3] + 4,), dtype=np.uint8))
+    view = wide[..., 4:]  # rows 4 bytes past 16-byte alignment
+    assert bool((cupy.asnumpy(fp8.v_operand(view, layout)) == fp8.v_operand(cupy.asnumpy(view), layout)).all())
+
+
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_prepared_v_gives_the_same_bits(layout, warm_fp8_kernels, poison):
     """V rearranged once (cuflash.prepare_v, a KV cache) gives bit-identical results to V passed
