@@ -134,8 +134,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
                 q, k, scale = _positive_scale(q, k, problem.scale)
                 problem = checked(q, k, v, scale)
             if not (_readable(spec, q, False) and _readable(spec, k, False) and _readable(spec, v, True)):
-                # A view the kernel's copies cannot read is copied once.
-                q, k, v = (x if _readable(spec, x, is_v) else cupy.ascontiguousarray(x)
+                # A view the kernel's copies cannot read is copied once (a fresh, aligned copy:
+                # ascontiguousarray would return a contiguous view that starts off alignment as is).
+                q, k, v = (x if _readable(spec, x, is_v) else x.copy()
                            for x, is_v in ((q, False), (k, False), (v, True)))
                 problem = checked(q, k, v, scale)
             kernel = _compile.get_kernel(spec, problem.device_id)

@@ -215,16 +215,23 @@ def test_forced_backward_spec_must_match(warm_bwd_kernels):
         cuflash.attention_backward(q, q, q, q, out, lse, spec="fast")
 
 
+@pytest.mark.parametrize("contiguous", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 96])
-def test_misaligned_views(head_dim, warm_bwd_kernels):
+def test_misaligned_views(head_dim, contiguous, warm_bwd_kernels):
     # Views that start 2 bytes into their buffer: both tensor-core families copy them once
-    # (their 16-byte loads need aligned rows) and give the reference's answer.
+    # (their 16-byte loads need aligned rows) and give the reference's answer. Rows 2 bytes
+    # into padded rows, or one contiguous run 2 bytes into a flat buffer (C-contiguous, so that
+    # only a fresh copy aligns it).
     problem = AttentionProblem(batch=1, heads=2, heads_k=2, seqlen_q=70, seqlen_k=90, head_dim=head_dim,
                                dtype="fp16", causal=True)
     q, k, v = problem.make_inputs(cupy)
     dout = problem.make_dout(cupy)
 
     def misaligned(x):
+        if contiguous:
+            flat = cupy.zeros(x.size + 1, dtype=x.dtype)
+            flat[1:] = x.ravel()
+            return flat[1:].reshape(x.shape)
         buffer = cupy.zeros(x.shape[:-1] + (x.shape[-1] + 1,), dtype=x.dtype)
         buffer[..., 1:] = x
         return buffer[..., 1:]

@@ -338,8 +338,8 @@ def test_rotation_lowers_the_error_on_outliers(head_dim, fmt, warm_fp8_kernels):
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_v_operand_kernel_matches_numpy(shape, layout):
     """The device kernel behind fp8.v_operand lays V out byte for byte as the NumPy definition
-    does: keys padded with zero codes, the order within each 16, both layouts, and a view whose
-    rows are not 16-byte aligned (copied first)."""
+    does: keys padded with zero codes, the order within each 16, both layouts, and views that
+    start off 16-byte alignment (copied first)."""
     from cuflash import fp8
 
     v = cupy.asarray(np.random.default_rng().integers(0, 256, shape, dtype=np.uint8))
@@ -349,8 +349,10 @@ def test_v_operand_kernel_matches_numpy(shape, layout):
     got = fp8.v_operand(v, layout)
     assert got.shape == want.shape and bool((cupy.asnumpy(got) == want).all())
     wide = cupy.asarray(np.random.default_rng().integers(0, 256, v.shape[:3] + (v.shape[3] + 4,), dtype=np.uint8))
-    view = wide[..., 4:]  # rows 4 bytes past 16-byte alignment
-    assert bool((cupy.asnumpy(fp8.v_operand(view, layout)) == fp8.v_operand(cupy.asnumpy(view), layout)).all())
+    flat = cupy.asarray(np.random.default_rng().integers(0, 256, v.size + 4, dtype=np.uint8))
+    # Rows 4 bytes past 16-byte alignment; one contiguous run 4 bytes into its buffer.
+    for view in (wide[..., 4:], flat[4:].reshape(v.shape)):
+        assert bool((cupy.asnumpy(fp8.v_operand(view, layout)) == fp8.v_operand(cupy.asnumpy(view), layout)).all())
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
