@@ -7,7 +7,7 @@ from . import compile as _compile
 from . import fp8 as _fp8
 from .launch import launch
 from .spec import FP8_WGMMA_MIN_HEAD_DIM, SHORT_SEQLEN, KernelSpec, default_spec
-from .validate import Problem, aligned_for_async_copy, readable_by_tma, validate, validate_fp8_scales
+from .validate import Problem, aligned_copy, aligned_for_async_copy, readable_by_tma, validate, validate_fp8_scales
 
 _arch_of_device: dict[int, str] = {}
 
@@ -134,9 +134,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
                 q, k, scale = _positive_scale(q, k, problem.scale)
                 problem = checked(q, k, v, scale)
             if not (_readable(spec, q, False) and _readable(spec, k, False) and _readable(spec, v, True)):
-                # A view the kernel's copies cannot read is copied once (a fresh, aligned copy:
-                # ascontiguousarray would return a contiguous view that starts off alignment as is).
-                q, k, v = (x if _readable(spec, x, is_v) else x.copy()
+                # A view the kernel's copies cannot read is copied once.
+                q, k, v = (x if _readable(spec, x, is_v) else aligned_copy(x)
                            for x, is_v in ((q, False), (k, False), (v, True)))
                 problem = checked(q, k, v, scale)
             kernel = _compile.get_kernel(spec, problem.device_id)

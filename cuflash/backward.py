@@ -13,7 +13,7 @@ from . import compile as _compile
 from .api import _arch, _on_device, _out_strides, attention
 from .launch import launch_backward, rows_padded
 from .spec import BwdSpec, default_bwd_spec
-from .validate import aligned_for_async_copy, validate_backward
+from .validate import aligned_copy, aligned_for_async_copy, validate_backward
 
 
 @functools.lru_cache(maxsize=1024)
@@ -61,9 +61,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, lay
             return dq, dk, dv
         spec = select_bwd_spec(bp) if spec is None else _check_forced_spec(spec, bp)
         if spec.async_copies and not all(aligned_for_async_copy(x) for x in (q, k, v, dout)):
-            # 16-byte copies need aligned rows; a misaligned view is copied once (a fresh copy: a
-            # contiguous view that starts off alignment is one ascontiguousarray returns as is).
-            q, k, v, dout = (x if aligned_for_async_copy(x) else x.copy() for x in (q, k, v, dout))
+            # 16-byte copies need aligned rows; a misaligned view is copied once.
+            q, k, v, dout = (x if aligned_for_async_copy(x) else aligned_copy(x) for x in (q, k, v, dout))
             bp = validate_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
                                    deterministic=deterministic)
             problem = bp.forward

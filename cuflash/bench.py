@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass
 from functools import partial
 
+from .spec import WS_SCHEDULE_FIELDS
+
 DEFAULT_HEAD_DIMS = (64, 128, 256)
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 OVERHEAD_PROBLEM = dict(batch=1, heads=1, seqlen=16, head_dim=64, dtype="bf16")
@@ -56,10 +58,8 @@ BENCH_ROUNDS = 5
 _OURS = "cuflash"
 
 _L2_FLUSH_BYTES = 256 * 2**20
-_SPEC_OVERRIDE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "overlap", "warp_specialized", "pingpong",
-                       "lazy_rescale", "half_first_tile", "mask_in_loop", "early_rescale")
-_BOOL_OVERRIDES = ("overlap", "warp_specialized", "pingpong", "lazy_rescale", "half_first_tile", "mask_in_loop",
-                   "early_rescale")
+_BOOL_OVERRIDES = ("overlap", "warp_specialized") + WS_SCHEDULE_FIELDS
+_SPEC_OVERRIDE_KEYS = ("block_m", "block_n", "num_warps", "num_stages") + _BOOL_OVERRIDES
 MODES = ("fwd", "bwd", "fwdbwd")
 #: FLOPs of a mode in units of the forward's.
 _MODE_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}

@@ -236,11 +236,12 @@ def _v_operand_device(v, layout: str):
     import cupy
 
     from .compile import arch_options, device_arch
+    from .validate import aligned_copy
 
     vb = v if layout == "bhsd" else v.transpose(0, 2, 1, 3)
     b, h, s, d = vb.shape
     if (vb.data.ptr | vb.strides[0] | vb.strides[1] | vb.strides[2] | d) % 16:
-        vb = vb.copy()  # fresh and aligned (ascontiguousarray keeps a contiguous view off alignment)
+        vb = aligned_copy(vb)
     padded = -(-s // V_KEY_GROUP) * V_KEY_GROUP
     out = cupy.empty((b, h, d, padded), dtype=cupy.uint8)
     if out.size == 0:

@@ -64,6 +64,10 @@ def _problem_fields(head_dim: int, dtype: str, arch: str) -> list[str]:
     return problems
 
 
+#: KernelSpec's switches of the warp-specialized schedule (bench's --spec-override takes them).
+WS_SCHEDULE_FIELDS = ("pingpong", "lazy_rescale", "half_first_tile", "mask_in_loop", "early_rescale")
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """Every compile-time parameter of one forward kernel."""
@@ -157,7 +161,7 @@ class KernelSpec:
                 problems.append(f"num_stages={self.num_stages}, overlap={self.overlap}: the float32 kernel takes 1 stage, no overlap")
         if self.warp_specialized and self.family != "wgmma":
             problems.append(f"warp_specialized applies to the wgmma family only (family={self.family!r})")
-        for field in ("pingpong", "lazy_rescale", "half_first_tile", "mask_in_loop", "early_rescale"):
+        for field in WS_SCHEDULE_FIELDS:
             if getattr(self, field) and not self.warp_specialized:
                 problems.append(f"{field} applies to the warp-specialized schedule only")
         if self.half_first_tile and self.block_n % (2 * self.pv_k):

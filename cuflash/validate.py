@@ -201,6 +201,13 @@ def validate_fp8_scales(problem: Problem, *, q_descale, k_descale, v_descale, ou
                      kv_strides=strides(kd))
 
 
+def aligned_copy(x):
+    """A fresh C-contiguous copy of x, for a view the kernels' copies cannot read: its base is as
+    aligned as CuPy allocates. cupy.ascontiguousarray is not enough: it returns a view that is
+    already C-contiguous as it is, however far its base lies off alignment."""
+    return x.copy()
+
+
 def aligned_for_async_copy(x, alignment: int = 16) -> bool:
     """16-byte copies need a 16-byte aligned base and row/head/batch strides in whole 16-byte units
     (``alignment``: the size of a smaller copy, e.g. 8 for FP8 rows of 8 mod 16 codes)."""

@@ -331,8 +331,6 @@ def test_rotation_lowers_the_error_on_outliers(head_dim, fmt, warm_fp8_kernels):
     assert errors[True] < errors[False], errors
 
 
-# -- bad input ----------------------------------------------------------------------------------
-
 @pytest.mark.parametrize("shape", [(1, 1, 1, 16), (2, 3, 15, 48), (1, 2, 17, 144), (2, 1, 64, 256), (1, 2, 65, 128),
                                    (3, 2, 200, 80)])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
@@ -354,6 +352,8 @@ def test_v_operand_kernel_matches_numpy(shape, layout):
     for view in (wide[..., 4:], flat[4:].reshape(v.shape)):
         assert bool((cupy.asnumpy(fp8.v_operand(view, layout)) == fp8.v_operand(cupy.asnumpy(view), layout)).all())
 
+
+# -- bad input ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_prepared_v_gives_the_same_bits(layout, warm_fp8_kernels, poison):
