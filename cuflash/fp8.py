@@ -236,11 +236,11 @@ def _v_operand_device(v, layout: str):
     import cupy
 
     from .compile import arch_options, device_arch
-    from .validate import aligned_copy
+    from .validate import aligned_copy, aligned_for_async_copy
 
     vb = v if layout == "bhsd" else v.transpose(0, 2, 1, 3)
-    b, h, s, d = vb.shape
-    if (vb.data.ptr | vb.strides[0] | vb.strides[1] | vb.strides[2] | d) % 16:
+    b, h, s, d = vb.shape  # d is a multiple of 16 (v_operand)
+    if not aligned_for_async_copy(vb):
         vb = aligned_copy(vb)
     padded = -(-s // V_KEY_GROUP) * V_KEY_GROUP
     out = cupy.empty((b, h, d, padded), dtype=cupy.uint8)
