@@ -6,13 +6,16 @@ Grid: ``total_tokens`` tokens in all (batch = total_tokens // seqlen), hidden si
 (heads = hidden // head_dim), seqlen_q = seqlen_k, layout bhsd, random normal inputs. FLOPs come
 from :func:`cuflash.reference.attention_flops` (causal counts only the allowed pairs).
 
-Timing: warm-up calls first (the first call compiles), then one CUDA event pair per repetition
-with the L2 cache flushed before each (as ``triton.testing.do_bench`` does); the median is
-reported. The implementations of a configuration (cuflash and its peers) are timed in interleaved
-rounds, each round a share of the repetitions of every one in turn: the GPU clock moves within a
-run (the H200's between 1680 and 1980 MHz), and timed one after the other, a later one was
-measured up to 10-15% slower. torch is optional and never imported at module level; it reads the
-same CuPy buffers through DLPack, and both libraries are synchronized around every timed region.
+Timing: one CUDA event pair per repetition with the L2 cache flushed before each (as
+``triton.testing.do_bench`` does); the median is reported. The implementations of a configuration
+(cuflash and its peers) are timed in interleaved rounds, each round a share of the repetitions of
+every one, in an order that rotates from round to round, and each share right after about
+``BENCH_HEAT_MS`` of GPU work of the same implementation. The H200's clock follows the power
+drawn over the last tens of milliseconds (between about 1450 and 1980 MHz): with one warm-up call
+per share and the same order in every round, implementations ran up to 17% faster than on the
+clock of their own load, by amounts that depended on their place in the order. torch is
+optional and never imported at module level; it reads the same CuPy buffers through DLPack, and
+both libraries are synchronized around every timed region.
 
 FP8 (``dtype="fp8"``, forward only): cuflash on inputs quantized per tensor (e4m3 unless told,
 bf16 output), and in the same run cuflash's bf16 kernel and torch SDPA (bf16) on the same values;
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import statistics
 import sys
 import time
@@ -54,6 +58,11 @@ PREPARED_V_PEER = ("cuflash-fp8-prepared-v", "cuflash FP8, V from prepare_v")
 
 #: Interleaved rounds the repetitions of a configuration's implementations are split over.
 BENCH_ROUNDS = 5
+#: Milliseconds of GPU work an implementation runs right before each share of its repetitions, so
+#: that it is timed on the clock its own load sets (:func:`event_timer`); at most
+#: ``_MAX_HEAT_CALLS`` calls.
+BENCH_HEAT_MS = 50.0
+_MAX_HEAT_CALLS = 1000
 #: Key of cuflash's own call among the timed implementations (not a peer key).
 _OURS = "cuflash"
 
@@ -194,14 +203,21 @@ def torch_event_median_ms(fn, reps: int = 30, warmup: int = 3, flush_l2: bool = 
     return statistics.median(torch_event_times_ms(fn, reps, warmup, flush_l2))
 
 
-def event_timer(times_ms, fn, flush_l2: bool = True, warmup: int = 3):
+def event_timer(times_ms, fn, flush_l2: bool = True, warmup: int = 3, heat_ms: float = BENCH_HEAT_MS):
     """A timer of ``fn`` for :func:`interleaved_median_ms`: ``reps -> [ms per repetition]`` through
-    ``times_ms`` (:func:`cuda_event_times_ms` or :func:`torch_event_times_ms`), with ``warmup``
-    calls before its first repetitions (the first call compiles) and one before each later share."""
+    ``times_ms`` (:func:`cuda_event_times_ms` or :func:`torch_event_times_ms`). Its first use
+    starts with ``warmup`` calls (the first call compiles) and one timed call, which says how long
+    a call takes; every share of repetitions then follows calls of ``fn`` for about ``heat_ms`` of
+    GPU time (at least one, at most ``_MAX_HEAT_CALLS``), with no synchronization in between."""
+    call_ms = None
+
     def timer(reps: int) -> list[float]:
-        nonlocal warmup
-        times = times_ms(fn, reps, warmup, flush_l2)
-        warmup = 1
+        nonlocal call_ms
+        if call_ms is None:
+            call_ms = statistics.median(times_ms(fn, 1, warmup, flush_l2))
+        heat = min(_MAX_HEAT_CALLS, max(1, math.ceil(heat_ms / max(call_ms, 1e-3))))
+        times = times_ms(fn, reps, heat, flush_l2)
+        call_ms = statistics.median(times)
         return times
     return timer
 
@@ -215,21 +231,23 @@ def split_reps(reps: int, rounds: int) -> list[int]:
 
 def interleaved_median_ms(timers: dict, reps: int, rounds: int = BENCH_ROUNDS) -> dict:
     """Time ``{name: timer}`` (timers of :func:`event_timer`) in interleaved rounds: each round
-    times every one in turn for its share of ``reps`` (:func:`split_reps`), so that the GPU clock,
-    which moves within a run, weighs on all alike. Returns ``{name: median ms over all its
-    repetitions}``, or the exception a timer raised; one that raised is left out of the later
-    rounds."""
-    times = {name: [] for name in timers}
+    times every one for its share of ``reps`` (:func:`split_reps`), round r starting at the r-th
+    one (mod their number) and going round, so that none is always timed after the same one.
+    Returns ``{name: median ms over all its repetitions}`` in the order given, or the exception a
+    timer raised; one that raised is left out of the later rounds."""
+    names = list(timers)
+    times = {name: [] for name in names}
     failed = {}
-    for share in split_reps(reps, rounds):
-        for name, timer in timers.items():
+    for round_index, share in enumerate(split_reps(reps, rounds)):
+        start = round_index % len(names) if names else 0
+        for name in names[start:] + names[:start]:
             if name in failed:
                 continue
             try:
-                times[name].extend(timer(share))
+                times[name].extend(timers[name](share))
             except Exception as exc:
                 failed[name] = exc
-    return {name: failed[name] if name in failed else statistics.median(times[name]) for name in timers}
+    return {name: failed[name] if name in failed else statistics.median(times[name]) for name in names}
 
 
 def host_overhead_us(fn, calls: int = 2000, warmup: int = 100) -> float:
@@ -459,8 +477,7 @@ def _raising(exc):
 
 
 def _time_interleaved(cuflash_calls: dict, torch_calls: dict, reps: int, flush_l2: bool) -> dict:
-    """:func:`interleaved_median_ms` of cuflash's calls (CuPy events) and torch's (torch events),
-    in that order in each round."""
+    """:func:`interleaved_median_ms` of cuflash's calls (CuPy events) and torch's (torch events)."""
     timers = {name: event_timer(cuda_event_times_ms, call, flush_l2) for name, call in cuflash_calls.items()}
     timers.update((key, event_timer(torch_event_times_ms, call, flush_l2)) for key, call in torch_calls.items())
     return interleaved_median_ms(timers, reps)
@@ -843,7 +860,8 @@ def run_benchmark(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(
                       **(dict(fp8_format=fp8_format, fp8_granularity="tensor", fp8_out_dtype="bf16")
                          if dtype == FP8 else {}),
                       spec_override=overrides or None, arch=arch, flush_l2=flush_l2,
-                      timing=f"median of CUDA event pairs in {BENCH_ROUNDS} interleaved rounds"
+                      timing=f"median of CUDA event pairs in {BENCH_ROUNDS} interleaved rounds of rotating order, "
+                      f"each share after {BENCH_HEAT_MS:g} ms of the same implementation's GPU work"
                       + (", L2 flushed before each" if flush_l2 else "")),
         results=[],
         overhead=None,

@@ -173,24 +173,31 @@ def test_bench_interleaved_rounds_with_fake_timers():
 
     timed = bench.interleaved_median_ms({"a": timer("a"), "b": timer("b", fail_at_call=2), "c": timer("c")},
                                         reps=7, rounds=3)
-    # Round-robin, 3 + 2 + 2 repetitions; "b" raised in the second round and was left out of the third.
-    assert order == [("a", 3), ("b", 3), ("c", 3), ("a", 2), ("b", 2), ("c", 2), ("a", 2), ("c", 2)]
+    # 3 + 2 + 2 repetitions, each round starting one further on; "b" raised in the second round (its
+    # first share there) and was left out of the third.
+    assert order == [("a", 3), ("b", 3), ("c", 3), ("b", 2), ("c", 2), ("a", 2), ("c", 2), ("a", 2)]
     # The median over all 7 repetitions (1..7), not the median of the rounds' medians (2, 4.5, 6.5).
     assert timed["a"] == timed["c"] == 4
     assert isinstance(timed["b"], RuntimeError) and str(timed["b"]).startswith("no kernel")
     assert list(timed) == ["a", "b", "c"]
 
 
-def test_bench_event_timer_warms_up_fully_once():
+def test_bench_event_timer_heats_each_share_on_the_last_call_time():
     seen = []
+    ms = iter([[2.0], [2.0] * 4, [0.5] * 2, [100.0] * 2, [1.0]])
 
     def times_ms(fn, reps, warmup, flush_l2):
         seen.append((reps, warmup, flush_l2))
-        return [1.0] * reps
+        return next(ms)
 
-    timer = bench.event_timer(times_ms, lambda: None, flush_l2=False)
-    assert timer(4) == [1.0] * 4 and timer(2) == [1.0] * 2 and timer(2) == [1.0] * 2
-    assert seen == [(4, 3, False), (2, 1, False), (2, 1, False)]
+    timer = bench.event_timer(times_ms, lambda: None, flush_l2=False, heat_ms=10.0)
+    assert timer(4) == [2.0] * 4 and timer(2) == [0.5] * 2 and timer(2) == [100.0] * 2 and timer(1) == [1.0]
+    # First use: 3 warm-up calls and one timed call (2 ms); then before each share 10 ms of calls
+    # at the median of the share before (2, 2, 0.5 and 100 ms), and at least one call.
+    assert seen == [(1, 3, False), (4, 5, False), (2, 5, False), (2, 20, False), (1, 1, False)]
+    tiny = bench.event_timer(lambda fn, reps, warmup, flush_l2: seen.append(warmup) or [0.0] * reps, lambda: None)
+    tiny(1), tiny(1)
+    assert seen[-1] == bench._MAX_HEAT_CALLS
 
 
 def test_bench_config_times_cuflash_and_torch_peers_interleaved(monkeypatch):
@@ -229,9 +236,12 @@ def test_bench_config_times_cuflash_and_torch_peers_interleaved(monkeypatch):
     monkeypatch.setattr(bench, "torch_event_times_ms", fake_times("torch", 4.0))
     config = bench.BenchConfig(128, 1024, True, 16, 16, "bf16")
     result = bench.bench_config(config, arch="sm90a", reps=10, torch=object())
-    # cuflash and torch flash alternate over the rounds; cuDNN's call, which could not be built, raised
-    # in the first round and was left out of the others.
-    assert order == ["cuflash", "torch", "torch"] + ["cuflash", "torch"] * (bench.BENCH_ROUNDS - 1)
+    # cuflash and torch flash alternate over the rounds, in the order (cuflash, flash, cudnn) turned
+    # one further each round, each first timing one call for its heat; cuDNN's call, which could not
+    # be built, raised in the first round and was left out of the others.
+    assert bench.BENCH_ROUNDS == 5
+    assert order == (["cuflash", "cuflash", "torch", "torch", "torch"] + ["torch", "cuflash"] + ["cuflash", "torch"]
+                     + ["cuflash", "torch"] + ["torch", "cuflash"])
     assert result["error"] is None and result["ms"] == 2.0
     assert result["tflops"] == pytest.approx(result["flops"] / 2.0 / 1e9)
     flash, cudnn = result["peers"]["flash"], result["peers"]["cudnn"]
@@ -245,7 +255,7 @@ def test_bench_config_times_cuflash_and_torch_peers_interleaved(monkeypatch):
     fail["cuflash"] = ValueError("no kernel\nfor this shape")
     result = bench.bench_config(config, arch="sm90a", reps=10, torch=object())
     assert result["error"] == "ValueError: no kernel\nfor this shape" and result["ms"] is None
-    assert order == ["cuflash", "torch", "torch"] + ["torch"] * (bench.BENCH_ROUNDS - 1)
+    assert order == ["cuflash", "torch", "torch", "torch"] + ["torch"] * (bench.BENCH_ROUNDS - 1)
     flash = result["peers"]["flash"]
     assert flash["ms"] == 4.0 and flash["ratio"] is None and flash["max_abs_diff"] is None
 

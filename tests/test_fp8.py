@@ -1,4 +1,6 @@
 """FP8 encoding, quantization and the outlier rotation, in NumPy (no GPU needed)."""
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -330,9 +332,12 @@ def test_bench_fp8_config_times_fp8_beside_bf16(monkeypatch):
     prepared = result["peers"]["cuflash-fp8-prepared-v"]
     assert prepared["tflops"] == pytest.approx(flops / 0.75 / 1e9) and prepared["ratio"] == pytest.approx(2.0)
     assert prepared["max_abs_diff"] == 0 and prepared["error"] is None
-    # Interleaved: 2 repetitions over 2 rounds of 1, the first round warming up as before, the second once.
-    assert timed == [("e4m3", 1, 3), (None, 1, 3), ("prepared", 1, 3), ("e4m3", 1, 1), (None, 1, 1),
-                     ("prepared", 1, 1)]
+    # Interleaved: 2 repetitions over 2 rounds of 1, the second round starting one further on. Each
+    # first times one call after 3 warm-up calls, then heats every share with BENCH_HEAT_MS of calls.
+    heat = {tag: math.ceil(bench.BENCH_HEAT_MS / t) for tag, t in ms.items()}
+    assert timed == [("e4m3", 1, 3), ("e4m3", 1, heat["e4m3"]), (None, 1, 3), (None, 1, heat[None]),
+                     ("prepared", 1, 3), ("prepared", 1, heat["prepared"]),
+                     (None, 1, heat[None]), ("prepared", 1, heat["prepared"]), ("e4m3", 1, heat["e4m3"])]
     line = bench.format_line(result)
     assert line.startswith("fwd fp8 e4m3 hd128 causal N=1024 b=16 h=16: 1.000 ms")
     assert "| cuflash-bf16 " in line and "(1.50x)" in line
