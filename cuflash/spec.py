@@ -245,9 +245,16 @@ class KernelSpec:
         return self.fp8_copy_bytes if self.converts_fp8 else _CHUNK
 
     @property
+    def col_block_bytes(self) -> int:
+        """wgmma: bytes of one column block of the Q and K tiles (the span of their swizzle; one
+        TMA box wide): 128, or 64 at FP8 head dims up to 64, whose rows of one-byte codes would
+        otherwise be computed padded to 128 columns."""
+        return 64 if self.fp8 and self.head_dim <= 64 else 128
+
+    @property
     def col_block_elems(self) -> int:
-        """wgmma: elements of one 128-byte column block (the swizzle's span; one TMA box wide)."""
-        return 128 // self.elem_bytes
+        """wgmma: elements of one column block (:attr:`col_block_bytes`)."""
+        return self.col_block_bytes // self.elem_bytes
 
     @property
     def fp8_v_box_keys(self) -> int:
@@ -354,7 +361,7 @@ class KernelSpec:
 
     @property
     def padded_head_dim(self) -> int:
-        """wgmma: head_dim rounded up to whole 128-byte swizzle blocks (64 columns, 128 for FP8).
+        """wgmma: head_dim rounded up to whole column blocks (64 columns; FP8 128, or 64 up to 64).
         The warp-specialized kernel computes on the padded width: TMA fills the missing columns
         with zeros, which add nothing to QK^T, and the output's extra columns are not stored."""
         if self.family != "wgmma":
@@ -513,14 +520,16 @@ def length_class(seqlen: int | None) -> str:
 
 #: Tiles of the FP8 Hopper kernel: head_dim -> (block_m, block_n, num_stages), same schedule; keys
 #: come in multiples of 32 (V^T is read in boxes of 128 keys, or 64 or 32 where block_n needs
-#: them), head dim 64 is computed padded to 128. 192 keys per tile beat 128 on the H200 at head
-#: dims 64 and 128 (README); head dim 256 has no registers for them.
-FP8_WGMMA_DEFAULTS = {64: (128, 192, 2), 128: (128, 192, 2), 256: (128, 128, 2)}
+#: them). 192 keys per tile beat 128 on the H200 at head dim 128 (README); head dim 256 has no
+#: registers for them. Head dim 64 (rows of 64 bytes, KernelSpec.col_block_bytes) runs three
+#: consumers on 128 keys, as bf16 does: on the H200 (e4m3, heated rounds, README) 649-651 TFLOP/s
+#: against 621-622 for 128 x 192 at 16k without a mask, 607 against 521 with one.
+FP8_WGMMA_DEFAULTS = {64: (192, 128, 2), 128: (128, 192, 2), 256: (128, 128, 2)}
 
 #: (tiles, causal) -> block_n, where the FP8 Hopper kernel takes other key tiles than
 #: FP8_WGMMA_DEFAULTS'. On the H200 (e4m3, 16k tokens, three interleaved rounds, README) head dim
 #: 128 without a mask ran 927-936 TFLOP/s on 224 keys against 899-907 on 192 (842-899 against
-#: 831-886 at 4k); with a causal mask 224 lost 6-10%, and head dim 64 moved within 1.5%.
+#: 831-886 at 4k); with a causal mask 224 lost 6-10%.
 FP8_BLOCK_N = {(128, False): 224}
 
 #: (tiles, causal) of the Hopper kernels that move the row max lazily (KernelSpec.lazy_rescale;

@@ -78,8 +78,11 @@ def forward_maps(spec: KernelSpec, problem: Problem, q, k, v) -> np.ndarray:
 
     def make():
         cols, d = spec.col_block_elems, problem.head_dim
-        raw = (_map(q, problem, problem.heads, problem.seqlen_q, problem.q_strides, (cols, spec.block_m), d)
-               + _map(k, problem, problem.heads_k, problem.seqlen_k, problem.k_strides, (cols, spec.block_n), d))
+        swizzle = spec.col_block_bytes
+        raw = (_map(q, problem, problem.heads, problem.seqlen_q, problem.q_strides, (cols, spec.block_m), d,
+                    swizzle=swizzle)
+               + _map(k, problem, problem.heads_k, problem.seqlen_k, problem.k_strides, (cols, spec.block_n), d,
+                      swizzle=swizzle))
         if spec.fp8:  # V^T [batch, heads_k, head_dim, keys]: boxes of 128 or 64 keys by every head-dim row
             b_s, h_s, r_s, _ = (s // v.itemsize for s in v.strides)
             keys = spec.fp8_v_box_keys

@@ -91,15 +91,24 @@ def test_every_kernel(fmt, head_dim, causal, warm_fp8_kernels, poison):
     check_every_kernel(fmt, head_dim, causal, poison)
 
 
-def shares_end_inside_tiles(problem: Fp8AttentionProblem, return_lse: bool) -> bool:
-    """Whether the problem's default Hopper kernel deals its last tiles out by keys
-    (launch.split_plan) in shares of which some end inside a tile."""
-    from cuflash.launch import split_plan
+def split_spec(problem: Fp8AttentionProblem, return_lse: bool):
+    """The Hopper kernel the tests of tiles dealt out by keys run: the default, but at head dims up
+    to 64, whose default has three consumers and never deals tiles out by keys
+    (KernelSpec.split_keys), two consumers on 192 keys, so that rows of 64 bytes are covered
+    split too."""
     from cuflash.spec import default_spec
+
+    spec = default_spec(problem.head_dim, problem.fp8_format, False, "sm90a", lse=return_lse)
+    return spec.replace(block_m=128, num_warps=12, block_n=192) if spec.compute_warpgroups == 3 else spec
+
+
+def shares_end_inside_tiles(problem: Fp8AttentionProblem, spec) -> bool:
+    """Whether ``spec`` deals the problem's last tiles out by keys (launch.split_plan) in shares
+    of which some end inside a tile."""
+    from cuflash.launch import split_plan
     from cuflash.validate import validate
 
     inputs = problem.make_inputs(cupy, seed=0)
-    spec = default_spec(problem.head_dim, problem.fp8_format, False, "sm90a", lse=return_lse)
     plan = split_plan(spec, validate(inputs.q, inputs.k, inputs.v, causal=False, scale=None, layout=problem.layout,
                                      fp8_format=problem.fp8_format))
     return plan.shares_end_inside_tiles
@@ -116,9 +125,10 @@ def test_last_tiles_dealt_out_by_keys(head_dim, return_lse, hopper, poison):
     """Enough tiles without a causal mask that the last ones are dealt out by keys
     (launch.split_plan), twice in a row."""
     problem = Fp8AttentionProblem(**SPLIT_PROBLEM, head_dim=head_dim, fp8_format="e4m3", granularity="head")
-    assert shares_end_inside_tiles(problem, return_lse)
+    spec = split_spec(problem, return_lse)
+    assert shares_end_inside_tiles(problem, spec)
     for _ in range(2):
-        run_and_check(problem, poison, return_lse=return_lse)
+        run_and_check(problem, poison, spec=spec, return_lse=return_lse)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -236,7 +246,7 @@ def warm_padded_fp8_kernels(hopper):
 @pytest.mark.parametrize("head_dim,fmt", PADDED_FP8)
 def test_padded_head_dims(head_dim, fmt, causal, warm_padded_fp8_kernels, poison):
     """Head dims that are multiples of 16 without tiles of their own run the Hopper kernel by
-    default, computed at the next multiple of 128 columns (96 at 128, 160 at 256)."""
+    default, computed at the next whole column block (48 at 64, 96 at 128, 160 at 256)."""
     assert cuflash.spec.default_spec(head_dim, fmt, causal, "sm90a").family == "wgmma"
     check_every_kernel(fmt, head_dim, causal, poison)
 
@@ -244,7 +254,7 @@ def test_padded_head_dims(head_dim, fmt, causal, warm_padded_fp8_kernels, poison
 def test_padded_head_dims_dealt_out_by_keys(hopper, poison):
     """A padded head dim whose last tiles are dealt out by keys (launch.split_plan)."""
     problem = Fp8AttentionProblem(**SPLIT_PROBLEM, head_dim=96, fp8_format="e4m3", granularity="head")
-    assert shares_end_inside_tiles(problem, True)
+    assert shares_end_inside_tiles(problem, split_spec(problem, True))
     run_and_check(problem, poison)
 
 

@@ -165,12 +165,17 @@ def test_padded_fp8_specs_compile_without_spills():
 
 def test_fp8_specs_and_their_limits():
     spec = default_spec(64, "e5m2", False, "sm90a", out_dtype="fp16")
-    assert (spec.padded_head_dim, spec.block_n, spec.out_dtype, spec.elem_bytes) == (128, 192, "fp16", 1)
+    assert (spec.padded_head_dim, spec.block_m, spec.block_n, spec.out_dtype, spec.elem_bytes) == (64, 192, 128, "fp16", 1)
     assert spec.name.startswith("fwd_e5m2ofp16_hd64_")
-    # head dims without tiles of their own take the next wider one's, padded to 128 columns
+    # up to 64 columns, rows of 64 bytes in the 64-byte swizzle; wider ones in 128-column blocks
+    assert [default_spec(d, "e4m3", False, "sm90a").col_block_bytes for d in (32, 48, 64, 80, 128)] == [64] * 3 + [128] * 2
+    source = cuflash.generate(spec)
+    assert "kColBlockBytes = 64;" in source and "kColBlocks = 1;" in source
+    # head dims without tiles of their own take the next wider one's, padded to whole column blocks
     assert default_spec(96, "e4m3", True, "sm90a").replace(head_dim=128) == default_spec(128, "e4m3", True, "sm90a")
     assert default_spec(160, "e5m2", False, "sm90a").replace(head_dim=256) == default_spec(256, "e5m2", False, "sm90a")
-    assert default_spec(32, "e4m3", False, "sm90a").padded_head_dim == 128
+    assert default_spec(32, "e4m3", False, "sm90a").padded_head_dim == 64
+    assert default_spec(80, "e4m3", False, "sm90a").padded_head_dim == 128
     # below FP8_WGMMA_MIN_HEAD_DIM, and at 8 mod 16 (TMA rows of whole 16 bytes), the portable kernel
     assert default_spec(16, "e4m3", False, "sm90a").family == "mma"
     assert default_spec(16, "e4m3", False, "sm90a", family="wgmma").family == "wgmma"

@@ -21,19 +21,21 @@
 namespace cuflash {
 
 // S = Q K^T for one warpgroup's 64 query rows (q_rows: their first column block) against the
-// key tile at k_tile: both operands K-major in shared memory, 128-byte swizzled; k-steps (16
-// elements, 32 for FP8) are 32 bytes apart inside a 128-byte column block. kNT n=8 tiles: the
-// whole key tile, or (kHalfFirstTile) its first half. Issued and committed; the caller waits.
+// key tile at k_tile: both operands K-major in shared memory, swizzled over column blocks of
+// Cfg::kColBlockBytes (128 bytes, or 64 for FP8 head dims up to 64); k-steps (16 elements, 32 for
+// FP8) are 32 bytes apart inside a column block. kNT n=8 tiles: the whole key tile, or
+// (kHalfFirstTile) its first half. Issued and committed; the caller waits.
 template <class Cfg, int kNT>
 __device__ __forceinline__ void issue_scores(float (&acc)[kNT][4], u32 q_rows, u32 k_tile) {
-    const u64 q_desc = smem_desc(q_rows, 16, 1024), k_desc = smem_desc(k_tile, 16, 1024);
+    constexpr int kBlock = Cfg::kColBlockBytes;
+    const u64 q_desc = smem_desc<kBlock>(q_rows, 16, 8 * kBlock), k_desc = smem_desc<kBlock>(k_tile, 16, 8 * kBlock);
     wgmma_fence();
 #pragma unroll
     for (int cb = 0; cb < Cfg::kColBlocks; ++cb)
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks)
-            Cfg::wgmma_qk(acc, desc_advance(q_desc, cb * Cfg::kBlockM * 128 + ks * 32),
-                          desc_advance(k_desc, cb * Cfg::kBlockN * 128 + ks * 32), cb + ks);
+        for (int ks = 0; ks < kBlock / 32; ++ks)
+            Cfg::wgmma_qk(acc, desc_advance(q_desc, cb * Cfg::kBlockM * kBlock + ks * 32),
+                          desc_advance(k_desc, cb * Cfg::kBlockN * kBlock + ks * 32), cb + ks);
     wgmma_commit();
 }
 

@@ -17,8 +17,9 @@
 // Roles:
 //  - warpgroup 0, the producer, gives most of its registers away (setmaxnreg); in its first
 //    warp one thread takes the work tiles and issues every copy: Q once, then K and V tiles into a kStages-deep shared-memory ring. Each
-//    copy is a TMA box (64 columns x rows, 128-byte swizzle: the layout wgmma's descriptors
-//    read, cuflash/wgmma.cuh) completing on an mbarrier; rows past the end of a sequence arrive
+//    copy is a TMA box (a column block of 128 bytes by rows, 128-byte swizzle, or of 64 bytes
+//    with the 64-byte swizzle at FP8 head dims up to 64: the layout wgmma's descriptors read,
+//    cuflash/wgmma.cuh) completing on an mbarrier; rows past the end of a sequence arrive
 //    as zeros. Before reusing a slot it waits on that slot's `empty` mbarrier (K and V apart).
 //  - warpgroups 1.. (2 or 3), the consumers, own 64 query rows each. Per key tile i they issue
 //    S_i = Q K_i^T and O += P_{i-1} V_{i-1} together (the next tile's scores go to the tensor
@@ -34,7 +35,8 @@
 // give output columns that are not stored).
 //
 // FP8 inputs (kFp8): Q, K and V are 1-byte e4m3/e5m2 codes and both products run on FP8 wgmma
-// (k=32). Column blocks are 128 elements wide (head dims pad to multiples of 128). FP8 operands
+// (k=32). Column blocks of Q and K are 128 elements wide (head dims pad to multiples of 128), or
+// 64 with the 64-byte swizzle at head dims up to 64 (Cfg::kColBlockBytes). FP8 operands
 // must be K-major, so V arrives as V^T (head_dim rows of keys, cuflash.fp8.v_operand) and each
 // key tile of it is TMA boxes of 128, 64 or 32 keys by kHeadDim rows (spec.fp8_v_box_keys). P is
 // scaled by 2^8 and rounded to e4m3 in registers (fp8_probs_operand); the descale factors of q
@@ -142,8 +144,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         setmaxnreg_dec<Cfg::kProducerRegisters>();
         if (warp != 0) return;
         const bool leader = lane == 0;
-        constexpr u32 kQBytes = kBM * kColBlocks * 128;
-        constexpr u32 kTileBytes = kBN * kColBlocks * 128;
+        constexpr u32 kQBytes = kBM * kColBlocks * Cfg::kColBlockBytes;
+        constexpr u32 kTileBytes = kBN * kColBlocks * Cfg::kColBlockBytes;
         int ring = 0, q_count = 0;
         u32 item_at = item_slots;  // where the next item goes
         int share = -1, share_index = 0;  // the share being dealt out (block.cuh), its next item
@@ -179,7 +181,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 mbar_arrive_expect_tx(q_full, kQBytes);
 #pragma unroll
                 for (int cb = 0; cb < kColBlocks; ++cb)
-                    tma_load_4d(sQ + cb * kBM * 128, &maps.q, q_full, cb * Cfg::kBoxCols, work.m0, work.head, work.batch);
+                    tma_load_4d(sQ + cb * kBM * Cfg::kColBlockBytes, &maps.q, q_full, cb * Cfg::kBoxCols, work.m0, work.head, work.batch);
             }
             ++q_count;
             // Key tile t (diagonal, masked tiles first) once tile c - kStages of the same ring
@@ -202,7 +204,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 }
 #pragma unroll
                 for (int cb = 0; cb < kColBlocks; ++cb)
-                    tma_load_4d(dst + cb * kBN * 128, map, full + 8 * slot, cb * Cfg::kBoxCols, n0, work.head_k,
+                    tma_load_4d(dst + cb * kBN * Cfg::kColBlockBytes, map, full + 8 * slot, cb * Cfg::kBoxCols, n0, work.head_k,
                                 work.batch);
             };
             if (t_begin < t_end) load(&maps.k, sK, full_k(0), empty_k(0), t_begin, false);
@@ -227,7 +229,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     // from it then stay on the uniform datapath instead of being moved there for every wgmma.
     const int group = __shfl_sync(0xffffffffu, warpgroup - 1, 0);
     const int warp_row0 = group * 64 + (warp % 4) * 16;  // first query row of this warp in its tile
-    const u32 q_rows = sQ + group * 64 * 128;             // its warpgroup's rows, block 0
+    const u32 q_rows = sQ + group * 64 * Cfg::kColBlockBytes;  // its warpgroup's rows, block 0
 
     // Turn-taking: consumer g waits on barrier 1+g before issuing its products and then lets
     // the next one go (arrives on the barrier of g+1, round robin). The last consumer lets
