@@ -587,11 +587,13 @@ PINGPONG_OFF_TILES = ((96, False, "short"), (96, False, "long"), (128, False, "s
 FP8_SUMS_ON_TENSOR_CORES_TILES = (256,)
 
 #: The Hopper FP8 kernel takes head dims that are multiples of 16 (TMA copies rows of whole 16
-#: bytes), computed padded to whole 128-column blocks as 64 is; it is the default on sm_90a from
-#: this head dim up, the portable kernel below it and at head dims of 8 mod 16. On the H200
-#: (e4m3, 16k tokens, TFLOP/s at 1k / 4k / 16k, non-causal) it ran 179 / 230 / 248 against the
-#: portable kernel's 188 / 202 / 203 at head dim 32, 91 / 113 / 121 against 112 / 120 / 123 at 16,
-#: and 451 / 618 / 638 against 188 / 203 / 205 at 96 (README).
+#: bytes), computed padded to whole column blocks (KernelSpec.col_block_bytes); it is the default
+#: on sm_90a from this head dim up, the portable kernel below it and at head dims of 8 mod 16. On
+#: the H200 (e4m3, 16k tokens, TFLOP/s at 1k / 4k / 16k, non-causal), with every head dim padded
+#: to 128 columns, it ran 179 / 230 / 248 against the portable kernel's 188 / 202 / 203 at head
+#: dim 32, 91 / 113 / 121 against 112 / 120 / 123 at 16, and 451 / 618 / 638 against 188 / 203 /
+#: 205 at 96 (README); on rows of 64 bytes, 266 / 314 / 328 at 32. Head dim 16 on 64-byte rows
+#: has not been timed.
 FP8_WGMMA_MIN_HEAD_DIM = 32
 
 

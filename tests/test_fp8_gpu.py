@@ -230,7 +230,7 @@ def test_key_loop_variants(causal, mask_in_loop, early, warm_key_loop_fp8_kernel
             run_and_check(problem, poison, spec=spec)
 
 
-#: Head dims without Hopper FP8 tiles of their own (padded to 128-column blocks), one format each.
+#: Head dims without Hopper FP8 tiles of their own (padded to whole column blocks), one format each.
 PADDED_FP8 = [(32, "e4m3"), (80, "e5m2"), (96, "e4m3"), (160, "e5m2"), (192, "e4m3"), (240, "e5m2")]
 
 

@@ -35,12 +35,13 @@
 // give output columns that are not stored).
 //
 // FP8 inputs (kFp8): Q, K and V are 1-byte e4m3/e5m2 codes and both products run on FP8 wgmma
-// (k=32). Column blocks of Q and K are 128 elements wide (head dims pad to multiples of 128), or
-// 64 with the 64-byte swizzle at head dims up to 64 (Cfg::kColBlockBytes). FP8 operands
-// must be K-major, so V arrives as V^T (head_dim rows of keys, cuflash.fp8.v_operand) and each
-// key tile of it is TMA boxes of 128, 64 or 32 keys by kHeadDim rows (spec.fp8_v_box_keys). P is
-// scaled by 2^8 and rounded to e4m3 in registers (fp8_probs_operand); the descale factors of q
-// and k multiply the softmax scale and v's multiplies the output.
+// (k=32). Column blocks of Q and K are 128 elements wide (head dims pad to multiples of 128),
+// or 64 with the 64-byte swizzle at head dims up to 64, which pad to 64 (Cfg::kColBlockBytes).
+// FP8 operands must be K-major, so V arrives as V^T (head_dim rows of keys,
+// cuflash.fp8.v_operand) and each key tile of it is TMA boxes of 128, 64 or 32 keys by kHeadDim
+// rows (spec.fp8_v_box_keys). P is scaled by 2^8 and rounded to e4m3 in registers
+// (fp8_probs_operand); the descale factors of q and k multiply the softmax scale and v's
+// multiplies the output.
 //
 // The generated kernel provides Cfg with kHeadDim, kHeadDimStored, kBlockM (128 or 192),
 // kBlockN, kStages, kCausal, kBF16, kPingPong, kProducerRegisters, kComputeRegisters, kSmemQ,
@@ -181,7 +182,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 mbar_arrive_expect_tx(q_full, kQBytes);
 #pragma unroll
                 for (int cb = 0; cb < kColBlocks; ++cb)
-                    tma_load_4d(sQ + cb * kBM * Cfg::kColBlockBytes, &maps.q, q_full, cb * Cfg::kBoxCols, work.m0, work.head, work.batch);
+                    tma_load_4d(sQ + cb * kBM * Cfg::kColBlockBytes, &maps.q, q_full, cb * Cfg::kBoxCols, work.m0,
+                                work.head, work.batch);
             }
             ++q_count;
             // Key tile t (diagonal, masked tiles first) once tile c - kStages of the same ring
@@ -204,8 +206,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 }
 #pragma unroll
                 for (int cb = 0; cb < kColBlocks; ++cb)
-                    tma_load_4d(dst + cb * kBN * Cfg::kColBlockBytes, map, full + 8 * slot, cb * Cfg::kBoxCols, n0, work.head_k,
-                                work.batch);
+                    tma_load_4d(dst + cb * kBN * Cfg::kColBlockBytes, map, full + 8 * slot, cb * Cfg::kBoxCols, n0,
+                                work.head_k, work.batch);
             };
             if (t_begin < t_end) load(&maps.k, sK, full_k(0), empty_k(0), t_begin, false);
             for (int t = t_begin; t < t_end; ++t) {
