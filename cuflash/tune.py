@@ -134,25 +134,31 @@ def _spill_free(spec) -> bool:
 
 
 def _tflops(spec: KernelSpec, seqlen: int, reps: int) -> float:
-    """TFLOP/s of one spec on the benchmark's problem at one sequence length (GPU)."""
+    """TFLOP/s of one spec on the benchmark's problem at one sequence length (GPU), timed as the
+    benchmark times a share (:func:`cuflash.bench.event_timer`: after ``BENCH_HEAT_MS`` of its own
+    calls, so that it runs on the clock of its own load)."""
+    import statistics
+
     import cupy
 
     import cuflash
-    from .bench import cuda_event_median_ms
+    from .bench import cuda_event_times_ms, event_timer
     from .dtypes import from_tag
     d = spec.head_dim
     batch, heads = max(16384 // seqlen, 1), max(2048 // d, 1)
     q, k, v = (cupy.random.standard_normal((batch, heads, seqlen, d), dtype=cupy.float32)
                .astype(from_tag("bf16").numpy) for _ in range(3))
-    ms = cuda_event_median_ms(lambda: cuflash.attention(q, k, v, causal=spec.causal, spec=spec), reps=reps)
+    ms = statistics.median(event_timer(cuda_event_times_ms, lambda: cuflash.attention(q, k, v, causal=spec.causal,
+                                                                                       spec=spec))(reps))
     flops = 4 * batch * heads * seqlen * seqlen * d / (2 if spec.causal else 1)
     return flops / ms / 1e9
 
 
 def tune_wgmma(head_dims, processes: int, reps: int = 10, timer=_tflops, spill_free=_spill_free,
                warm=None, log=print, rounds: int = TUNE_ROUNDS) -> dict:
-    """Time every candidate in interleaved rounds; return {(head_dim, causal, length class):
-    (block_m, block_n, num_stages)}."""
+    """Time every candidate in interleaved rounds, round r starting at the r-th candidate (so that
+    none always follows the same one); return {(head_dim, causal, length class): (block_m,
+    block_n, num_stages)}."""
     specs = {(d, c): [s for s in wgmma_candidates(d, c) if spill_free(s)]
              for d in head_dims for c in (False, True)}
     if warm is None:
@@ -163,9 +169,10 @@ def tune_wgmma(head_dims, processes: int, reps: int = 10, timer=_tflops, spill_f
     table = {}
     for key, row in specs.items():
         samples = {(spec, n): [] for spec in row for n in lengths}
-        for _ in range(rounds):
+        for round_index in range(rounds):
+            start = round_index % len(row) if row else 0
             for n in lengths:
-                for spec in row:
+                for spec in row[start:] + row[:start]:
                     samples[spec, n].append(timer(spec, n, reps))
         rate = {(spec, n): statistics.median(samples[spec, n]) for spec in row for n in lengths}
         for spec in row:

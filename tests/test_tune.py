@@ -40,8 +40,10 @@ def test_tuner_keeps_the_fastest_spill_free_candidate_per_length_class():
                      for length, shape in (("short", (128, 96, 3)), ("long", (128, 128, 3)))}
     assert len(warmed) == 2 * 4 and len(lines) == 2 * 4
     assert all("TFLOP/s" in line for line in lines)
-    # rounds interleave the candidates: every candidate once per length before the next round
+    # rounds interleave the candidates: every candidate once per length before the next round,
+    # each round starting one candidate further on
     assert [shape for shape, _ in calls[:4]] == [(128, 128, 2), (128, 176, 2), (128, 128, 3), (128, 96, 3)]
+    assert [shape for shape, _ in calls[20:24]] == [(128, 176, 2), (128, 128, 3), (128, 96, 3), (128, 128, 2)]
     assert len(calls) == 2 * 3 * 4 * 5
 
 
