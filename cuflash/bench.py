@@ -229,18 +229,24 @@ def split_reps(reps: int, rounds: int) -> list[int]:
     return [reps // rounds + (i < reps % rounds) for i in range(rounds)]
 
 
+def rotated(items: list, round_index: int) -> list:
+    """``items`` in the order of round ``round_index`` of interleaved rounds: starting at the
+    round_index-th (mod their number) and going round, so that none is always timed after the
+    same one."""
+    start = round_index % len(items) if items else 0
+    return items[start:] + items[:start]
+
+
 def interleaved_median_ms(timers: dict, reps: int, rounds: int = BENCH_ROUNDS) -> dict:
     """Time ``{name: timer}`` (timers of :func:`event_timer`) in interleaved rounds: each round
-    times every one for its share of ``reps`` (:func:`split_reps`), round r starting at the r-th
-    one (mod their number) and going round, so that none is always timed after the same one.
+    times every one for its share of ``reps`` (:func:`split_reps`), in the order of :func:`rotated`.
     Returns ``{name: median ms over all its repetitions}`` in the order given, or the exception a
     timer raised; one that raised is left out of the later rounds."""
     names = list(timers)
     times = {name: [] for name in names}
     failed = {}
     for round_index, share in enumerate(split_reps(reps, rounds)):
-        start = round_index % len(names) if names else 0
-        for name in names[start:] + names[:start]:
+        for name in rotated(names, round_index):
             if name in failed:
                 continue
             try:

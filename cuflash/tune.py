@@ -27,6 +27,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from .bench import rotated
 from .spec import HEAD_DIMS, WGMMA_DEFAULTS, KernelSpec
 
 #: Candidates per head-dim range: (largest head_dim, [(block_m, block_n, warps, stages, overlap)]),
@@ -137,8 +138,6 @@ def _tflops(spec: KernelSpec, seqlen: int, reps: int) -> float:
     """TFLOP/s of one spec on the benchmark's problem at one sequence length (GPU), timed as the
     benchmark times a share (:func:`cuflash.bench.event_timer`: after ``BENCH_HEAT_MS`` of its own
     calls, so that it runs on the clock of its own load)."""
-    import statistics
-
     import cupy
 
     import cuflash
@@ -156,8 +155,8 @@ def _tflops(spec: KernelSpec, seqlen: int, reps: int) -> float:
 
 def tune_wgmma(head_dims, processes: int, reps: int = 10, timer=_tflops, spill_free=_spill_free,
                warm=None, log=print, rounds: int = TUNE_ROUNDS) -> dict:
-    """Time every candidate in interleaved rounds, round r starting at the r-th candidate (so that
-    none always follows the same one); return {(head_dim, causal, length class): (block_m,
+    """Time every candidate in interleaved rounds, in the order of :func:`cuflash.bench.rotated`;
+    return {(head_dim, causal, length class): (block_m,
     block_n, num_stages)}."""
     specs = {(d, c): [s for s in wgmma_candidates(d, c) if spill_free(s)]
              for d in head_dims for c in (False, True)}
@@ -170,9 +169,8 @@ def tune_wgmma(head_dims, processes: int, reps: int = 10, timer=_tflops, spill_f
     for key, row in specs.items():
         samples = {(spec, n): [] for spec in row for n in lengths}
         for round_index in range(rounds):
-            start = round_index % len(row) if row else 0
             for n in lengths:
-                for spec in row[start:] + row[:start]:
+                for spec in rotated(row, round_index):
                     samples[spec, n].append(timer(spec, n, reps))
         rate = {(spec, n): statistics.median(samples[spec, n]) for spec in row for n in lengths}
         for spec in row:
