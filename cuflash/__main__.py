@@ -1,7 +1,7 @@
-"""``python -m cuflash``: see :mod:`cuflash.cli` for the subcommands."""
+"""``python -m cuflash``: see :mod:`cuflash.tools.cli` for the subcommands."""
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

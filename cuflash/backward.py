@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import functools
 
-from . import compile as _compile
-from .api import _arch, _on_device, _out_strides, attention
-from .launch import launch_backward, rows_padded
-from .spec import BwdSpec, default_bwd_spec
-from .validate import aligned_copy, aligned_for_async_copy, validate_backward
+from .core import compile as _compile
+from .core.bwd_spec import BwdSpec
+from .core.launch import launch_backward, rows_padded
+from .core.policy import default_bwd_spec
+from .core.validate import aligned_copy, aligned_for_async_copy, validate_backward
+from .forward import _arch, _on_device, _out_strides, attention
 
 
 @functools.lru_cache(maxsize=1024)

@@ -235,8 +235,8 @@ def v_operand(v, layout: str = "bhsd"):
 def _v_operand_device(v, layout: str):
     import cupy
 
-    from .compile import arch_options, device_arch
-    from .validate import aligned_copy, aligned_for_async_copy
+    from .core.compile import arch_options, device_arch
+    from .core.validate import aligned_copy, aligned_for_async_copy
 
     vb = v if layout == "bhsd" else v.transpose(0, 2, 1, 3)
     b, h, s, d = vb.shape  # d is a multiple of 16 (v_operand)

@@ -36,7 +36,8 @@ import math
 
 import numpy as np
 
-from . import dtypes, fp8
+from . import fp8
+from .core import dtypes
 
 LAYOUTS = ("bhsd", "bshd")
 

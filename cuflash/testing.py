@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import dtypes, fp8, reference, spec
+from . import fp8, reference
+from .core import dtypes, policy, spec
 
 #: Sequence lengths that do not fall on tile boundaries; the strategies favour them.
 AWKWARD_SEQLENS = (1, 17, 113, 239, 1023)
@@ -34,9 +35,9 @@ FP8_FORMATS = ("e4m3", "e5m2")
 FP8_GRANULARITIES = ("tensor", "head")
 FP8_OUT_DTYPES = reference.FP8_OUT_DTYPES
 #: The head dims the FP8 strategy draws by default: those with Hopper FP8 tiles of their own
-#: (spec.FP8_WGMMA_DEFAULTS: 64, 128, 256). FP8 runs at every head dim of spec.HEAD_DIMS; pass
+#: (policy.HOPPER_TILES: 64, 128, 256). FP8 runs at every head dim of spec.HEAD_DIMS; pass
 #: ``head_dims=`` to draw others.
-FP8_HEAD_DIMS = tuple(spec.FP8_WGMMA_DEFAULTS)
+FP8_HEAD_DIMS = policy.HOPPER_TILES["fp8"]
 
 #: Upper bound on ``batch * heads * seqlen_q * seqlen_k * head_dim`` of drawn problems, so the
 #: float64 reference of one example stays well under a second on a laptop core.

@@ -5,9 +5,10 @@ import hashlib
 import sys
 from pathlib import Path
 
-from cuflash import dtypes
-from cuflash.render import generate, include_dir
-from cuflash.spec import HEAD_DIMS, all_default_bwd_specs, all_default_specs, default_bwd_spec, default_spec
+from cuflash.core import dtypes
+from cuflash.core.policy import all_default_bwd_specs, all_default_specs, default_bwd_spec, default_spec
+from cuflash.core.render import generate, include_dir
+from cuflash.core.spec import HEAD_DIMS
 
 PINNED = Path(__file__).with_name("data") / "generated_sources.sha256"
 

@@ -1,7 +1,7 @@
 """Rendering: KernelSpec -> CUDA source, through Jinja2 templates.
 
 The templates are thin: they declare the parameter block and the compile-time constants that
-Python computed in :mod:`cuflash.spec`, and call the algorithm, which lives in real CUDA headers
+Python computed in :mod:`cuflash.core.spec`, and call the algorithm, which lives in real CUDA headers
 under ``templates/include/cuflash``. Undefined template variables are errors (StrictUndefined).
 """
 from __future__ import annotations
@@ -14,7 +14,9 @@ from pathlib import Path
 import jinja2
 
 from . import dtypes
-from .spec import BWD_PARAM_FIELDS, PARAM_FIELDS, BwdSpec, KernelSpec, nvrtc_arch
+from .bwd_spec import BwdSpec
+from .params import BWD_PARAM_FIELDS, PARAM_FIELDS
+from .spec import KernelSpec, nvrtc_arch
 
 
 def template_dir() -> Path:
@@ -25,7 +27,7 @@ def template_dir() -> Path:
             return path
     except ModuleNotFoundError:
         pass
-    return Path(__file__).resolve().parent.parent / "templates"
+    return Path(__file__).resolve().parents[2] / "templates"
 
 
 def include_dir() -> Path:

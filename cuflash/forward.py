@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import functools
 
-from . import compile as _compile
 from . import fp8 as _fp8
-from .launch import launch
-from .spec import FP8_WGMMA_MIN_HEAD_DIM, SHORT_SEQLEN, KernelSpec, default_spec
-from .validate import Problem, aligned_copy, aligned_for_async_copy, readable_by_tma, validate, validate_fp8_scales
+from .core import compile as _compile
+from .core.launch import launch
+from .core.policy import FP8_WGMMA_MIN_HEAD_DIM, SHORT_SEQLEN, default_spec
+from .core.spec import KernelSpec
+from .core.validate import Problem, aligned_copy, aligned_for_async_copy, readable_by_tma, validate, validate_fp8_scales
 
 _arch_of_device: dict[int, str] = {}
 

@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from functools import partial
 
-from .spec import WS_SCHEDULE_FIELDS
+from cuflash.core.spec import WS_SCHEDULE_FIELDS
 
 DEFAULT_HEAD_DIMS = (64, 128, 256)
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -273,7 +273,7 @@ def random_inputs(shape, dtype_tag: str, seed: int = 0):
     """q, k, v: standard normal CuPy arrays of ``shape`` in the dtype of ``dtype_tag``."""
     import cupy
 
-    from . import dtypes
+    from cuflash.core import dtypes
     element = dtypes.from_tag(dtype_tag).numpy
     rng = cupy.random.default_rng(seed)
     return tuple(rng.standard_normal(shape, dtype=cupy.float32).astype(element) for _ in range(3))
@@ -296,7 +296,7 @@ def to_torch(array):
         return torch.from_dlpack(array)
     except Exception:
         # Fall back on the 16-bit pattern for DLPack exporters without a bfloat16 code.
-        from . import dtypes
+        from cuflash.core import dtypes
         if array.dtype != dtypes.from_tag("bf16").numpy:
             raise
         import cupy
@@ -377,7 +377,7 @@ def _from_torch(tensor):
 
 def _max_abs_diff(a, b) -> float:
     """max |a - b| in float32, on the arrays' own module (CuPy or NumPy)."""
-    from .fp8 import _xp
+    from cuflash.fp8 import _xp
     xp = _xp(a)
     return float(xp.abs(a.astype(xp.float32) - b.astype(xp.float32)).max())
 
@@ -389,7 +389,7 @@ def _peer_labels():
 
 # -- one configuration ------------------------------------------------------------------------
 def _spec_for(config: BenchConfig, arch: str, overrides: dict):
-    from .spec import default_bwd_spec, default_spec
+    from cuflash.core.policy import default_bwd_spec, default_spec
     overrides = dict(overrides)
     family = overrides.pop("family", None)
     deterministic = overrides.pop("deterministic", False)
@@ -410,7 +410,7 @@ def bench_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=None,
     if config.dtype == FP8:
         return bench_fp8_config(config, arch=arch, reps=reps, torch=torch, overrides=overrides, flush_l2=flush_l2,
                                 fp8_format=fp8_format)
-    from .reference import attention_flops
+    from cuflash.reference import attention_flops
 
     flops = int(_MODE_FLOPS[config.mode] * attention_flops(config.batch, config.heads, config.seqlen, config.seqlen,
                                                            config.head_dim, config.causal))
@@ -542,7 +542,7 @@ def bench_fp8_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=No
     kernel on the bf16 inputs (peer :data:`BF16_PEER`, whose ``ratio`` is FP8 / bf16) and, when
     ``torch`` is given, torch SDPA's backends on them, all timed in interleaved rounds
     (:func:`interleaved_median_ms`). ``max_abs_diff`` of a peer is against the FP8 output."""
-    from .reference import attention_flops
+    from cuflash.reference import attention_flops
 
     flops = attention_flops(config.batch, config.heads, config.seqlen, config.seqlen, config.head_dim, config.causal)
     result = dict(asdict(config), direction=config.mode, flops=flops, fp8_format=fp8_format, spec=None, ms=None,
@@ -567,7 +567,7 @@ def bench_fp8_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=No
 def _time_fp8(result, config, forced, reps, torch, flush_l2, fp8_format):
     import cuflash
 
-    from .fp8 import quantize_fp8
+    from cuflash.fp8 import quantize_fp8
 
     flops = result["flops"]
     q, k, v = random_inputs(config.shape, "bf16")
@@ -761,7 +761,7 @@ def fp8_error_table(attention=None, *, head_dims=DEFAULT_HEAD_DIMS, formats=("e4
 
     import numpy as np
 
-    from .testing import Fp8AttentionProblem, to_numpy
+    from cuflash.testing import Fp8AttentionProblem, to_numpy
 
     if attention is None:
         import cupy
@@ -826,7 +826,7 @@ def fp8_error_markdown(rows: list[dict], gpu: str | None = None) -> str:
 
 def _run_fp8_errors(args) -> int:
     """``python -m cuflash bench --fp8-errors``: the error table on this GPU."""
-    from .cli import environment
+    from ..cli import environment
     rows = fp8_error_table(head_dims=args.head_dims, echo=print)
     table = fp8_error_markdown(rows, environment().get("gpu"))
     print()
@@ -849,8 +849,8 @@ def run_benchmark(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(
                   fp8_format="e4m3") -> dict:
     """Run the benchmark and return its report (the ``--json`` content); ``echo`` gets each line.
     ``dtype="fp8"`` times FP8 inputs of ``fp8_format`` (see :func:`bench_fp8_config`)."""
-    from .cli import environment
-    from .compile import device_arch
+    from ..cli import environment
+    from cuflash.core.compile import device_arch
 
     overrides = parse_spec_override(spec_override) if isinstance(spec_override, str) else dict(spec_override or {})
     torch = import_torch() if use_torch else None
@@ -925,7 +925,7 @@ def parse_bench_dtype(text: str, mode: str = "fwd") -> str:
         if mode != "fwd":
             raise ValueError(f"--dtype fp8 times the forward only (got --mode {mode})")
         return FP8
-    from . import dtypes
+    from cuflash.core import dtypes
     tag = dtypes.from_tag(text).tag
     if tag not in BENCH_DTYPES:
         raise ValueError(f"--dtype {text!r}: choose one of {', '.join(BENCH_DTYPES)} "
@@ -935,7 +935,7 @@ def parse_bench_dtype(text: str, mode: str = "fwd") -> str:
 
 def run(args) -> int:
     """``python -m cuflash bench``."""
-    from .cli import causal_modes, gpu_status
+    from ..cli import causal_modes, gpu_status
     available, reason = gpu_status()
     if not available:
         print(f"cuflash bench: error: needs a CUDA GPU: {reason}", file=sys.stderr)

@@ -25,7 +25,8 @@ import threading
 from pathlib import Path
 
 from .render import generate, headers_digest, include_dir
-from .spec import BwdSpec, KernelSpec, arch_from_capability, nvrtc_arch
+from .bwd_spec import BwdSpec
+from .spec import KernelSpec, arch_from_capability, nvrtc_arch
 
 
 class CompileError(RuntimeError):

@@ -91,10 +91,10 @@ def environment() -> dict:
         env["multiprocessors"] = props["multiProcessorCount"]
         env["memory_gib"] = round(props["totalGlobalMem"] / 2**30, 1)
         try:
-            from .compile import device_arch
+            from cuflash.core.compile import device_arch
             env["arch"] = device_arch()
         except Exception:
-            from .spec import arch_from_capability
+            from cuflash.core.spec import arch_from_capability
             try:
                 env["arch"] = arch_from_capability(props["major"], props["minor"])
             except ValueError:
@@ -149,7 +149,7 @@ def cmd_info(args) -> int:
         rows += [("GPU", f"none: {reason}"),
                  ("compile target", f"none (offline compiles default to {FALLBACK_ARCH})")]
     if args.head_dim is not None:
-        from .spec import default_spec
+        from cuflash.core.policy import default_spec
         arch = env["arch"] if available and env["arch"] else (args.arch or FALLBACK_ARCH)
         try:
             # as cuflash.attention runs it without return_lse, and with it where that differs (FP8)
@@ -163,7 +163,7 @@ def cmd_info(args) -> int:
                                                 f"{spec.smem_bytes} bytes shared memory{_computed_at(spec)})"))
         if with_lse != spec:
             rows.append(("with return_lse=True", f"{with_lse.name} ({with_lse.smem_bytes} bytes shared memory)"))
-        from .spec import default_bwd_spec
+        from cuflash.core.policy import default_bwd_spec
         for deterministic in (False, True) if not spec.fp8 else ():  # FP8 attention is forward only
             bwd = default_bwd_spec(args.head_dim, args.dtype, args.causal, args.arch or arch, deterministic)
             label = "backward (deterministic)" if deterministic else "backward"
@@ -174,7 +174,7 @@ def cmd_info(args) -> int:
         print(f"{key:<{width}}  {value}")
 
     try:
-        from . import compile as compiler
+        from cuflash.core import compile as compiler
         directory = compiler.cache_dir()
         entries = list(compiler.cached_entries())
     except Exception as exc:
@@ -195,7 +195,7 @@ def _default_arch() -> str:
     available, _ = gpu_status()
     if available:
         try:
-            from .compile import device_arch
+            from cuflash.core.compile import device_arch
             return device_arch()
         except Exception:
             pass
@@ -203,7 +203,7 @@ def _default_arch() -> str:
 
 
 def cmd_generate(args) -> int:
-    from .spec import default_bwd_spec, default_spec
+    from cuflash.core.policy import default_bwd_spec, default_spec
     arch = args.arch or _default_arch()
     overrides = {name: getattr(args, name) for name in _TILE_OPTIONS if getattr(args, name) is not None}
     if "overlap" in overrides:
@@ -216,7 +216,7 @@ def cmd_generate(args) -> int:
             spec = default_spec(args.head_dim, args.dtype, args.causal, arch, lse=not args.no_lse)
         if overrides:
             spec = spec.replace(**overrides)
-        from . import generate
+        from cuflash import generate
         source = generate(spec)
     except (ValueError, TypeError) as exc:
         return _fail("generate", str(exc), 2)
@@ -234,14 +234,14 @@ def cmd_warmup(args) -> int:
     available, reason = gpu_status()
     if not available:
         return _fail("warmup", f"needs a CUDA GPU to pick the target and fill the cache: {reason}", 1)
-    from . import compile as compiler
-    from .spec import CLASS_SEQLENS, default_spec
+    from cuflash.core import compile as compiler
+    from cuflash.core.policy import CLASS_SEQLENS, default_spec
     arch = compiler.device_arch()
     try:
         specs = [default_spec(d, t, c, arch, seqlen=n) for t in args.dtypes for d in args.head_dims
                  for c in causal_modes(args.causal) for n in CLASS_SEQLENS]
         if args.backward:
-            from .spec import default_bwd_spec
+            from cuflash.core.policy import default_bwd_spec
             specs += [default_bwd_spec(d, t, c, arch, det) for t in args.dtypes for d in args.head_dims
                       for c in causal_modes(args.causal) for det in (False, True)]
         specs = list(dict.fromkeys(specs))
@@ -271,9 +271,9 @@ def _demo_gpu() -> int:
 
     import cuflash
     from . import bench
-    from .compile import device_arch
-    from .reference import attention_flops
-    from .spec import default_spec
+    from cuflash.core.compile import device_arch
+    from cuflash.reference import attention_flops
+    from cuflash.core.policy import default_spec
 
     p = DEMO_PROBLEM
     arch = device_arch()
@@ -313,8 +313,8 @@ def _check_against_reference(out, lse, host_inputs, problem) -> tuple[float, flo
     """
     import numpy as np
 
-    from .reference import attention_naive, attention_reference
-    from .testing import assert_attention_close
+    from cuflash.reference import attention_naive, attention_reference
+    from cuflash.testing import assert_attention_close
 
     options = dict(causal=problem["causal"], scale=None, layout="bhsd")
     ref_out, ref_lse = attention_reference(*host_inputs, **options)
@@ -333,8 +333,8 @@ def _check_against_reference(out, lse, host_inputs, problem) -> tuple[float, flo
 def _demo_offline() -> int:
     import numpy as np
 
-    from .compile import CompileError, compile_offline
-    from .spec import default_spec
+    from cuflash.core.compile import CompileError, compile_offline
+    from cuflash.core.policy import default_spec
 
     p = DEMO_PROBLEM
     spec = default_spec(p["head_dim"], p["dtype"], p["causal"], FALLBACK_ARCH, seqlen=p["seqlen"])
@@ -353,7 +353,7 @@ def _demo_offline() -> int:
     print(f"   shared memory: {report.smem_bytes} bytes")
     print(f"   cubin: {len(cubin)} bytes")
 
-    from .reference import attention_reference, simulate_tiled
+    from cuflash.reference import attention_reference, simulate_tiled
     batch, heads, seqlen_q, seqlen_k, head_dim = 1, 2, 113, 239, 64
     rng = np.random.default_rng(0)
     q = rng.standard_normal((batch, heads, seqlen_q, head_dim))
@@ -419,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-o", "--output", help="write the source to this file instead of stdout")
     gen.set_defaults(handler=cmd_generate)
 
-    from .spec import HEAD_DIMS
+    from cuflash.core.spec import HEAD_DIMS
     warm = sub.add_parser("warmup", help="compile the default kernels for this GPU into the disk cache")
     warm.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS))
     warm.add_argument("--dtypes", nargs="+", default=["fp16", "bf16", "fp32"])

@@ -1,14 +1,13 @@
-"""Default tile shapes, written by ``python -m cuflash tune``.
+"""The shipped tile table of the portable (mma) family, written by ``python -m cuflash tune``
+from a source checkout (``--output cuflash/core/tuned_defaults.py``); read by
+:mod:`cuflash.core.policy`, never executed by it (Python literals only).
 
-TABLE, the mma family. Key: (arch, head_dim, causal), for fp16 and bf16 alike. Value:
-(block_m, block_n, num_warps, num_stages, overlap): the fastest candidate that fits the
+TABLE: key (arch, head_dim, causal), for fp16 and bf16 alike; value (block_m, block_n,
+num_warps, num_stages, overlap), the first candidate of policy.MMA_CANDIDATES that fits the
 target and compiles without spills.
 
-WGMMA_TABLE, the warp-specialized Hopper kernel (sm90a). Key: (head_dim, causal, length
-class: "short" for sequences up to spec.SHORT_SEQLEN, else "long"). Value: (block_m,
-block_n, num_stages): the fastest spill-free candidate timed on the GPU; head dims it lacks
-take spec.WGMMA_DEFAULTS, and head dims without tiles of their own the next wider one's
-(spec.wgmma_tile_head_dim).
+WGMMA_TABLE: key (head_dim, causal, length class); value (block_m, block_n, num_stages) replacing
+the shape of that policy.HOPPER_FORWARD row. Empty here: the Hopper rows carry their own shapes.
 """
 TABLE = {('sm80', 8, False): (128, 64, 4, 3, True),
  ('sm80', 8, True): (128, 64, 4, 3, True),
@@ -267,23 +266,4 @@ TABLE = {('sm80', 8, False): (128, 64, 4, 3, True),
  ('sm90a', 256, False): (128, 32, 8, 3, True),
  ('sm90a', 256, True): (128, 32, 8, 3, True)}
 
-WGMMA_TABLE = {(64, False, 'long'): (192, 128, 2),
- (64, False, 'short'): (192, 128, 3),
- (64, True, 'long'): (192, 128, 2),
- (64, True, 'short'): (128, 128, 4),
- (96, False, 'long'): (128, 128, 2),
- (96, False, 'short'): (128, 128, 2),
- (96, True, 'long'): (128, 128, 2),
- (96, True, 'short'): (128, 128, 2),
- (128, False, 'long'): (128, 128, 2),
- (128, False, 'short'): (128, 128, 2),
- (128, True, 'long'): (128, 128, 2),
- (128, True, 'short'): (128, 128, 2),
- (192, False, 'long'): (128, 96, 2),
- (192, False, 'short'): (128, 96, 2),
- (192, True, 'long'): (128, 96, 2),
- (192, True, 'short'): (128, 96, 2),
- (256, False, 'long'): (128, 80, 2),
- (256, False, 'short'): (128, 80, 2),
- (256, True, 'long'): (128, 80, 2),
- (256, True, 'short'): (128, 80, 2)}
+WGMMA_TABLE = {}

@@ -1,31 +1,26 @@
 """Launching: a loaded kernel + a validated Problem + device arrays -> one kernel launch.
 
 All run-time values travel in one by-value parameter block whose layout is defined once, by
-:data:`cuflash.spec.PARAM_FIELDS`.
+:data:`cuflash.core.params.PARAM_FIELDS`.
 """
 from __future__ import annotations
 
 import functools
 import math
-import struct
 from typing import NamedTuple
 
 import numpy as np
 
-from .spec import BWD_PARAM_FIELDS, PARAM_FIELDS, BwdSpec, KernelSpec, ceil_div
+from . import policy
+from .bwd_spec import BwdSpec
+from .params import BACKWARD_STRUCT as _BWD_STRUCT
+from .params import FORWARD_STRUCT as _STRUCT
+from .spec import KernelSpec, ceil_div
 from .validate import Fp8Scales, Problem
 
-_FORMATS = {"u8": "Q", "i8": "q", "u4": "I", "i4": "i", "f4": "f"}
-_STRUCT = struct.Struct("<" + "".join(_FORMATS[fmt] for _, _, fmt in PARAM_FIELDS))
 _PARAMS = np.dtype((np.void, _STRUCT.size))
-_BWD_STRUCT = struct.Struct("<" + "".join(_FORMATS[fmt] for _, _, fmt in BWD_PARAM_FIELDS))
 _BWD_PARAMS = np.dtype((np.void, _BWD_STRUCT.size))
 _LOG2E = 1.0 / math.log(2.0)
-
-
-#: The warp-specialized kernel runs persistent up to this many keys. H200, bf16, 16k tokens:
-#: +4 to +7% at 1k-2k keys, even at 4k; at 16k keys, 5-9% slower than one block per tile.
-PERSISTENT_MAX_SEQLEN_K = 4096
 
 
 class SplitPlan(NamedTuple):
@@ -41,12 +36,6 @@ class SplitPlan(NamedTuple):
         return self.shares > 0 and self.share_units % self.shares != 0
 
 
-#: Keys up to which 16-bit launches keep whole tiles: dealing the last tiles out by keys cost
-#: 1-5% there (H200, bf16, 16k tokens, 1k keys: head dim 128 614 against 621 TFLOP/s, 256 643
-#: against 677, 192 625 against 641), while FP8 gained 5% (604 against 578, head dim 128).
-WHOLE_TILES_MAX_SEQLEN_K_16BIT = 1024
-
-
 def split_plan(spec: KernelSpec, problem: Problem) -> SplitPlan:
     """Without a causal mask every tile costs the same, so when the tiles leave the last wave of
     blocks part-empty (e.g. 2048 tiles on 132 multiprocessors: 15 waves and 68 tiles), the last
@@ -54,35 +43,28 @@ def split_plan(spec: KernelSpec, problem: Problem) -> SplitPlan:
     multiprocessor. Whole tiles only where the kernel cannot (spec.split_keys: a causal mask,
     whose tiles of unequal work, heaviest first, balance themselves; three consumers), with fewer
     than two waves or a whole number of them, one key tile, or 16-bit inputs with at most
-    WHOLE_TILES_MAX_SEQLEN_K_16BIT keys."""
+    policy.WHOLE_TILES_MAX_SEQLEN_K_16BIT keys."""
     tiles = ceil_div(problem.seqlen_q, spec.block_m) * problem.heads * problem.batch
     sms = _multiprocessors(problem.device_id)
     key_tiles = ceil_div(problem.seqlen_k, spec.block_n)
-    short = not spec.fp8 and problem.seqlen_k <= WHOLE_TILES_MAX_SEQLEN_K_16BIT
+    short = not spec.fp8 and problem.seqlen_k <= policy.WHOLE_TILES_MAX_SEQLEN_K_16BIT
     if not spec.split_keys or short or tiles < 2 * sms or tiles % sms == 0 or key_tiles < 2:
         return SplitPlan(tiles)
     shared = tiles % sms + sms
     return SplitPlan(tiles - shared, sms, shared * key_tiles)
 
 
-#: Bytes of K and V that one band of causal work tiles (band_heads) may span: a share of the
-#: H200's 60 MB L2, and less up to 512 keys, where tiles are short and bands of more heads
-#: meant fewer tiles sharing each head's first reads (README, "Causal work tiles in bands").
-BAND_BYTES = 16 << 20
-BAND_SHORT_BYTES, BAND_SHORT_SEQLEN = 4 << 20, 512
-
-
 def band_heads(spec: KernelSpec, problem: Problem) -> int:
     """(batch, head) pairs per band of the warp-specialized kernel's causal work tiles
     (block.cuh): within a band, blocks take the heaviest query tile of every pair first, then the
     next heaviest, so that a launch ends on its lightest tiles instead of on some pair's
-    heaviest. The band is the largest divisor of batch x heads whose K and V fit BAND_BYTES
-    (BAND_SHORT_BYTES up to BAND_SHORT_SEQLEN keys); without a causal mask (tiles of equal
-    work), one pair."""
+    heaviest. The band is the largest divisor of batch x heads whose K and V fit
+    policy.BAND_BYTES (policy.BAND_SHORT_BYTES up to policy.BAND_SHORT_SEQLEN keys); without a
+    causal mask (tiles of equal work), one pair."""
     if not (spec.warp_specialized and spec.causal):
         return 1
     kv_bytes = 2 * problem.seqlen_k * problem.head_dim * spec.elem_bytes
-    budget = BAND_SHORT_BYTES if problem.seqlen_k <= BAND_SHORT_SEQLEN else BAND_BYTES
+    budget = policy.BAND_SHORT_BYTES if problem.seqlen_k <= policy.BAND_SHORT_SEQLEN else policy.BAND_BYTES
     return _largest_divisor(problem.batch * problem.heads, max(1, budget // max(kv_bytes, 1)))
 
 
@@ -101,13 +83,13 @@ def grid(spec: KernelSpec, problem: Problem, plan: SplitPlan | None = None) -> t
 
     The warp-specialized kernel takes a 1-d grid and its blocks take work tiles, numbered the
     same way (with a causal mask, in bands: band_heads), from a counter at run time: one block
-    per tile, or (persistent, up to PERSISTENT_MAX_SEQLEN_K keys) one block per multiprocessor,
+    per tile, or (persistent, up to policy.PERSISTENT_MAX_SEQLEN_K keys) one block per multiprocessor,
     so that a tile's loads overlap the previous tile's epilogue."""
     tiles = (ceil_div(problem.seqlen_q, spec.block_m), problem.heads, problem.batch)
     if spec.warp_specialized:
         plan = plan or split_plan(spec, problem)
         count = plan.dp_tiles + plan.shares
-        if problem.seqlen_k <= PERSISTENT_MAX_SEQLEN_K:
+        if problem.seqlen_k <= policy.PERSISTENT_MAX_SEQLEN_K:
             count = min(count, _multiprocessors(problem.device_id))
         return (count, 1, 1)
     return tiles

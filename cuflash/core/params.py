@@ -1,0 +1,65 @@
+"""The kernels' parameter blocks: one list of fields each, the single definition of its layout.
+
+Every kernel takes one struct by value. The template renders the C struct from these lists and
+the launcher packs a byte string with the same layout (:data:`FORWARD_STRUCT`,
+:data:`BACKWARD_STRUCT`). 8-byte fields come first so neither side inserts padding.
+"""
+from __future__ import annotations
+
+import struct
+
+PARAM_FIELDS = (
+    ("q", "const void*", "u8"), ("k", "const void*", "u8"), ("v", "const void*", "u8"),
+    ("o", "void*", "u8"), ("lse", "float*", "u8"),
+    ("tile_counter", "int*", "u8"),  # warp-specialized kernel: [next work tile, blocks done], zero between launches
+    # warp-specialized kernel, tiles dealt out by keys (launch.split_plan): the pieces' states
+    # and their flags (zero between launches)
+    ("split_ws", "float*", "u8"), ("split_flags", "int*", "u8"),
+    # FP8 inputs: descale factors, per tensor (strides 0) or per (batch, head); q's over query
+    # heads, k's and v's over key/value heads
+    ("q_descale", "const float*", "u8"), ("k_descale", "const float*", "u8"), ("v_descale", "const float*", "u8"),
+    ("q_batch_stride", "long long", "i8"), ("q_head_stride", "long long", "i8"), ("q_row_stride", "long long", "i8"),
+    ("k_batch_stride", "long long", "i8"), ("k_head_stride", "long long", "i8"), ("k_row_stride", "long long", "i8"),
+    ("v_batch_stride", "long long", "i8"), ("v_head_stride", "long long", "i8"), ("v_row_stride", "long long", "i8"),
+    ("o_batch_stride", "long long", "i8"), ("o_head_stride", "long long", "i8"), ("o_row_stride", "long long", "i8"),
+    ("heads", "int", "i4"), ("group", "int", "i4"),          # query heads; query heads per kv head
+    ("seqlen_q", "int", "i4"), ("seqlen_k", "int", "i4"),
+    ("scale_log2", "float", "f4"), ("batch", "int", "i4"),   # softmax scale * log2(e)
+    ("q_descale_batch_stride", "int", "i4"), ("q_descale_head_stride", "int", "i4"),
+    ("kv_descale_batch_stride", "int", "i4"), ("kv_descale_head_stride", "int", "i4"),
+    # warp-specialized kernel: work counter values below dp_tiles are whole tiles, the next
+    # `shares` values shares of the share_units key tiles of the remaining tiles (block.cuh)
+    ("dp_tiles", "int", "i4"), ("shares", "int", "i4"), ("share_units", "int", "i4"),
+    # Division without a divide instruction (launch.divider, ptx.cuh fast_div) by the query tiles
+    # per head (warp-specialized kernel), the query heads and the query heads per kv head
+    ("q_tiles_magic", "unsigned", "u4"), ("q_tiles_shifts", "int", "i4"),
+    ("heads_magic", "unsigned", "u4"), ("heads_shifts", "int", "i4"),
+    ("group_magic", "unsigned", "u4"), ("group_shifts", "int", "i4"),
+    # warp-specialized kernel with a causal mask: (batch, head) pairs per band of work tiles
+    # (launch.band_heads), and division by the band's tiles and by its pairs
+    ("band_heads", "int", "i4"), ("band_tiles_magic", "unsigned", "u4"), ("band_tiles_shifts", "int", "i4"),
+    ("band_heads_magic", "unsigned", "u4"), ("band_heads_shifts", "int", "i4"),
+)
+
+
+#: The backward kernels' parameter block (same conventions as PARAM_FIELDS). lse2 and delta hold
+#: ``rows_padded`` rows per head (seqlen_q rounded up to whole query tiles); so does the float32
+#: dq accumulator, [batch, heads, rows_padded, head_dim].
+BWD_PARAM_FIELDS = (
+    ("q", "const void*", "u8"), ("k", "const void*", "u8"), ("v", "const void*", "u8"),
+    ("o", "const void*", "u8"), ("dout", "const void*", "u8"), ("lse", "const float*", "u8"),
+    ("dq", "void*", "u8"), ("dk", "void*", "u8"), ("dv", "void*", "u8"),
+    ("dq_accum", "float*", "u8"), ("lse2", "float*", "u8"), ("delta", "float*", "u8"),
+) + tuple(
+    (f"{t}_{s}_stride", "long long", "i8") for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")
+    for s in ("batch", "head", "row")
+) + (
+    ("heads", "int", "i4"), ("group", "int", "i4"), ("seqlen_q", "int", "i4"), ("seqlen_k", "int", "i4"),
+    ("rows_padded", "int", "i4"), ("scale", "float", "f4"), ("scale_log2", "float", "f4"), ("_pad", "int", "i4"),
+)
+
+_FORMATS = {"u8": "Q", "i8": "q", "u4": "I", "i4": "i", "f4": "f"}
+
+#: Packers of the forward and backward parameter blocks (little-endian, no padding).
+FORWARD_STRUCT = struct.Struct("<" + "".join(_FORMATS[fmt] for _, _, fmt in PARAM_FIELDS))
+BACKWARD_STRUCT = struct.Struct("<" + "".join(_FORMATS[fmt] for _, _, fmt in BWD_PARAM_FIELDS))
