@@ -5,21 +5,39 @@
 
 The entry points (forward, backward, fp8) call the pipeline in :mod:`cuflash.core`:
 validate -> spec (chosen by the policy table) -> render -> compile (cached) -> launch.
+Each public name is imported when first used, so ``import cuflash`` itself costs next to nothing.
 """
-from . import reference, testing
-from .backward import attention_backward, attention_with_grad
-from .core.bwd_spec import BwdSpec
-from .core.compile import CompileError, compile_offline, warmup
-from .core.policy import default_bwd_spec, default_spec
-from .core.render import generate
-from .core.spec import HEAD_DIMS, KernelSpec
-from .forward import attention, select_spec
-from .fp8 import PreparedV, dequantize_fp8, prepare_v, quantize_fp8, random_rotation
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_backward", "attention_with_grad", "select_spec",
-           "KernelSpec", "BwdSpec", "default_spec", "default_bwd_spec", "HEAD_DIMS", "generate",
-           "CompileError", "compile_offline", "warmup",
-           "quantize_fp8", "dequantize_fp8", "random_rotation", "prepare_v", "PreparedV",
-           "reference", "testing", "__version__"]
+#: Public name -> the module that defines it.
+_PUBLIC = {
+    "attention": "cuflash.forward", "select_spec": "cuflash.forward",
+    "attention_backward": "cuflash.backward", "attention_with_grad": "cuflash.backward",
+    "KernelSpec": "cuflash.core.spec", "HEAD_DIMS": "cuflash.core.spec", "BwdSpec": "cuflash.core.bwd_spec",
+    "default_spec": "cuflash.core.policy", "default_bwd_spec": "cuflash.core.policy",
+    "generate": "cuflash.core.render",
+    "CompileError": "cuflash.core.compile", "compile_offline": "cuflash.core.compile", "warmup": "cuflash.core.compile",
+    "quantize_fp8": "cuflash.fp8", "dequantize_fp8": "cuflash.fp8", "random_rotation": "cuflash.fp8",
+    "prepare_v": "cuflash.fp8", "PreparedV": "cuflash.fp8",
+}
+#: Public submodules.
+_SUBMODULES = ("reference", "testing")
+
+__all__ = [*_PUBLIC, *_SUBMODULES, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"cuflash.{name}")
+    else:
+        raise AttributeError(f"module 'cuflash' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

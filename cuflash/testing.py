@@ -523,7 +523,7 @@ def attention_problems(*, head_dims=None, dtypes=None, causal=None, layouts=("bh
                        max_work: int = MAX_PROBLEM_WORK):
     """A Hypothesis strategy of :class:`AttentionProblem`.
 
-    Head dims come from ``head_dims`` (default :data:`cuflash.spec.HEAD_DIMS`) and dtypes from
+    Head dims come from ``head_dims`` (default :data:`cuflash.core.spec.HEAD_DIMS`) and dtypes from
     ``dtypes`` (default every tag) through ``sampled_from``, so the set of kernels a test compiles
     stays bounded. ``causal`` is a bool to fix it or None to draw it. Sequence lengths favour
     :data:`AWKWARD_SEQLENS`. Problems whose ``work`` would exceed ``max_work`` are shrunk,

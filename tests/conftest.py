@@ -37,8 +37,8 @@ def warm_kernels():
     """Compile every default specialization of this GPU once, in parallel processes, so the
     tests themselves only load cubins from the disk cache."""
     import cuflash
-    from cuflash.compile import device_arch
-    from cuflash.spec import all_default_specs, all_fp8_portable_specs, all_fp8_specs
+    from cuflash.core.compile import device_arch
+    from cuflash.core.policy import all_default_specs, all_fp8_portable_specs, all_fp8_specs
 
     arch = device_arch()
     cuflash.warmup(all_default_specs(arch) + all_default_specs(arch, family="mma") + all_fp8_specs(arch)
@@ -49,8 +49,8 @@ def warm_kernels():
 def warm_bwd_kernels():
     """Compile every default backward specialization of this GPU once, in parallel processes."""
     import cuflash
-    from cuflash.compile import device_arch
-    from cuflash.spec import all_default_bwd_specs, all_default_specs, default_bwd_spec
+    from cuflash.core.compile import device_arch
+    from cuflash.core.policy import all_default_bwd_specs, all_default_specs, default_bwd_spec
 
     arch = device_arch()
     portable = [default_bwd_spec(d, t, c, arch, det, family="mma") for d in (64, 128, 256)

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import cuflash
-from cuflash import compile as compile_mod
-from cuflash.spec import HEAD_DIMS
+from cuflash.core import compile as compile_mod
+from cuflash.core.spec import HEAD_DIMS
 from cuflash.testing import AttentionProblem, assert_attention_close, attention_problems
 
 pytestmark = pytest.mark.gpu
@@ -174,7 +174,7 @@ def test_offsets_beyond_32_bits(warm_kernels):
 
 def test_forced_spec_and_mismatch(warm_kernels):
     q = cupy.random.standard_normal((1, 2, 100, 64), dtype=cupy.float32).astype(cupy.float16)
-    spec = cuflash.select_spec(cuflash.validate.validate(q, q, q, causal=False, scale=None, layout="bhsd"))
+    spec = cuflash.select_spec(cuflash.core.validate.validate(q, q, q, causal=False, scale=None, layout="bhsd"))
     forced = spec.replace(block_n=32)
     assert bool(cupy.allclose(cuflash.attention(q, q, q, spec=forced), cuflash.attention(q, q, q), atol=2e-3))
     with pytest.raises(ValueError, match="does not match"):
@@ -296,7 +296,7 @@ LAZY_SEQLEN_K = 1700  # 14 to 22 key tiles
 
 def _lazy_specs(head_dim, dtype, causal):
     """The Hopper kernel of a problem with LAZY_SEQLEN_K keys, with and without lazy_rescale."""
-    from cuflash.spec import default_spec
+    from cuflash.core.policy import default_spec
 
     spec = default_spec(head_dim, dtype, causal, "sm90a", seqlen=LAZY_SEQLEN_K)
     return [spec.replace(lazy_rescale=lazy) for lazy in (True, False)]
@@ -334,7 +334,7 @@ def _half_first_tile_specs():
     """Hopper kernels that compute a first key tile half wide where no row of a warpgroup sees
     its second half: head dim 64's tiles of both length classes (two and three consumers), and
     the tiles of 128 (128 keys) and 192 (96 keys)."""
-    from cuflash.spec import default_spec
+    from cuflash.core.policy import default_spec
 
     return [default_spec(hd, dtype, causal, "sm90a", seqlen=seqlen).replace(half_first_tile=True)
             for hd, dtype, seqlen in ((64, "bf16", 1024), (64, "fp16", 4096), (128, "bf16", None), (192, "fp16", None))
@@ -363,7 +363,7 @@ def _key_loop_specs():
     the masked ones in a loop of their own) and early_rescale (the output rescaled before its
     P V or after): head dim 64's long tiles (three consumers), 128 (ping-pong off without a
     mask) and 256 (lazy row max)."""
-    from cuflash.spec import default_spec
+    from cuflash.core.policy import default_spec
 
     return [default_spec(hd, dtype, causal, "sm90a").replace(mask_in_loop=mask, early_rescale=early)
             for hd, dtype in ((64, "fp16"), (128, "bf16"), (256, "bf16")) for causal in (False, True)
@@ -400,7 +400,7 @@ def test_hopper_defaults_of_both_length_classes(poison):
     60 queries, the consumers of rows 64.. have no row to compute."""
     if not _hopper():
         pytest.skip("the wgmma family needs sm_90a")
-    from cuflash.spec import SHORT_SEQLEN, all_default_specs, default_spec
+    from cuflash.core.policy import SHORT_SEQLEN, all_default_specs, default_spec
 
     specs = all_default_specs("sm90a", ["fp16", "bf16"], family="wgmma")
     cuflash.warmup(specs, progress=False)
@@ -412,7 +412,7 @@ def test_hopper_defaults_of_both_length_classes(poison):
     problem = AttentionProblem(batch=1, heads=2, heads_k=1, seqlen_q=100, seqlen_k=SHORT_SEQLEN + 50, head_dim=64,
                                dtype="bf16", causal=True)
     q, k, v = problem.make_inputs(cupy)
-    chosen = cuflash.select_spec(cuflash.validate.validate(q, k, v, causal=True, scale=None, layout="bhsd"))
+    chosen = cuflash.select_spec(cuflash.core.validate.validate(q, k, v, causal=True, scale=None, layout="bhsd"))
     assert chosen == default_spec(64, "bf16", True, "sm90a", seqlen=SHORT_SEQLEN + 1)
     run_and_check(problem, poison)
 
@@ -465,9 +465,9 @@ def test_hopper_causal_tiles_in_bands(band_bytes, band, monkeypatch, poison):
     keys) and one block per tile (4100 keys), query tiles that see no key (seqlen_q > seqlen_k)."""
     if not _hopper():
         pytest.skip("the warp-specialized kernel needs sm_90a")
-    from cuflash import launch
-    from cuflash.spec import default_spec
-    from cuflash.validate import validate
+    from cuflash.core import launch
+    from cuflash.core.policy import default_spec
+    from cuflash.core.validate import validate
     for sq, sk in ((700, 300), (300, 4100)):
         for name in ("BAND_BYTES", "BAND_SHORT_BYTES"):
             monkeypatch.setattr(launch, name, band_bytes * sk // 300)
@@ -493,9 +493,9 @@ def test_hopper_last_tiles_dealt_out_by_keys(head_dim, dtype, layout, poison):
     two launches one after the other (the flags must be back at zero)."""
     if not _hopper():
         pytest.skip("the warp-specialized kernel needs sm_90a")
-    from cuflash.launch import split_plan
-    from cuflash.spec import default_spec
-    from cuflash.validate import validate
+    from cuflash.core.launch import split_plan
+    from cuflash.core.policy import default_spec
+    from cuflash.core.validate import validate
     # 280 query tiles (1 x 140 heads x 2) on 132 multiprocessors; small, for the float64 reference's sake
     problem = AttentionProblem(batch=1, heads=140, heads_k=20, seqlen_q=129, seqlen_k=1100, head_dim=head_dim,
                                dtype=dtype, causal=False, layout=layout)
@@ -520,7 +520,7 @@ def test_wgmma_other_schedules(schedule, head_dim, block_n, causal, poison):
     turns on the tensor cores."""
     if not _hopper():
         pytest.skip("the wgmma family needs sm_90a")
-    from cuflash.spec import KernelSpec
+    from cuflash.core.spec import KernelSpec
 
     ws = schedule != "overlap"
     spec = KernelSpec(head_dim, "bf16", causal, 128, block_n, 12 if ws else 8, 3, "sm90a",

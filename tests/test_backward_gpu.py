@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash.spec import HEAD_DIMS
+from cuflash.core.spec import HEAD_DIMS
 from cuflash.testing import AttentionProblem, assert_gradients_close, attention_problems
 
 pytestmark = pytest.mark.gpu
@@ -164,8 +164,8 @@ def test_rejects_bad_backward_inputs():
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_portable_backward_on_every_target(head_dim, causal, deterministic, warm_bwd_kernels, poison):
     """Where the Hopper backward is the default, the portable one must stay right too."""
-    from cuflash.compile import device_arch
-    from cuflash.spec import default_bwd_spec
+    from cuflash.core.compile import device_arch
+    from cuflash.core.policy import default_bwd_spec
 
     problem = AttentionProblem(batch=2, heads=4, heads_k=2, seqlen_q=200, seqlen_k=150, head_dim=head_dim,
                                dtype="bf16", causal=causal)
@@ -185,8 +185,8 @@ def test_portable_backward_on_every_target(head_dim, causal, deterministic, warm
 def test_hopper_backward_padded(head_dim, dtype, causal, deterministic, poison):
     """The Hopper backward at head dims it computes padded (to 64, 128 or 256 columns): tails,
     GQA, seqlen_q != seqlen_k."""
-    from cuflash.compile import device_arch
-    from cuflash.spec import default_bwd_spec
+    from cuflash.core.compile import device_arch
+    from cuflash.core.policy import default_bwd_spec
 
     if device_arch() != "sm90a":
         pytest.skip("the Hopper backward needs sm_90a")
@@ -204,8 +204,8 @@ def test_hopper_backward_padded(head_dim, dtype, causal, deterministic, poison):
 
 
 def test_forced_backward_spec_must_match(warm_bwd_kernels):
-    from cuflash.compile import device_arch
-    from cuflash.spec import default_bwd_spec
+    from cuflash.core.compile import device_arch
+    from cuflash.core.policy import default_bwd_spec
 
     q = cupy.ones((1, 2, 5, 64), dtype=cupy.float16)
     out, lse = cuflash.attention(q, q, q, return_lse=True)

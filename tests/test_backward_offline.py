@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash.compile import compile_offline
+from cuflash.core.compile import compile_offline
 from cuflash.reference import attention_backward_naive, attention_backward_reference
-from cuflash.spec import ARCHS, HEAD_DIMS, BwdSpec, all_default_bwd_specs, default_bwd_spec
+from cuflash.core.bwd_spec import BwdSpec
+from cuflash.core.policy import all_default_bwd_specs, default_bwd_spec
+from cuflash.core.spec import ARCHS, HEAD_DIMS
 
 
 def test_names_and_kernel_symbols():
@@ -150,13 +152,14 @@ def test_every_tensor_core_kernel_needs_aligned_rows():
     assert default_bwd_spec(128, "bf16", True, "sm90a").async_copies
     assert default_bwd_spec(128, "bf16", True, "sm90a", family="mma").async_copies
     assert not default_bwd_spec(128, "fp32", True, "sm90a").async_copies
-    from cuflash.spec import default_spec
+    from cuflash.core.policy import default_spec
     assert default_spec(128, "bf16", True, "sm90a").async_copies
     assert not default_spec(128, "fp32", True, "sm90a").async_copies
 
 
 def test_bench_picks_the_backward_family_it_is_asked_for():
-    from cuflash.bench import BenchConfig, _spec_for
+    from cuflash.tools.bench.config import BenchConfig
+    from cuflash.tools.bench.runner import _spec_for
     config = BenchConfig(128, 4096, True, 4, 16, "bf16", mode="bwd")
     assert _spec_for(config, "sm90a", {}).family == "wgmma"
     assert _spec_for(config, "sm90a", {"family": "mma"}).family == "mma"
@@ -165,14 +168,14 @@ def test_bench_picks_the_backward_family_it_is_asked_for():
 
 def test_launch_backward_packs_every_field_and_launches_three_kernels():
     """launch.launch_backward on stand-ins for the arrays and kernels: each field of the parameter
-    block (spec.BWD_PARAM_FIELDS) holds what the problem says, and the three kernels get it with
+    block (params.BWD_PARAM_FIELDS) holds what the problem says, and the three kernels get it with
     their grids (the GPU tests run it for real)."""
     from types import SimpleNamespace
 
-    from cuflash import dtypes
-    from cuflash.launch import launch_backward, rows_padded
-    from cuflash.spec import BWD_PARAM_FIELDS
-    from cuflash.validate import Problem
+    from cuflash.core import dtypes
+    from cuflash.core.launch import launch_backward, rows_padded
+    from cuflash.core.params import BWD_PARAM_FIELDS
+    from cuflash.core.validate import Problem
 
     problem = Problem(dtypes.from_tag("bf16"), batch=3, heads=8, heads_k=2, seqlen_q=300, seqlen_k=500, head_dim=64,
                       causal=True, scale=0.125, layout="bhsd", device_id=0, q_strides=(1, 2, 3),

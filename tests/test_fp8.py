@@ -61,7 +61,7 @@ def _fp8x4_to_fp16x4(codes, e4m3):
 
 
 def test_the_model_uses_the_kernel_constants():
-    from cuflash.render import include_dir
+    from cuflash.core.render import include_dir
     source = (include_dir() / "cuflash" / "fp8_tiles.cuh").read_text()
     for constant in ("0x7f7f7f7fu", "0x01010101u", "0x80808080u", "(codes >> 7) & 0x01010101u", "0x5140) << 7",
                      "0x7362) << 7", "__byte_perm(codes, 0u, 0x1404)", "__byte_perm(codes, 0u, 0x3424)"):
@@ -183,7 +183,7 @@ def test_cupy_arrays_quantize_like_numpy(name, granularity):
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from cuflash import bench, cli  # noqa: E402
+from cuflash.tools import bench, cli  # noqa: E402
 from cuflash.testing import (MAX_PROBLEM_WORK, TOLERANCES, Fp8AttentionProblem,  # noqa: E402
                              assert_attention_close, fp8_attention_problems)
 
@@ -306,7 +306,7 @@ def test_bench_fp8_config_times_fp8_beside_bf16(monkeypatch):
     calls = []
     monkeypatch.setattr(cuflash, "attention", _fake_fp8_attention(calls))
     monkeypatch.setattr(cuflash, "prepare_v", _FakePreparedV)
-    monkeypatch.setattr(bench, "random_inputs", lambda shape, tag, seed=0: tuple(
+    monkeypatch.setattr(bench.runner, "random_inputs", lambda shape, tag, seed=0: tuple(
         np.random.default_rng(seed + i).standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
         for i in range(3)))
     timed = []
@@ -317,8 +317,8 @@ def test_bench_fp8_config_times_fp8_beside_bf16(monkeypatch):
         timed.append((calls[-1], reps, warmup))
         return [ms[calls[-1]]] * reps
 
-    monkeypatch.setattr(bench, "cuda_event_times_ms", fake_times)
-    monkeypatch.setattr(bench, "_free_device_memory", lambda: None)
+    monkeypatch.setattr(bench.timing, "cuda_event_times_ms", fake_times)
+    monkeypatch.setattr(bench.runner, "_free_device_memory", lambda: None)
     config = bench.paper_grid(head_dims=(128,), seqlens=(1024,), causal=(True,), dtype="fp8")[0]
     result = bench.bench_config(config, arch="sm90a", reps=2, fp8_format="e4m3")
     assert result["error"] is None and result["spec"].startswith("fwd_e4m3obf16_hd128_causal")
@@ -361,7 +361,7 @@ def test_bench_dtype_parsing_and_cli_flags(monkeypatch, capsys):
         bench.parse_bench_dtype("e4m3")
     seen = {}
     monkeypatch.setattr(cli, "gpu_status", lambda: (True, ""))
-    monkeypatch.setattr(bench, "run_benchmark", lambda **kwargs: seen.update(kwargs) or dict(
+    monkeypatch.setattr(bench.runner, "run_benchmark", lambda **kwargs: seen.update(kwargs) or dict(
         environment={}, results=[], overhead=None))
     assert cli.main(["bench", "--dtype", "fp8", "--fp8-format", "e5m2", "--head-dims", "64"]) == 0
     assert seen["dtype"] == "fp8" and seen["fp8_format"] == "e5m2" and seen["head_dims"] == [64]
@@ -385,7 +385,7 @@ def test_fp8_error_table_with_the_naive_model(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cli, "gpu_status", lambda: (True, ""))
     monkeypatch.setattr(cli, "environment", lambda: dict(gpu="Test GPU"))
     real = bench.fp8_error_table
-    monkeypatch.setattr(bench, "fp8_error_table", lambda **kwargs: real(
+    monkeypatch.setattr(bench.fp8_errors, "fp8_error_table", lambda **kwargs: real(
         attention_fp8_naive, xp=np, seqlen=64, **kwargs))
     md = tmp_path / "errors.md"
     assert cli.main(["bench", "--fp8-errors", "--head-dims", "64", "--md", str(md)]) == 0

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 import cuflash
 import cuflash.reference
-from cuflash import compile as compile_mod
-from cuflash.spec import FP8_PORTABLE_TEST_HEAD_DIMS
+from cuflash.core import compile as compile_mod
+from cuflash.core.policy import FP8_PORTABLE_TEST_HEAD_DIMS
 from cuflash.testing import Fp8AttentionProblem, assert_attention_close, fp8_attention_problems
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +38,7 @@ def hopper():
 def warm_fp8_kernels(hopper):
     """Compile the FP8 kernel set (head dims 64/128/256 x e4m3/e5m2 x causal x bf16/fp16 output)
     once, in parallel processes."""
-    from cuflash.spec import all_fp8_specs
+    from cuflash.core.policy import all_fp8_specs
 
     cuflash.warmup(all_fp8_specs(compile_mod.device_arch()), progress=False)
 
@@ -47,7 +47,7 @@ def warm_fp8_kernels(hopper):
 def warm_portable_fp8_kernels():
     """Compile the portable FP8 set (spec.all_fp8_portable_specs: head dims 64/72/80/96/128/256 x
     e4m3/e5m2 x causal x bf16/fp16 output) once, in parallel processes."""
-    from cuflash.spec import all_fp8_portable_specs
+    from cuflash.core.policy import all_fp8_portable_specs
 
     cuflash.warmup(all_fp8_portable_specs(compile_mod.device_arch()), progress=False)
 
@@ -96,7 +96,7 @@ def split_spec(problem: Fp8AttentionProblem, return_lse: bool):
     to 64, whose default has three consumers and never deals tiles out by keys
     (KernelSpec.split_keys), two consumers on 192 keys, so that rows of 64 bytes are covered
     split too."""
-    from cuflash.spec import default_spec
+    from cuflash.core.policy import default_spec
 
     spec = default_spec(problem.head_dim, problem.fp8_format, False, "sm90a", lse=return_lse)
     return spec.replace(block_m=128, num_warps=12, block_n=192) if spec.compute_warpgroups == 3 else spec
@@ -105,8 +105,8 @@ def split_spec(problem: Fp8AttentionProblem, return_lse: bool):
 def shares_end_inside_tiles(problem: Fp8AttentionProblem, spec) -> bool:
     """Whether ``spec`` deals the problem's last tiles out by keys (launch.split_plan) in shares
     of which some end inside a tile."""
-    from cuflash.launch import split_plan
-    from cuflash.validate import validate
+    from cuflash.core.launch import split_plan
+    from cuflash.core.validate import validate
 
     inputs = problem.make_inputs(cupy, seed=0)
     plan = split_plan(spec, validate(inputs.q, inputs.k, inputs.v, causal=False, scale=None, layout=problem.layout,
@@ -136,7 +136,7 @@ def test_last_tiles_dealt_out_by_keys(head_dim, return_lse, hopper, poison):
 def test_sums_on_tensor_cores_forced(head_dim, causal, hopper, poison):
     """The row sums on the tensor cores at the head dims whose default keeps float sums, forced;
     forcing them with return_lse=True is refused."""
-    from cuflash.spec import default_spec
+    from cuflash.core.policy import default_spec
 
     fast = default_spec(head_dim, "e5m2", causal, "sm90a", out_dtype="fp16").replace(lse=False)
     problem = Fp8AttentionProblem(2, 4, 2, 239, 113, head_dim, "e5m2", "head", "fp16", causal=causal)
@@ -149,7 +149,7 @@ def test_sums_on_tensor_cores_forced(head_dim, causal, hopper, poison):
 @pytest.fixture(scope="module")
 def warm_lazy_fp8_kernels(hopper):
     """Compile test_lazy_row_max's kernels at once, in parallel processes."""
-    from cuflash.spec import default_spec
+    from cuflash.core.policy import default_spec
 
     cuflash.warmup([default_spec(hd, "e4m3", c, "sm90a").replace(lazy_rescale=lazy) for hd in (64, 128, 256)
                     for c in (False, True) for lazy in (True, False)], progress=False)
@@ -162,9 +162,9 @@ def test_lazy_row_max(head_dim, causal, warm_lazy_fp8_kernels, poison):
     a slack, P up to 2^8.75) on keys whose scale rises by steps over many key tiles, so that each
     row's max moves by more than the slack on some tiles and by less on others. Only the output
     is checked: with keys up to a few times N(0, 1) the LSE drifts past the rule on the FP8
-    tensor cores' accumulation, lazy or not (README)."""
+    tensor cores' accumulation, lazy or not (docs/fp8.md)."""
     from cuflash.fp8 import quantize_fp8
-    from cuflash.spec import default_spec
+    from cuflash.core.policy import default_spec
 
     sq, sk = (200, 1700) if not causal else (1700, 1700)
     rng = np.random.default_rng()
@@ -192,7 +192,7 @@ def test_key_tiles_other_than_the_default(fmt, causal, block_n, hopper, poison):
     of 32 keys with 32-byte swizzle (as the default 224 without one)."""
     import dataclasses
 
-    from cuflash.spec import default_spec
+    from cuflash.core.policy import default_spec
 
     for sq, sk, layout, granularity, out_dtype in ((113, 239, "bhsd", "tensor", "bf16"),
                                                    (300, 451, "bshd", "head", "fp16")):
@@ -205,7 +205,7 @@ def test_key_tiles_other_than_the_default(fmt, causal, block_n, hopper, poison):
 
 @pytest.fixture(scope="module")
 def warm_key_loop_fp8_kernels(hopper):
-    from cuflash.spec import default_spec
+    from cuflash.core.policy import default_spec
 
     cuflash.warmup([default_spec(128, "e4m3", c, "sm90a").replace(mask_in_loop=m, early_rescale=e, pingpong=t)
                     for c in (False, True) for m in (False, True) for e in (False, True) for t in (False, True)],
@@ -217,10 +217,10 @@ def warm_key_loop_fp8_kernels(hopper):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_key_loop_variants(causal, mask_in_loop, early, warm_key_loop_fp8_kernels, poison):
     """Head dim 128 with each choice of mask_in_loop and early_rescale (the default takes the
-    early rescale without a mask, spec.FP8_EARLY_RESCALE_TILES), with and without the turns of
-    its default (none at head dim 128, spec.FP8_PINGPONG_OFF_TILES), on causal diagonals and
+    early rescale without a mask, its policy row), with and without the turns of
+    its default (none at head dim 128, its policy row), on causal diagonals and
     key tails."""
-    from cuflash.spec import default_spec
+    from cuflash.core.policy import default_spec
 
     for turns in (False, True):
         spec = default_spec(128, "e4m3", causal, "sm90a").replace(mask_in_loop=mask_in_loop, early_rescale=early,
@@ -236,7 +236,7 @@ PADDED_FP8 = [(32, "e4m3"), (80, "e5m2"), (96, "e4m3"), (160, "e5m2"), (192, "e4
 
 @pytest.fixture(scope="module")
 def warm_padded_fp8_kernels(hopper):
-    from cuflash.spec import default_spec
+    from cuflash.core.policy import default_spec
 
     cuflash.warmup([default_spec(d, t, c, "sm90a", out_dtype=o) for d, t in PADDED_FP8 for c in (False, True)
                     for o in ("bf16", "fp16")], progress=False)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash.compile import compile_offline
-from cuflash.spec import (ARCHS, FP8_WGMMA_DEFAULTS, FP8_WGMMA_MIN_HEAD_DIM, HEAD_DIMS, WGMMA_DEFAULTS,
-                          WGMMA_HEAD_DIMS, KernelSpec, all_default_specs, default_spec)
+from cuflash.core.compile import compile_offline
+from cuflash.core.policy import FP8_WGMMA_MIN_HEAD_DIM, HOPPER_TILES, WGMMA_HEAD_DIMS, all_default_specs, default_spec
+from cuflash.core.spec import ARCHS, HEAD_DIMS, KernelSpec
 
 
 def test_spec_name_is_readable_and_filename_safe():
@@ -119,7 +119,7 @@ def assert_wgmma_not_serialized(report) -> None:
 _WGMMA_SPECS = all_default_specs("sm90a", family="wgmma")
 
 
-@pytest.mark.parametrize("spec", [s for s in _WGMMA_SPECS if s.head_dim in WGMMA_DEFAULTS], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [s for s in _WGMMA_SPECS if s.head_dim in HOPPER_TILES["16bit"]], ids=lambda s: s.name)
 def test_wgmma_specs_compile_without_spills(spec):
     pytest.importorskip("cupy")
     report = compile_offline(spec)
@@ -136,14 +136,14 @@ def test_padded_wgmma_specs_compile_without_spills():
     """The Hopper defaults at the head dims that take a wider one's tiles (bf16; fp16's code is
     the same but for the element type), compiled in parallel."""
     pytest.importorskip("cupy")
-    specs = [s for s in _WGMMA_SPECS if s.head_dim not in WGMMA_DEFAULTS and s.dtype == "bf16"]
-    assert {s.head_dim for s in specs} == set(WGMMA_HEAD_DIMS) - set(WGMMA_DEFAULTS)
+    specs = [s for s in _WGMMA_SPECS if s.head_dim not in HOPPER_TILES["16bit"] and s.dtype == "bf16"]
+    assert {s.head_dim for s in specs} == set(WGMMA_HEAD_DIMS) - set(HOPPER_TILES["16bit"])
     with concurrent.futures.ProcessPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
         reports = list(pool.map(_compile_report, specs))
     assert [name for name, spills, serialized in reports if spills or serialized] == []
 
 
-@pytest.mark.parametrize("spec", __import__("cuflash").spec.all_fp8_specs("sm90a"), ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", __import__("cuflash.core.policy").core.policy.all_fp8_specs("sm90a"), ids=lambda s: s.name)
 def test_fp8_specs_compile_without_spills(spec):
     pytest.importorskip("cupy")
     report = compile_offline(spec)
@@ -155,7 +155,7 @@ def test_padded_fp8_specs_compile_without_spills():
     """The Hopper FP8 defaults at the head dims that take a wider one's tiles (e4m3, bf16 output;
     e5m2 and fp16 differ by one conversion each), compiled in parallel."""
     pytest.importorskip("cupy")
-    head_dims = [d for d in HEAD_DIMS if d % 16 == 0 and d >= FP8_WGMMA_MIN_HEAD_DIM and d not in FP8_WGMMA_DEFAULTS]
+    head_dims = [d for d in HEAD_DIMS if d % 16 == 0 and d >= FP8_WGMMA_MIN_HEAD_DIM and d not in HOPPER_TILES["fp8"]]
     specs = [default_spec(d, "e4m3", c, "sm90a") for d in head_dims for c in (False, True)]
     assert all(s.family == "wgmma" for s in specs) and len(head_dims) == 12
     with concurrent.futures.ProcessPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
@@ -191,7 +191,7 @@ def test_fp8_specs_and_their_limits():
     with pytest.raises(ValueError, match="block_n"):
         spec.replace(block_n=80)
     assert [spec.replace(block_n=n).fp8_v_box_keys for n in (128, 192, 224, 160, 96)] == [128, 64, 32, 32, 32]
-    # 224 keys at head dim 128 without a mask (spec.FP8_BLOCK_N), the table's tiles elsewhere
+    # 224 keys at head dim 128 without a mask (its policy row), 192 with one
     assert default_spec(128, "e4m3", False, "sm90a").block_n == 224
     assert default_spec(112, "e5m2", False, "sm90a").block_n == 224
     assert default_spec(128, "e4m3", True, "sm90a").block_n == 192
@@ -223,117 +223,91 @@ def test_fp8_row_sums_on_tensor_cores_only_without_the_lse():
         default_spec(128, "e4m3", False, "sm80").replace(lse=False)
 
 
-def test_lazy_rescale_where_the_table_puts_it():
-    """lazy_rescale (the row max moves only by more than a slack) comes from the (tiles, causal)
-    tables, names its kernels, reaches the source, and applies to the warp-specialized kernel
-    only; the slack keeps FP8's P (x 2^8, e4m3) under 448."""
-    from cuflash import generate
-    from cuflash.spec import FP8_LAZY_RESCALE_TILES, LAZY_RESCALE_TILES, fp8_wgmma_tile_head_dim, wgmma_tile_head_dim
+def test_hopper_defaults_are_the_policy_table_rows():
+    """Every Hopper default (16-bit and FP8, head dims with tiles of their own and padded ones,
+    both masks and length classes) takes the shape and switches of the one HOPPER_FORWARD row that
+    selects it; half_first_tile at the tiles' own head dim only, the tensor-core row sums only
+    without the LSE. Each switch names its kernel."""
+    from cuflash.core.policy import fp8_wgmma_tile_head_dim, hopper_rule, length_class, wgmma_tile_head_dim
 
-    for head_dim in (64, 96, 128, 192, 200, 256):
+    for head_dim in (40, 64, 80, 96, 112, 128, 160, 192, 200, 256):
         for causal in (False, True):
-            spec = default_spec(head_dim, "bf16", causal, "sm90a")
-            assert spec.lazy_rescale == ((wgmma_tile_head_dim(head_dim), causal) in LAZY_RESCALE_TILES)
-            fp8 = default_spec(head_dim, "e4m3", causal, "sm90a")
-            assert fp8.lazy_rescale == ((fp8_wgmma_tile_head_dim(head_dim), causal) in FP8_LAZY_RESCALE_TILES)
-            for s in (spec, fp8):
-                assert ("_lazy_" in s.name) == s.lazy_rescale
-                if s.warp_specialized:
-                    assert f"kLazyRescale = {str(s.lazy_rescale).lower()};" in generate(s)
+            for seqlen in (512, 1024, 2048, None):
+                for dtype, dclass, tiles in (("bf16", "16bit", wgmma_tile_head_dim(head_dim)),
+                                             ("e4m3", "fp8", fp8_wgmma_tile_head_dim(head_dim))):
+                    for lse in (True, False):
+                        if dclass == "fp8" and head_dim % 16:
+                            continue
+                        spec = default_spec(head_dim, dtype, causal, "sm90a", seqlen=seqlen, lse=lse)
+                        row = hopper_rule(dclass, tiles, causal, length_class(seqlen)).schedule
+                        assert (spec.block_m, spec.block_n, spec.num_stages) == (row.block_m, row.block_n, row.num_stages)
+                        assert (spec.pingpong, spec.lazy_rescale, spec.early_rescale) == (
+                            row.pingpong, row.lazy_rescale, row.early_rescale)
+                        assert spec.half_first_tile == (row.half_first_tile and head_dim == tiles)
+                        assert spec.sums_on_tensor_cores == (row.sums_on_tensor_cores and not lse)
+                        assert not spec.mask_in_loop and spec.num_warps == 4 + spec.block_m // 16
+                        assert ("_wgmmawsp_" in spec.name) == spec.pingpong
+                        assert ("_lazy_" in spec.name) == spec.lazy_rescale
+                        assert ("_half_" in spec.name) == spec.half_first_tile
+                        assert ("_early" in spec.name) == spec.early_rescale
+
+
+def test_policy_table_rows_are_unambiguous_and_complete():
+    """Exactly one row selects each (dtype class, tiles, causal, length class); every row has a
+    reason; each row's shape is a tuner candidate (16-bit) and fits sm90a."""
+    from cuflash.core import policy
+
+    for dclass, tiles_list in policy.HOPPER_TILES.items():
+        for tiles in tiles_list:
+            for causal in (False, True):
+                for length in ("short", "long"):
+                    policy.hopper_rule(dclass, tiles, causal, length)
+    for row in policy.HOPPER_FORWARD:
+        assert row.reason and len(row.reason) < 100 and "\n" not in row.reason
+        shape = (row.schedule.block_m, row.schedule.block_n, row.schedule.num_stages)
+        if row.dtype_class == "16bit":
+            assert shape in policy.HOPPER_CANDIDATES[row.tiles], row
+    assert set(policy.HOPPER_CANDIDATES) == set(policy.HOPPER_TILES["16bit"])
+    with pytest.raises(LookupError):
+        policy.hopper_rule("16bit", 80, False, "long")
+
+
+def test_schedule_switches_reach_the_source_and_need_the_warp_specialized_kernel():
+    from cuflash import generate
+
+    for s in (default_spec(256, "bf16", True, "sm90a"), default_spec(128, "e4m3", False, "sm90a"),
+              default_spec(64, "fp16", True, "sm90a", seqlen=1024), default_spec(128, "bf16", True, "sm90a")):
+        source = generate(s)
+        for field, constant in (("lazy_rescale", "kLazyRescale"), ("mask_in_loop", "kMaskInLoop"),
+                                ("early_rescale", "kEarlyRescale"), ("half_first_tile", "kHalfFirstTile")):
+            assert f"{constant} = {str(getattr(s, field)).lower()};" in source
     assert default_spec(256, "bf16", True, "sm90a").lazy_rescale and default_spec(128, "e4m3", False, "sm90a").lazy_rescale
+    assert default_spec(128, "e4m3", False, "sm90a").early_rescale
     lazy = default_spec(128, "bf16", False, "sm90a").replace(lazy_rescale=True)
     assert lazy.name.endswith("_lazy_sm90a") and lazy.lazy_slack_log2 == 8.0
     assert 2 ** (8 + default_spec(128, "e4m3", False, "sm90a").lazy_slack_log2) < 448
-    for arch in ("sm80", "sm90a"):
-        with pytest.raises(ValueError, match="lazy_rescale"):
-            default_spec(128, "bf16", False, arch, family="mma").replace(lazy_rescale=True)
-
-
-def test_key_loop_choices_where_the_tables_put_them():
-    """No default kernel checks every key tile for a mask (mask_in_loop, kept for comparisons);
-    early_rescale comes from the FP8 (tiles, causal) table (fp16/bf16 never take it). Both name
-    their kernels, reach the source, and apply to the warp-specialized kernel only."""
-    from cuflash import generate
-    from cuflash.spec import FP8_EARLY_RESCALE_TILES, fp8_wgmma_tile_head_dim
-
-    for head_dim in (64, 96, 128, 256):
-        for causal in (False, True):
-            spec = default_spec(head_dim, "bf16", causal, "sm90a")
-            assert not spec.mask_in_loop and not spec.early_rescale
-            fp8 = default_spec(head_dim, "e4m3", causal, "sm90a")
-            tiles = (fp8_wgmma_tile_head_dim(head_dim), causal)
-            assert not fp8.mask_in_loop
-            assert fp8.early_rescale == (tiles in FP8_EARLY_RESCALE_TILES)
-            for s in (spec, fp8):
-                assert ("_maskloop" in s.name) == s.mask_in_loop and ("_early" in s.name) == s.early_rescale
-                source = generate(s)
-                assert f"kMaskInLoop = {str(s.mask_in_loop).lower()};" in source
-                assert f"kEarlyRescale = {str(s.early_rescale).lower()};" in source
-    assert default_spec(128, "e4m3", False, "sm90a").early_rescale
     masked = default_spec(128, "bf16", True, "sm90a").replace(mask_in_loop=True)
     assert "_maskloop" in masked.name and "kMaskInLoop = true;" in generate(masked)
-    for field in ("mask_in_loop", "early_rescale"):
-        with pytest.raises(ValueError, match=field):
-            default_spec(128, "bf16", False, "sm90a", family="mma").replace(**{field: True})
-
-
-def test_half_first_tile_where_the_table_puts_it():
-    """half_first_tile comes from the (tiles, causal, length class) table at the tiles' own head
-    dims, names its kernels, reaches the source with the half-wide product's wrapper, and needs
-    the warp-specialized kernel and whole k-steps of P V in each half of a key tile."""
-    from cuflash import generate
-    from cuflash.spec import HALF_FIRST_TILE_TILES, length_class, wgmma_tile_head_dim
-
-    for head_dim in (40, 64, 96, 128, 256):
-        for causal in (False, True):
-            for seqlen in (512, 1024, 2048, None):
-                spec = default_spec(head_dim, "bf16", causal, "sm90a", seqlen=seqlen)
-                tiles = wgmma_tile_head_dim(head_dim)  # padded head dims keep whole tiles
-                assert spec.half_first_tile == (head_dim == tiles and (tiles, causal, length_class(seqlen))
-                                                in HALF_FIRST_TILE_TILES)
-                assert ("_half_" in spec.name) == spec.half_first_tile
     half = default_spec(64, "fp16", True, "sm90a", seqlen=1024)
-    assert half.half_first_tile and half.block_n == 128
-    source = generate(half)
-    assert "kHalfFirstTile = true;" in source and "wgmma_ss_n64(" in source
-    assert "kHalfFirstTile = false;" in generate(half.replace(half_first_tile=False))
+    assert half.half_first_tile and half.block_n == 128 and "wgmma_ss_n64(" in generate(half)
     assert not default_spec(64, "e4m3", True, "sm90a").half_first_tile
-    with pytest.raises(ValueError, match="half_first_tile"):
-        default_spec(64, "bf16", True, "sm90a", family="mma").replace(half_first_tile=True)
-    with pytest.raises(ValueError, match="block_n=80"):
-        default_spec(256, "bf16", True, "sm90a").replace(half_first_tile=True)
-
-
-def test_pingpong_off_where_the_table_puts_it():
-    """The consumers take turns everywhere but on the (tiles, causal, length class) entries of
-    spec.PINGPONG_OFF_TILES; their kernels' names say so (wgmmaws, not wgmmawsp)."""
-    from cuflash.spec import PINGPONG_OFF_TILES, length_class, wgmma_tile_head_dim
-
-    for head_dim in (64, 80, 96, 128, 256):
-        for causal in (False, True):
-            for seqlen in (1024, 2048):
-                spec = default_spec(head_dim, "fp16", causal, "sm90a", seqlen=seqlen)
-                off = (wgmma_tile_head_dim(head_dim), causal, length_class(seqlen)) in PINGPONG_OFF_TILES
-                assert spec.pingpong == (not off) and ("_wgmmawsp_" in spec.name) == spec.pingpong
     for head_dim in (96, 128):
         assert not default_spec(head_dim, "bf16", False, "sm90a", seqlen=1024).pingpong
         assert not default_spec(head_dim, "bf16", False, "sm90a", seqlen=16384).pingpong
         assert default_spec(head_dim, "bf16", True, "sm90a", seqlen=1024).pingpong
-    for head_dim in (64, 192, 256):
-        assert default_spec(head_dim, "bf16", False, "sm90a", seqlen=16384).pingpong
-    from cuflash.spec import FP8_PINGPONG_OFF_TILES, fp8_wgmma_tile_head_dim
-
-    for head_dim in (64, 96, 128, 256):
-        for causal in (False, True):
-            fp8 = default_spec(head_dim, "e4m3", causal, "sm90a")
-            assert fp8.pingpong == ((fp8_wgmma_tile_head_dim(head_dim), causal) not in FP8_PINGPONG_OFF_TILES)
     assert not default_spec(128, "e4m3", True, "sm90a").pingpong and default_spec(256, "e4m3", True, "sm90a").pingpong
+    for arch in ("sm80", "sm90a"):
+        for field in ("lazy_rescale", "mask_in_loop", "early_rescale", "half_first_tile"):
+            with pytest.raises(ValueError, match=field):
+                default_spec(128, "bf16", False, arch, family="mma").replace(**{field: True})
+    with pytest.raises(ValueError, match="block_n=80"):
+        default_spec(256, "bf16", True, "sm90a").replace(half_first_tile=True)
 
 
 # -- the portable FP8 kernel (family mma: codes converted to fp16 on chip) -------------------------
 
 @pytest.mark.parametrize("spec", [s for arch in ("sm80", "sm90a") for s in
-                                  __import__("cuflash").spec.all_fp8_portable_specs(arch)], ids=lambda s: s.name)
+                                  __import__("cuflash.core.policy").core.policy.all_fp8_portable_specs(arch)], ids=lambda s: s.name)
 def test_portable_fp8_specs_compile_without_spills(spec):
     pytest.importorskip("cupy")
     report = compile_offline(spec)
@@ -345,7 +319,7 @@ def test_portable_fp8_specs_compile_without_spills(spec):
 @pytest.mark.parametrize("arch", ["sm80", "sm86", "sm90a"])
 def test_portable_fp8_defaults_of_every_head_dim_compile_without_spills(arch):
     pytest.importorskip("cupy")
-    from cuflash.spec import fp8_portable_spec
+    from cuflash.core.policy import fp8_portable_spec
     for head_dim in HEAD_DIMS:
         for causal in (False, True):
             report = compile_offline(fp8_portable_spec(head_dim, "e4m3", causal, arch))
@@ -363,7 +337,7 @@ def test_portable_fp8_defaults_cover_every_head_dim_and_target():
                     spec = default_spec(head_dim, fmt, True, arch, out_dtype=out_dtype)
                     hopper = arch == "sm90a" and head_dim % 16 == 0 and head_dim >= FP8_WGMMA_MIN_HEAD_DIM
                     assert spec.family == ("wgmma" if hopper else "mma") and spec.out_dtype == out_dtype
-                    assert spec.smem_bytes <= cuflash.spec.SMEM_LIMIT[arch]
+                    assert spec.smem_bytes <= cuflash.core.spec.SMEM_LIMIT[arch]
                     names.add(spec.name)
     assert len(names) == len(ARCHS) * len(HEAD_DIMS) * 2 * 2
     spec = default_spec(88, "e5m2", False, "sm90a", out_dtype="fp16")
@@ -426,7 +400,7 @@ def test_fp8_v_operand_kernel_compiles():
     pytest.importorskip("cupy")
     from cupy.cuda import nvrtc
 
-    from cuflash.compile import arch_options
+    from cuflash.core.compile import arch_options
 
     options = [o.replace("-arch=", "--gpu-architecture=") for o in arch_options("sm90a")]
     prog = nvrtc.createProgram('#include "cuflash/fp8_v.cuh"\n', "fp8_v.cu", [], [])
@@ -455,7 +429,7 @@ def test_default_family_per_target():
 
 def test_compile_error_carries_spec_options_log_and_source(monkeypatch, tmp_path):
     pytest.importorskip("cupy")
-    from cuflash import compile as compile_mod
+    from cuflash.core import compile as compile_mod
 
     spec = default_spec(64, "bf16", False, "sm80")
     monkeypatch.setattr(compile_mod, "generate", lambda s: "this is not CUDA;")
@@ -475,7 +449,7 @@ class _View:
 
 
 def test_tma_readability_of_views():
-    from cuflash.validate import aligned_for_async_copy, readable_by_tma
+    from cuflash.core.validate import aligned_for_async_copy, readable_by_tma
     contiguous = _View(256, (2, 4, 100, 64), (4 * 100 * 128, 100 * 128, 128, 2))
     assert aligned_for_async_copy(contiguous) and readable_by_tma(contiguous)
     shifted = _View(258, (2, 4, 100, 64), contiguous.strides)  # starts 2 bytes into its buffer
@@ -490,8 +464,8 @@ def test_tensor_maps_describe_q_k_v_in_kernel_order(monkeypatch):
     """forward_maps hands the driver (head_dim, seqlen, heads, batch) extents, byte strides (any
     value where an extent is 1), boxes of block_m (q) or block_n (k, v) rows, and packs the three
     128-byte maps in the kernel's order; a repeated call reuses them."""
-    from cuflash import dtypes, tma
-    from cuflash.validate import Problem
+    from cuflash.core import dtypes, tma
+    from cuflash.core.validate import Problem
 
     calls = []
 
@@ -524,8 +498,8 @@ def test_output_map_describes_o_and_is_reused_for_the_same_buffer(monkeypatch):
     """output_map hands the driver O's (head_dim, seqlen_q, heads, batch) extents and byte
     strides in 64 x 64 boxes of the output dtype; the same buffer and geometry reuse the map, and
     another address or dtype makes a new one."""
-    from cuflash import dtypes, tma
-    from cuflash.validate import Problem
+    from cuflash.core import dtypes, tma
+    from cuflash.core.validate import Problem
 
     calls = []
 

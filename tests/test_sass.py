@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from cuflash.compile import compile_offline
-from cuflash.spec import KernelSpec, all_default_specs, default_spec
+from cuflash.core.compile import compile_offline
+from cuflash.core.policy import all_default_specs, default_spec
+from cuflash.core.spec import KernelSpec
 
 
 def _tool_dir():
@@ -96,7 +97,7 @@ def test_portable_kernels_use_mma_sync_ldmatrix_and_cp_async(head_dim, arch, tmp
 @pytest.mark.parametrize("arch", ["sm80", "sm90a"])
 @pytest.mark.parametrize("head_dim,deterministic", [(64, False), (128, True), (256, False)])
 def test_backward_kernels_use_mma_sync_ldmatrix_and_cp_async(head_dim, deterministic, arch, tmp_path):
-    from cuflash.spec import default_bwd_spec
+    from cuflash.core.policy import default_bwd_spec
     code = sass(default_bwd_spec(head_dim, "bf16", True, arch, deterministic, family="mma"), tmp_path)
     assert "HMMA.16816.F32.BF16" in code and "LDSM.16.M88.4" in code and "LDSM.16.MT88.4" in code
     assert "LDGSTS" in code
@@ -105,6 +106,6 @@ def test_backward_kernels_use_mma_sync_ldmatrix_and_cp_async(head_dim, determini
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_hopper_backward_uses_warpgroup_mma(head_dim, tmp_path):
-    from cuflash.spec import default_bwd_spec
+    from cuflash.core.policy import default_bwd_spec
     code = sass(default_bwd_spec(head_dim, "bf16", True, "sm90a"), tmp_path)
     assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16", code) and "LDGSTS" in code and "RED" in code

@@ -3,9 +3,9 @@ is set by hand); launch.band_heads, the bands of causal work tiles; launch.divid
 launch.pack_params, the forward's parameter block (CPU only)."""
 import pytest
 
-from cuflash import dtypes, launch
-from cuflash.spec import default_spec
-from cuflash.validate import Problem
+from cuflash.core import dtypes, launch
+from cuflash.core.policy import default_spec
+from cuflash.core.validate import Problem
 
 
 def _problem(head_dim, seqlen, causal=False, tokens=16384, hidden=2048):
@@ -129,13 +129,13 @@ def test_divider_rejects_what_it_cannot_divide_by():
 
 def test_pack_params_fills_every_field():
     """launch.pack_params on stand-ins for the arrays: each field of the forward's parameter block
-    (spec.PARAM_FIELDS) holds what the problem, the FP8 descales and the split plan say."""
+    (params.PARAM_FIELDS) holds what the problem, the FP8 descales and the split plan say."""
     from types import SimpleNamespace
 
     import numpy as np
 
-    from cuflash.spec import PARAM_FIELDS
-    from cuflash.validate import Fp8Scales
+    from cuflash.core.params import PARAM_FIELDS
+    from cuflash.core.validate import Fp8Scales
 
     def array(ptr):
         return SimpleNamespace(data=SimpleNamespace(ptr=ptr))

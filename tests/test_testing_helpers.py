@@ -7,7 +7,7 @@ import pytest
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
-from cuflash import dtypes, spec
+from cuflash.core import dtypes, spec
 from cuflash.reference import simulate_tiled
 from cuflash.testing import (AWKWARD_SEQLENS, MAX_PROBLEM_WORK, TOLERANCES, AttentionProblem,
                              assert_attention_close, attention_problems,

@@ -13,9 +13,7 @@ Three layers, each cheaper than the next:
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import multiprocessing
 import os
 import re
 import struct
@@ -246,6 +244,9 @@ def warmup(specs, processes: int | None = None, progress: bool = True) -> list[s
 
     Returns the names compiled; raises the first :class:`CompileError` after all have run.
     """
+    import concurrent.futures
+    import multiprocessing
+
     specs = list(dict.fromkeys(specs))
     processes = processes or min(len(specs), os.cpu_count() or 1) or 1
     done, names, errors = 0, [], []

@@ -89,6 +89,8 @@ def lookup(dtype) -> DType:
         return dtype
     if isinstance(dtype, str):
         return from_tag(dtype)
+    if dtype is None:  # np.dtype(None) would be float64
+        raise TypeError("dtype=None is neither a dtype tag nor a dtype")
     try:
         numpy_dtype = np.dtype(dtype)
     except TypeError:

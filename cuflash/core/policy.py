@@ -207,7 +207,7 @@ PERSISTENT_MAX_SEQLEN_K = 4096
 #: (the merge costs more than the balance gains there; FP8 gains, so it always splits).
 WHOLE_TILES_MAX_SEQLEN_K_16BIT = 1024
 
-#: Bytes of K and V one band of causal work tiles may span: a share of the H200's 60 MB L2, less
+#: Bytes of K and V one band of causal work tiles may span: a share of the L2 (60 MB on an H200), less
 #: up to BAND_SHORT_SEQLEN keys, where more heads per band meant fewer tiles sharing first reads.
 BAND_BYTES = 16 << 20
 BAND_SHORT_BYTES, BAND_SHORT_SEQLEN = 4 << 20, 512

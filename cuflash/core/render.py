@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from importlib import resources
 from pathlib import Path
-
-import jinja2
 
 from . import dtypes
 from .bwd_spec import BwdSpec
@@ -21,6 +18,8 @@ from .spec import KernelSpec, nvrtc_arch
 
 def template_dir() -> Path:
     """Folder of the installed templates (``cuflash/templates`` in a wheel, ``templates/`` in a checkout)."""
+    from importlib import resources
+
     try:
         path = Path(str(resources.files("cuflash.templates")))
         if (path / "fwd.cu.j2").is_file():
@@ -47,7 +46,9 @@ def headers_digest() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _environment() -> jinja2.Environment:
+def _environment():
+    import jinja2  # only when a kernel is generated: a memo or disk-cache hit never renders
+
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(template_dir())),
         undefined=jinja2.StrictUndefined,

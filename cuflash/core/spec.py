@@ -202,8 +202,8 @@ class KernelSpec:
         """The warp-specialized kernel reads its thread index anew for the epilogue, where
         registers are shortest: three consumers without a causal mask, and the early rescale.
         Derived from the index read before the key loop, the epilogue's addresses are computed
-        ahead of the loop and held across it, which spilled 8 and 4 bytes there; elsewhere the
-        fresh read cost FP8 head dim 128 causal 3-5% on the H200 (README)."""
+        ahead of the loop and held across it, which spilled there; elsewhere the fresh read is
+        slower (docs/tuning.md)."""
         return self.warp_specialized and ((self.block_m == 192 and not self.causal) or self.early_rescale)
 
     @property

@@ -104,7 +104,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     // as a potential write-after-read hazard on causal problems with fully masked query tiles.
     // The producer carries the slot's address from item to item (the other slot: 2 * item_slots +
     // 16 - at) rather than derive it from its count: derived, it moved the producer's tile
-    // arithmetic off the uniform datapath and cost the FP8 causal kernel 5-9% (README).
+    // arithmetic off the uniform datapath (docs/tuning.md).
     const u32 item_slots = q_full + 16 + 32 * kStages;
     constexpr int kTileFull = 7, kTileEmpty = 15;  // 1..3 take turns, 4..6 order a warpgroup (below)
     constexpr int kTileThreads = 32 + 128 * kConsumers;
@@ -399,7 +399,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             // the keys' tail (tile 0, above), with one also the diagonal's. Unless kMaskInLoop, they
             // run in a loop of their own and the loop of the others has no masking branch: ptxas
             // places the wait for P_{i-1} V_{i-1} where that branch joins, and without it lets
-            // the softmax's max and first exponentials run before the wait (README).
+            // the softmax's max and first exponentials run before the wait.
             int i = 1;
             if constexpr (Cfg::kCausal && !Cfg::kMaskInLoop)
                 for (; i < n_tiles && work.needs_mask(first_n0 - i * kBN, p.seqlen_k); ++i) key_step(i, Flag<true>());
