@@ -6,7 +6,7 @@ import sys
 
 
 def main() -> int:
-    from cuflash.cli import gpu_status
+    from cuflash.tools.machine import gpu_status
 
     available, reason = gpu_status()
     if not available:

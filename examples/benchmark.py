@@ -7,8 +7,8 @@ timed beside cuflash when torch is installed.
 """
 import sys
 
-from cuflash import bench
-from cuflash.cli import gpu_status
+from cuflash.tools import bench
+from cuflash.tools.machine import gpu_status
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ def main() -> int:
     parser.add_argument("--examples", type=int, default=50)
     args = parser.parse_args()
 
-    from cuflash.cli import gpu_status
+    from cuflash.tools.machine import gpu_status
 
     available, reason = gpu_status()
     if not available:

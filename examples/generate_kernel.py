@@ -1,22 +1,23 @@
 """Build a kernel specialization, look at its generated CUDA source and compile it offline.
 
-Needs no GPU: NVRTC compiles for any target, and ptxas reports registers, spills and shared memory.
+Needs no GPU: NVRTC (installed with CuPy) compiles for any target, and ptxas reports registers,
+spills and shared memory. The .cu files go to OUTPUT_DIR, or to a new temporary folder.
 
     python examples/generate_kernel.py [OUTPUT_DIR]
 """
 import sys
+import tempfile
 from pathlib import Path
 
 import cuflash
-from cuflash.compile import CompileError, compile_offline
-from cuflash.spec import default_spec
 
 
 def main() -> int:
-    out_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path.cwd()
+    out_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="cuflash-kernels-"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"writing the generated sources to {out_dir}")
 
-    spec = default_spec(head_dim=128, dtype="bf16", causal=True, arch="sm90a")
+    spec = cuflash.default_spec(head_dim=128, dtype="bf16", causal=True, arch="sm90a")
     print(f"default spec: {spec.name}")
     print(f"  {spec}")
 
@@ -28,10 +29,13 @@ def main() -> int:
         path.write_text(source)
         print(f"\n{variant.name}: {len(source.splitlines())} lines of CUDA written to {path}")
         try:
-            report = compile_offline(variant)
-        except CompileError as exc:
+            report = cuflash.compile_offline(variant)
+        except cuflash.CompileError as exc:
             print(exc)
             return 1
+        except ImportError:
+            print('  not compiled: NVRTC comes with CuPy (pip install "cuflash[cuda13]" or "cuflash[cuda12]")')
+            continue
         print(f"  registers {report.registers}, spill stores {report.spill_stores} B, "
               f"spill loads {report.spill_loads} B, stack {report.stack_frame} B, "
               f"shared memory {report.smem_bytes} B, cubin {len(report.cubin)} B")

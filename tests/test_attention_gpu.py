@@ -465,12 +465,12 @@ def test_hopper_causal_tiles_in_bands(band_bytes, band, monkeypatch, poison):
     keys) and one block per tile (4100 keys), query tiles that see no key (seqlen_q > seqlen_k)."""
     if not _hopper():
         pytest.skip("the warp-specialized kernel needs sm_90a")
-    from cuflash.core import launch
+    from cuflash.core import launch, policy
     from cuflash.core.policy import default_spec
     from cuflash.core.validate import validate
     for sq, sk in ((700, 300), (300, 4100)):
         for name in ("BAND_BYTES", "BAND_SHORT_BYTES"):
-            monkeypatch.setattr(launch, name, band_bytes * sk // 300)
+            monkeypatch.setattr(policy, name, band_bytes * sk // 300)
         problem = AttentionProblem(batch=2, heads=3, heads_k=1, seqlen_q=sq, seqlen_k=sk, head_dim=64, dtype="bf16",
                                    causal=True)
         q, k, v = problem.make_inputs(cupy)

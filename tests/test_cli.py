@@ -1,9 +1,11 @@
-"""The command line, called in-process through ``cuflash.cli.main``.
+"""The command line, called in-process through ``cuflash.tools.cli.main``.
 
 Most tests run on any machine. The "no GPU" tests check what a machine without a usable CUDA
 device gets and skip where one is present; the ``gpu`` tests do the reverse.
 """
+import importlib
 import json
+import pkgutil
 import re
 import subprocess
 import sys
@@ -11,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cuflash import bench, cli
-from cuflash.spec import default_spec
+from cuflash.core.policy import default_spec
+from cuflash.tools import bench, cli, machine
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,8 +35,15 @@ needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_help_lists_subcommands(capsys):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
-    for command in ("info", "generate", "warmup", "demo", "bench"):
+    for command in ("info", "generate", "warmup", "demo", "bench", "tune"):
         assert command in out
+
+
+def test_tune_parses_its_own_options(capsys):
+    assert cli.main(["tune", "--help"]) == 0
+    assert "--output" in capsys.readouterr().out
+    assert cli.main(["tune", "--head-dims", "100"]) == 2
+    assert "--head-dims [100]" in capsys.readouterr().err
 
 
 def test_python_dash_m_entry_point():
@@ -93,6 +102,79 @@ def test_generate_rejects_bad_values_with_exit_2(argv, named, capsys):
     assert "Traceback" not in err
 
 
+def test_generate_the_readme_command(capsys):
+    argv = ["generate", "--head-dim", "64", "--dtype", "fp16", "--block-m", "64", "--block-n", "64",
+            "--num-stages", "3", "--overlap", "1"]
+    assert cli.main([*argv, "--arch", "sm80"]) == 0
+    expected = default_spec(64, "fp16", False, "sm80").replace(block_m=64, block_n=64, num_stages=3, overlap=True)
+    assert expected.name in capsys.readouterr().out
+
+
+def test_generate_without_arch_names_the_default_target_when_it_rejects(monkeypatch, capsys):
+    # Without a GPU the target is sm90a, whose warp-specialized kernel takes no 64-row tile.
+    monkeypatch.setattr(machine, "gpu_status", lambda: (False, "no GPU in this test"))
+    argv = ["generate", "--head-dim", "64", "--dtype", "fp16", "--block-m", "64", "--block-n", "64",
+            "--num-stages", "3", "--overlap", "1"]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "block_m=64" in captured.err and cli.FALLBACK_ARCH in captured.err and "--arch" in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_every_option_has_help():
+    import argparse
+    (commands,) = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    for name in ("info", "generate", "warmup", "demo"):
+        undocumented = [o.option_strings for o in commands.choices[name]._actions if o.option_strings and not o.help]
+        assert undocumented == [], name
+
+
+def test_warmup_help_states_the_defaults(capsys):
+    assert cli.main(["warmup", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "default: fp16 bf16 fp32" in out and "default: both" in out and "default: all, 8 to 256" in out
+
+
+# -- without CuPy ------------------------------------------------------------------------------
+@pytest.fixture
+def no_cupy(monkeypatch):
+    """``import cupy`` (and of its submodules) raises ImportError, as where CuPy is not installed."""
+    for name in [n for n in sys.modules if n == "cupy" or n.startswith("cupy.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "cupy", None)
+
+
+def test_demo_without_cupy_says_what_is_missing(no_cupy, capsys):
+    assert cli.main(["demo"]) == 1
+    captured = capsys.readouterr()
+    assert "CuPy is not installed" in captured.err and "NVRTC" in captured.err
+    assert 'pip install "cuflash[cuda13]"' in captured.err and '"cuflash[cuda12]"' in captured.err
+    assert "Traceback" not in captured.err and "None" not in captured.out + captured.err
+
+
+def test_info_without_cupy_stays_clean(no_cupy, capsys):
+    import cuflash
+    assert cli.main(["info"]) == 0
+    captured = capsys.readouterr()
+    install = re.escape('not installed; install with pip install "cuflash[cuda13]"')
+    assert re.search(rf"^cupy\s+{install}", captured.out, re.MULTILINE)
+    assert re.search(r"^NVRTC\s+not found", captured.out, re.MULTILINE)
+    assert f"({Path(cuflash.__file__).resolve().parent})" in captured.out
+    assert captured.err == ""
+    assert cli.main(["info", "--head-dim", "128", "--arch", "sm90a"]) == 0  # choosing kernels needs no CuPy
+    assert "fwd_bf16_hd128_" in capsys.readouterr().out
+
+
+def test_generate_and_warmup_without_cupy(no_cupy, tmp_path, capsys):
+    target = tmp_path / "kernel.cu"
+    assert cli.main(["generate", "--head-dim", "64", "--arch", "sm80", "-o", str(target)]) == 0
+    assert "__global__" in target.read_text()
+    assert cli.main(["warmup", "--head-dims", "64"]) == 1
+    err = capsys.readouterr().err
+    assert "CuPy" in err and "cuflash[cuda13]" in err and "Traceback" not in err
+
+
 # -- info / warmup / demo / bench without a GPU ------------------------------------------------
 @needs_no_gpu
 def test_info_without_gpu_says_so(capsys):
@@ -127,6 +209,26 @@ def test_bench_without_gpu_exits_1(capsys):
 
 
 # -- benchmark helpers that need no GPU --------------------------------------------------------
+def _bench_modules():
+    """cuflash.tools.bench and each of its submodules."""
+    return [bench] + [importlib.import_module(f"{bench.__name__}.{info.name}")
+                      for info in pkgutil.iter_modules(bench.__path__)]
+
+
+def _bench_attribute(name):
+    """``name`` from whichever bench module defines it."""
+    (value,) = {id(getattr(m, name)): getattr(m, name) for m in _bench_modules() if hasattr(m, name)}.values()
+    return value
+
+
+def _patch_bench(monkeypatch, name, value):
+    """Replace ``name`` in every bench module that holds it, so calls between the modules see the fake."""
+    holders = [m for m in _bench_modules() if hasattr(m, name)]
+    assert holders, f"no bench module has {name}"
+    for module in holders:
+        monkeypatch.setattr(module, name, value)
+
+
 def test_paper_grid_follows_the_flashattention_papers():
     grid = bench.paper_grid(head_dims=(64, 128), seqlens=(512, 4096, 16384), causal=(False, True))
     assert len(grid) == 2 * 3 * 2
@@ -197,7 +299,7 @@ def test_bench_event_timer_heats_each_share_on_the_last_call_time():
     assert seen == [(1, 3, False), (4, 5, False), (2, 5, False), (2, 20, False), (1, 1, False)]
     tiny = bench.event_timer(lambda fn, reps, warmup, flush_l2: seen.append(warmup) or [0.0] * reps, lambda: None)
     tiny(1), tiny(1)
-    assert seen[-1] == bench._MAX_HEAT_CALLS
+    assert seen[-1] == _bench_attribute("_MAX_HEAT_CALLS")
 
 
 def test_bench_config_times_cuflash_and_torch_peers_interleaved(monkeypatch):
@@ -225,15 +327,15 @@ def test_bench_config_times_cuflash_and_torch_peers_interleaved(monkeypatch):
         return times
 
     monkeypatch.setattr(cuflash, "attention", attention)
-    monkeypatch.setattr(bench, "random_inputs", lambda shape, tag, seed=0: tuple(
+    _patch_bench(monkeypatch, "random_inputs", lambda shape, tag, seed=0: tuple(
         np.random.default_rng(seed + i).standard_normal(shape, dtype=np.float32) for i in range(3)))
-    monkeypatch.setattr(bench, "_torch_sdpa", torch_sdpa)
+    _patch_bench(monkeypatch, "_torch_sdpa", torch_sdpa)
     for name in ("to_torch", "_from_torch"):
-        monkeypatch.setattr(bench, name, lambda x: x)
-    monkeypatch.setattr(bench, "_synchronize_all", lambda: None)
-    monkeypatch.setattr(bench, "_free_device_memory", lambda: None)
-    monkeypatch.setattr(bench, "cuda_event_times_ms", fake_times("cuflash", 2.0))
-    monkeypatch.setattr(bench, "torch_event_times_ms", fake_times("torch", 4.0))
+        _patch_bench(monkeypatch, name, lambda x: x)
+    _patch_bench(monkeypatch, "_synchronize_all", lambda: None)
+    _patch_bench(monkeypatch, "_free_device_memory", lambda: None)
+    _patch_bench(monkeypatch, "cuda_event_times_ms", fake_times("cuflash", 2.0))
+    _patch_bench(monkeypatch, "torch_event_times_ms", fake_times("torch", 4.0))
     config = bench.BenchConfig(128, 1024, True, 16, 16, "bf16")
     result = bench.bench_config(config, arch="sm90a", reps=10, torch=object())
     # cuflash and torch flash alternate over the rounds, in the order (cuflash, flash, cudnn) turned

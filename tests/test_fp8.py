@@ -183,7 +183,7 @@ def test_cupy_arrays_quantize_like_numpy(name, granularity):
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from cuflash.tools import bench, cli  # noqa: E402
+from cuflash.tools import bench, cli, machine  # noqa: E402
 from cuflash.testing import (MAX_PROBLEM_WORK, TOLERANCES, Fp8AttentionProblem,  # noqa: E402
                              assert_attention_close, fp8_attention_problems)
 
@@ -360,7 +360,7 @@ def test_bench_dtype_parsing_and_cli_flags(monkeypatch, capsys):
     with pytest.raises(ValueError, match="--dtype fp8 --fp8-format"):
         bench.parse_bench_dtype("e4m3")
     seen = {}
-    monkeypatch.setattr(cli, "gpu_status", lambda: (True, ""))
+    monkeypatch.setattr(machine, "gpu_status", lambda: (True, ""))
     monkeypatch.setattr(bench.runner, "run_benchmark", lambda **kwargs: seen.update(kwargs) or dict(
         environment={}, results=[], overhead=None))
     assert cli.main(["bench", "--dtype", "fp8", "--fp8-format", "e5m2", "--head-dims", "64"]) == 0
@@ -382,8 +382,8 @@ def test_fp8_error_table_with_the_naive_model(monkeypatch, tmp_path, capsys):
     assert "| head dim | format | inputs | rotation | max error | mean error |" in table
     assert table.count("\n| 64 | e") == 8
     # The command line, with the kernel replaced by the model.
-    monkeypatch.setattr(cli, "gpu_status", lambda: (True, ""))
-    monkeypatch.setattr(cli, "environment", lambda: dict(gpu="Test GPU"))
+    monkeypatch.setattr(machine, "gpu_status", lambda: (True, ""))
+    monkeypatch.setattr(machine, "environment", lambda: dict(gpu="Test GPU"))
     real = bench.fp8_error_table
     monkeypatch.setattr(bench.fp8_errors, "fp8_error_table", lambda **kwargs: real(
         attention_fp8_naive, xp=np, seqlen=64, **kwargs))

@@ -247,7 +247,7 @@ def warm_padded_fp8_kernels(hopper):
 def test_padded_head_dims(head_dim, fmt, causal, warm_padded_fp8_kernels, poison):
     """Head dims that are multiples of 16 without tiles of their own run the Hopper kernel by
     default, computed at the next whole column block (48 at 64, 96 at 128, 160 at 256)."""
-    assert cuflash.spec.default_spec(head_dim, fmt, causal, "sm90a").family == "wgmma"
+    assert cuflash.default_spec(head_dim, fmt, causal, "sm90a").family == "wgmma"
     check_every_kernel(fmt, head_dim, causal, poison)
 
 
@@ -268,7 +268,7 @@ def test_head_dim_72_runs_the_portable_fp8_kernel(out_dtype, warm_portable_fp8_k
     get_kernel = compile_mod.get_kernel
     monkeypatch.setattr(compile_mod, "get_kernel", lambda spec, device: launched.append(spec) or get_kernel(spec, device))
     run_and_check(problem, poison)
-    want = cuflash.spec.default_spec(72, "e4m3", True, compile_mod.device_arch(), out_dtype=out_dtype)
+    want = cuflash.default_spec(72, "e4m3", True, compile_mod.device_arch(), out_dtype=out_dtype)
     assert launched == [want] and want.family == "mma" and want.converts_fp8, launched
 
 

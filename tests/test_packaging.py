@@ -2,14 +2,14 @@
 
 setup.cfg maps the package ``cuflash.templates`` to the top-level folder ``templates/``; a wheel
 that misses a template or header imports fine and fails only at the first kernel, so this test
-builds one, installs it into a fresh virtual environment and renders a kernel from there.
+builds one, installs it into a folder of its own and renders a kernel from there, with the
+interpreter running the tests (so with the packages it has, in a virtual environment or not).
 """
 import importlib.util
 import os
 import shutil
 import subprocess
 import sys
-import venv
 import zipfile
 from pathlib import Path
 
@@ -53,7 +53,7 @@ def wheel(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_wheel_holds_every_template_and_header(wheel):
+def test_wheel_holds_every_module_template_and_header(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     templates = sorted(p.name for p in (REPO_ROOT / "templates").glob("*.j2"))
     headers = sorted(p.name for p in (REPO_ROOT / "templates" / "include" / "cuflash").glob("*.cuh"))
@@ -62,36 +62,57 @@ def test_wheel_holds_every_template_and_header(wheel):
         assert f"cuflash/templates/{name}" in names
     for name in headers:
         assert f"cuflash/templates/include/cuflash/{name}" in names
-    for module in ("__init__.py", "__main__.py", "cli.py", "spec.py", "render.py"):
+    for module in ("__init__.py", "__main__.py", "forward.py", "backward.py", "fp8.py", "reference.py", "testing.py",
+                   "core/__init__.py", "core/spec.py", "core/policy.py", "core/render.py", "core/compile.py",
+                   "core/tuned_defaults.py", "tools/__init__.py", "tools/cli.py", "tools/tune.py",
+                   "tools/bench/__init__.py"):
         assert f"cuflash/{module}" in names
+    # A subpackage missing from setup.cfg's packages would leave its modules out of the wheel.
+    sources = sorted(p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "cuflash").rglob("*.py")
+                     if "__pycache__" not in p.parts)
+    assert [name for name in sources if name not in names] == []
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     assert "cuflash = cuflash.__main__:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert any(".dist-info/" in n and n.rsplit("/", 1)[-1] == "LICENSE" for n in names), "no LICENSE in the wheel"
 
 
 @pytest.mark.slow
 def test_installed_wheel_generates_kernels_outside_the_source_tree(wheel, tmp_path):
-    env_dir = tmp_path / "venv"
-    # System site-packages provide the dependencies (numpy, jinja2, ml_dtypes) and pip; the venv's
-    # own site-packages come first on sys.path, so its cuflash shadows any installed elsewhere.
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
-    python = env_dir / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    # Installed into a folder of its own and put first on sys.path through PYTHONPATH, the wheel's
+    # cuflash shadows any installed elsewhere, while the dependencies (numpy, jinja2, ml_dtypes)
+    # come from the interpreter running the tests: a virtual environment's if that is one.
+    target = tmp_path / "site"
     child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    # --ignore-installed: a cuflash already in the system site-packages must not satisfy the install.
-    _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
-         env=child_env)
+    _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target),
+          str(wheel)], env=child_env)
+    child_env["PYTHONPATH"] = str(target)
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    program = ("import cuflash; from cuflash.spec import default_spec; "
-               "src = cuflash.generate(default_spec(128, 'bf16', True, 'sm90a')); "
-               "assert '__global__' in src; print(cuflash.__file__)")
-    result = _run([str(python), "-c", program], cwd=elsewhere, env=child_env)
+    program = ("import sys, cuflash; "
+               "src = cuflash.generate(cuflash.default_spec(128, 'bf16', True, 'sm90a')); "
+               "assert '__global__' in src; "
+               "assert not [m for m in sys.modules if m.startswith('cuflash.tools')], 'the library imported tools'; "
+               "from cuflash.tools import bench, cli, tune; "
+               "print(cuflash.__file__)")
+    result = _run([sys.executable, "-c", program], cwd=elsewhere, env=child_env)
     imported_from = Path(result.stdout.strip().splitlines()[-1]).resolve()
-    assert imported_from.is_relative_to(env_dir.resolve()), imported_from
+    assert imported_from.is_relative_to(target.resolve()), imported_from
     assert not imported_from.is_relative_to(REPO_ROOT), imported_from
 
-    script = env_dir / "bin" / "cuflash"
+    result = _run([sys.executable, "-m", "cuflash", "info"], cwd=elsewhere, env=child_env)
+    assert str(imported_from.parent) in result.stdout
+    generate = ["generate", "--head-dim", "64", "--dtype", "fp16", "--arch", "sm80"]
+    result = _run([sys.executable, "-m", "cuflash", *generate], cwd=elsewhere, env=child_env)
+    assert "fwd_fp16_hd64_" in result.stdout
+    script = target / ("Scripts/cuflash.exe" if os.name == "nt" else "bin/cuflash")
     if script.exists():
-        result = _run([str(script), "generate", "--head-dim", "64", "--dtype", "fp16", "--arch", "sm80"],
-                      cwd=elsewhere, env=child_env)
+        result = _run([str(script), *generate], cwd=elsewhere, env=child_env)
         assert "fwd_fp16_hd64_" in result.stdout
+
+
+def test_the_library_does_not_import_the_tools():
+    program = ("import sys, cuflash; "
+               "print(sorted(m for m in sys.modules if m.startswith('cuflash.tools')))")
+    result = _run([sys.executable, "-c", program], cwd=REPO_ROOT)
+    assert result.stdout.strip() == "[]"

@@ -158,7 +158,7 @@ def test_hopper_tuning_names_bad_head_dims_and_needs_a_gpu(capsys):
     with pytest.raises(SystemExit) as exc:
         tune.main(["--family", "wgmma", "--head-dims", "80"])
     assert exc.value.code == 2 and "80" in capsys.readouterr().err
-    from cuflash.tools.cli import gpu_status
+    from cuflash.tools.machine import gpu_status
     if not gpu_status()[0]:
         assert tune.main(["--family", "wgmma", "--head-dims", "128"]) == 1
         assert "needs a Hopper" in capsys.readouterr().err

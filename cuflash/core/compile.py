@@ -201,7 +201,10 @@ def compile_offline(spec) -> OfflineReport:
 
     source = generate(spec)
     options = compile_options(spec)
-    nvrtc_options = [o.replace("-arch=", "--gpu-architecture=") for o in options] + ["-Xptxas=-v"]
+    # CuPy's RawModule adds --device-as-default-execution-space; without it older NVRTC (13.0)
+    # rejects the kernels' unannotated lambdas as host functions.
+    nvrtc_options = ([o.replace("-arch=", "--gpu-architecture=") for o in options]
+                     + ["--device-as-default-execution-space", "-Xptxas=-v"])
     prog = nvrtc.createProgram(source, f"{spec.name}.cu", [], [])
     try:
         try:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 #: The problem ``demo`` runs: bf16, batch 4, 16 heads, 2048 tokens, head_dim 128, causal.
 DEMO_PROBLEM = dict(dtype="bf16", batch=4, heads=16, seqlen=2048, head_dim=128, causal=True)
@@ -15,95 +14,7 @@ DEMO_PROBLEM = dict(dtype="bf16", batch=4, heads=16, seqlen=2048, head_dim=128, 
 #: Target used to show generated or offline-compiled code when no GPU says which one to use.
 FALLBACK_ARCH = "sm90a"
 
-
-# -- environment ------------------------------------------------------------------------------
-def gpu_status() -> tuple[bool, str]:
-    """(True, "") when CuPy can see at least one CUDA device, else (False, why not)."""
-    try:
-        import cupy
-    except ImportError as exc:
-        return False, f"CuPy is not importable ({exc})"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # CUDARuntimeError without a driver or device
-        return False, f"CUDA reports no usable device ({exc})"
-    if count == 0:
-        return False, "CUDA reports no device"
-    return True, ""
-
-
-def _cuda_version(value: int) -> str:
-    # CUDA encodes versions as 1000 * major + 10 * minor.
-    return f"{value // 1000}.{(value % 1000) // 10}"
-
-
-def _package_version(name: str) -> str | None:
-    from importlib import metadata
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def cuflash_version() -> str:
-    import cuflash
-    return getattr(cuflash, "__version__", None) or _package_version("cuflash") or "unknown"
-
-
-def environment() -> dict:
-    """What is known about this machine's software and GPU; never raises."""
-    env: dict = {"cuflash": cuflash_version(), "python": sys.version.split()[0]}
-    for name in ("numpy", "jinja2", "ml_dtypes"):
-        try:
-            env[name] = __import__(name).__version__
-        except Exception:
-            env[name] = None
-    try:
-        import cupy
-        env["cupy"] = cupy.__version__
-    except ImportError:
-        env["cupy"] = None
-        cupy = None
-    try:
-        from cupy.cuda import nvrtc
-        env["nvrtc"] = "{}.{}".format(*nvrtc.getVersion())
-    except Exception:
-        env["nvrtc"] = None
-    env["cuda_runtime"] = env["driver"] = env["gpu"] = env["compute_capability"] = None
-    env["arch"] = None
-    if cupy is None:
-        return env
-    try:
-        env["cuda_runtime"] = _cuda_version(cupy.cuda.runtime.runtimeGetVersion())
-    except Exception:
-        pass
-    try:
-        driver = cupy.cuda.runtime.driverGetVersion()
-        env["driver"] = _cuda_version(driver) if driver else None
-    except Exception:
-        pass
-    available, _ = gpu_status()
-    if available:
-        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
-        name = props["name"]
-        env["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
-        env["compute_capability"] = f"{props['major']}.{props['minor']}"
-        env["multiprocessors"] = props["multiProcessorCount"]
-        env["memory_gib"] = round(props["totalGlobalMem"] / 2**30, 1)
-        try:
-            from cuflash.core.compile import device_arch
-            env["arch"] = device_arch()
-        except Exception:
-            from cuflash.core.spec import arch_from_capability
-            try:
-                env["arch"] = arch_from_capability(props["major"], props["minor"])
-            except ValueError:
-                env["arch"] = None
-    return env
-
-
-def causal_modes(choice: str) -> tuple[bool, ...]:
-    return {"both": (False, True), "yes": (True,), "no": (False,)}[choice]
+from . import machine
 
 
 def _entry_label(entry) -> str:
@@ -126,19 +37,19 @@ def _computed_at(spec) -> str:
 
 
 def cmd_info(args) -> int:
-    env = environment()
+    env = machine.environment()
     rows = [
-        ("cuflash", f"{env['cuflash']} ({Path(__file__).resolve().parent})"),
+        ("cuflash", f"{env['cuflash']} ({machine.cuflash_dir()})"),
         ("python", env["python"]),
         ("numpy", env["numpy"]),
         ("jinja2", env["jinja2"]),
         ("ml_dtypes", env["ml_dtypes"]),
-        ("cupy", env["cupy"] or "not installed (pip install \".[cuda13]\" or \".[cuda12]\")"),
-        ("NVRTC", env["nvrtc"] or "not found"),
+        ("cupy", env["cupy"] or f"not installed; install with {machine.INSTALL_CUPY}"),
+        ("NVRTC", env["nvrtc"] or ("not found (it comes with CuPy)" if env["cupy"] is None else "not found")),
         ("CUDA runtime", env["cuda_runtime"] or "unknown"),
         ("CUDA driver", env["driver"] or "none"),
     ]
-    available, reason = gpu_status()
+    available, reason = machine.gpu_status()
     if available:
         rows += [
             ("GPU", f"{env['gpu']} ({env['multiprocessors']} SMs, {env['memory_gib']} GiB)"),
@@ -192,7 +103,7 @@ _TILE_OPTIONS = ("block_m", "block_n", "num_warps", "num_stages", "overlap")
 
 
 def _default_arch() -> str:
-    available, _ = gpu_status()
+    available, _ = machine.gpu_status()
     if available:
         try:
             from cuflash.core.compile import device_arch
@@ -205,6 +116,8 @@ def _default_arch() -> str:
 def cmd_generate(args) -> int:
     from cuflash.core.policy import default_bwd_spec, default_spec
     arch = args.arch or _default_arch()
+    # Without --arch the target is implicit, so a rejection names it and the way to pick another.
+    chosen = "" if args.arch else f" (target {arch}, as no --arch was given; pick another with e.g. --arch sm80)"
     overrides = {name: getattr(args, name) for name in _TILE_OPTIONS if getattr(args, name) is not None}
     if "overlap" in overrides:
         overrides["overlap"] = bool(overrides["overlap"])
@@ -219,7 +132,7 @@ def cmd_generate(args) -> int:
         from cuflash import generate
         source = generate(spec)
     except (ValueError, TypeError) as exc:
-        return _fail("generate", str(exc), 2)
+        return _fail("generate", f"{exc}{chosen}", 2)
     if args.output:
         with open(args.output, "w") as handle:
             handle.write(source)
@@ -231,19 +144,20 @@ def cmd_generate(args) -> int:
 
 # -- warmup -----------------------------------------------------------------------------------
 def cmd_warmup(args) -> int:
-    available, reason = gpu_status()
+    available, reason = machine.gpu_status()
     if not available:
-        return _fail("warmup", f"needs a CUDA GPU to pick the target and fill the cache: {reason}", 1)
+        install = f". Install CuPy with {machine.INSTALL_CUPY}" if machine.environment()["cupy"] is None else ""
+        return _fail("warmup", f"needs a CUDA GPU to pick the target and fill the cache: {reason}{install}", 1)
     from cuflash.core import compile as compiler
     from cuflash.core.policy import CLASS_SEQLENS, default_spec
     arch = compiler.device_arch()
     try:
         specs = [default_spec(d, t, c, arch, seqlen=n) for t in args.dtypes for d in args.head_dims
-                 for c in causal_modes(args.causal) for n in CLASS_SEQLENS]
+                 for c in machine.causal_modes(args.causal) for n in CLASS_SEQLENS]
         if args.backward:
             from cuflash.core.policy import default_bwd_spec
             specs += [default_bwd_spec(d, t, c, arch, det) for t in args.dtypes for d in args.head_dims
-                      for c in causal_modes(args.causal) for det in (False, True)]
+                      for c in machine.causal_modes(args.causal) for det in (False, True)]
         specs = list(dict.fromkeys(specs))
     except (ValueError, TypeError) as exc:
         return _fail("warmup", str(exc), 2)
@@ -258,7 +172,11 @@ def cmd_warmup(args) -> int:
 
 # -- demo -------------------------------------------------------------------------------------
 def cmd_demo(args) -> int:
-    available, reason = gpu_status()
+    missing = machine.missing_compiler(machine.environment())
+    if missing:
+        return _fail("demo", f"{missing} (the demo compiles a kernel, with or without a GPU). "
+                             f"Install it with {machine.INSTALL_CUPY}.", 1)
+    available, reason = machine.gpu_status()
     if available:
         return _demo_gpu()
     print(f"No CUDA GPU is usable here: {reason}.")
@@ -278,7 +196,7 @@ def _demo_gpu() -> int:
     p = DEMO_PROBLEM
     arch = device_arch()
     spec = default_spec(p["head_dim"], p["dtype"], p["causal"], arch, seqlen=p["seqlen"])
-    env = environment()
+    env = machine.environment()
     print(f"cuflash demo on {env['gpu']} ({arch}): {p['dtype']}, batch {p['batch']}, heads {p['heads']}, "
           f"seqlen {p['seqlen']}, head_dim {p['head_dim']}, {'causal' if p['causal'] else 'non-causal'}")
     print(f"kernel: {spec.name}")
@@ -338,12 +256,15 @@ def _demo_offline() -> int:
 
     p = DEMO_PROBLEM
     spec = default_spec(p["head_dim"], p["dtype"], p["causal"], FALLBACK_ARCH, seqlen=p["seqlen"])
-    nvrtc = environment()["nvrtc"]
+    nvrtc = machine.environment()["nvrtc"]
     print(f"1. The demo's kernel, compiled offline for sm_90a with NVRTC {nvrtc}:")
     try:
         report = compile_offline(spec)
     except CompileError as exc:
         print(f"   compile failed: {exc}")
+        return 1
+    except Exception as exc:  # NVRTC failing outside the compile itself (a CUDA error) is no CompileError
+        print(f"   NVRTC failed: {type(exc).__name__}: {exc}")
         return 1
     cubin = getattr(report, "cubin", b"") or b""
     print(f"   {spec.name}")
@@ -397,8 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="GPU, CUDA, CuPy and NVRTC versions, compile target and cache; "
                                        "with --head-dim, the kernel a problem runs")
     info.add_argument("--head-dim", type=int, help="also say which kernel (and family) this problem uses")
-    info.add_argument("--dtype", default="bf16")
-    info.add_argument("--causal", action="store_true")
+    info.add_argument("--dtype", default="bf16", help="fp16, bf16, fp32, e4m3 or e5m2 (default bf16)")
+    info.add_argument("--causal", action="store_true", help="a causal problem (default: non-causal)")
     info.add_argument("--seqlen", type=int, help="the longer of the query and key lengths (the Hopper kernel's "
                                                 "tiles depend on it; default: long)")
     info.add_argument("--arch", help=f"target tag (default: this GPU's, else {FALLBACK_ARCH})")
@@ -406,12 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="print or write the CUDA source of one kernel specialization")
     gen.add_argument("--head-dim", type=int, required=True, help="multiple of 8 from 8 to 256")
-    gen.add_argument("--dtype", default="bf16", help="fp16, bf16 or fp32 (default bf16)")
-    gen.add_argument("--causal", action="store_true")
+    gen.add_argument("--dtype", default="bf16", help="fp16, bf16, fp32, e4m3 or e5m2 (default bf16)")
+    gen.add_argument("--causal", action="store_true", help="the causal kernel (default: non-causal)")
     gen.add_argument("--arch", help=f"target tag such as sm80 or sm90a (default: this GPU's, else {FALLBACK_ARCH})")
     for name in _TILE_OPTIONS:
         gen.add_argument("--" + name.replace("_", "-"), dest=name, type=int,
-                         help="override the default spec's " + name)
+                         help="override the default spec's " + name + (" (0 or 1)" if name == "overlap" else ""))
     gen.add_argument("--no-lse", action="store_true", help="the forward kernel of calls without return_lse (the "
                      "Hopper FP8 kernel then sums P on the tensor cores; the same kernel elsewhere)")
     gen.add_argument("--backward", action="store_true", help="the backward kernels instead of the forward")
@@ -421,9 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from cuflash.core.spec import HEAD_DIMS
     warm = sub.add_parser("warmup", help="compile the default kernels for this GPU into the disk cache")
-    warm.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS))
-    warm.add_argument("--dtypes", nargs="+", default=["fp16", "bf16", "fp32"])
-    warm.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    warm.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS), metavar="D",
+                      help=f"head dims to compile (default: all, {HEAD_DIMS[0]} to {HEAD_DIMS[-1]})")
+    warm.add_argument("--dtypes", nargs="+", default=["fp16", "bf16", "fp32"], metavar="DTYPE",
+                      help="input dtypes to compile: fp16, bf16, fp32, e4m3, e5m2 (default: fp16 bf16 fp32)")
+    warm.add_argument("--causal", choices=("both", "yes", "no"), default="both",
+                      help="causal kernels, non-causal ones or both (default: both)")
     warm.add_argument("--processes", type=int, default=None, help="parallel compile processes (default: CPU count)")
     warm.add_argument("--backward", action="store_true", help="also the backward kernels (both dQ modes)")
     warm.set_defaults(handler=cmd_warmup)
@@ -458,4 +382,4 @@ def main(argv=None) -> int:
     return args.handler(args)
 
 
-__all__ = ["main", "build_parser", "gpu_status", "environment", "causal_modes"]
+__all__ = ["main", "build_parser"]

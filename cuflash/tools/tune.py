@@ -215,7 +215,7 @@ def main(argv=None) -> int:
                          f"{sorted(policy.HOPPER_CANDIDATES)}")
         from cuflash.core.compile import device_arch
 
-        from .cli import gpu_status
+        from .machine import gpu_status
         available, reason = gpu_status()
         if not available or device_arch() != "sm90a":
             print(f"cuflash tune --family wgmma: needs a Hopper (sm_90) GPU ({reason or 'this one is not'})",

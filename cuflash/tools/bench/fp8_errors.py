@@ -95,7 +95,7 @@ def fp8_error_markdown(rows: list[dict], gpu: str | None = None) -> str:
 
 def _run_fp8_errors(args) -> int:
     """``python -m cuflash bench --fp8-errors``: the error table on this GPU."""
-    from ..cli import environment
+    from ..machine import environment
     rows = fp8_error_table(head_dims=args.head_dims, echo=print)
     table = fp8_error_markdown(rows, environment().get("gpu"))
     print()

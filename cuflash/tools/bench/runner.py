@@ -261,7 +261,7 @@ def run_benchmark(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(
                   fp8_format="e4m3") -> dict:
     """Run the benchmark and return its report (the ``--json`` content); ``echo`` gets each line.
     ``dtype="fp8"`` times FP8 inputs of ``fp8_format`` (see :func:`bench_fp8_config`)."""
-    from ..cli import environment
+    from ..machine import environment
     from cuflash.core.compile import device_arch
 
     overrides = parse_spec_override(spec_override) if isinstance(spec_override, str) else dict(spec_override or {})
@@ -303,9 +303,12 @@ def add_arguments(parser):
     parser.add_argument("--mode", choices=MODES, default="fwd",
                         help="fwd, bwd (FLOPs 2.5x the forward) or fwdbwd (3.5x); default fwd")
     parser.add_argument("--deterministic", action="store_true", help="bwd/fwdbwd: the deterministic backward")
-    parser.add_argument("--head-dims", type=int, nargs="+", default=list(DEFAULT_HEAD_DIMS))
-    parser.add_argument("--seqlens", type=int, nargs="+", default=list(DEFAULT_SEQLENS))
-    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=list(DEFAULT_HEAD_DIMS),
+                        help="head dims of the grid (default: 64 128 256)")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=list(DEFAULT_SEQLENS),
+                        help="sequence lengths of the grid (default: 512 to 16384)")
+    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both",
+                        help="causal, non-causal or both (default: both)")
     parser.add_argument("--dtype", default="bf16",
                         help="fp16, bf16, fp32 or fp8 (default bf16); fp8: inputs quantized per tensor, bf16 output, "
                              "timed beside cuflash bf16 and torch SDPA bf16 (forward only)")
@@ -347,7 +350,7 @@ def parse_bench_dtype(text: str, mode: str = "fwd") -> str:
 
 def run(args) -> int:
     """``python -m cuflash bench``."""
-    from ..cli import causal_modes, gpu_status
+    from ..machine import causal_modes, gpu_status
     available, reason = gpu_status()
     if not available:
         print(f"cuflash bench: error: needs a CUDA GPU: {reason}", file=sys.stderr)
