@@ -39,6 +39,9 @@ def test_example_imports_exist(path):
 
 
 def _run_generate_kernel(*argv, cwd, env=None):
+    # the checkout's cuflash, as the tests use it (installed or not)
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     result = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / "generate_kernel.py"), *argv],
                             cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
