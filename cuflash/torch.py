@@ -1,0 +1,262 @@
+"""cuflash for PyTorch: CUDA torch tensors in, torch tensors out, differentiable, traceable.
+
+    import cuflash.torch
+    out = cuflash.torch.attention(q, k, v, causal=True)     # q, k, v: CUDA tensors, bhsd or bshd
+    out.sum().backward()                                    # cuflash's backward
+
+The calls are registered as custom operators (``torch.ops.cuflash.attention`` and
+``torch.ops.cuflash.attention_backward``) with shape functions and an autograd formula, so
+``torch.compile(fullgraph=True)`` traces a module that calls them without a graph break. Tensors
+cross to CuPy through DLPack without a copy; cuflash runs on torch's current device and stream,
+and every buffer it allocates comes from torch's caching allocator, so the calls can be captured
+in a CUDA graph (``torch.cuda.graph``). PyTorch is imported here only: ``import cuflash`` never
+imports it.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+
+try:
+    import torch
+except ImportError as exc:  # torch is optional: only this module needs it
+    raise ImportError("cuflash.torch needs PyTorch with CUDA (pip install torch); cuflash itself does not") from exc
+
+from .backward import attention_backward as _cuflash_backward
+from .forward import attention as _cuflash_attention
+
+LAYOUTS = ("bhsd", "bshd")
+#: The name ``register_transformers`` registers: it must not contain "flash", which transformers
+#: reserves for its hub flash-attention kernels.
+TRANSFORMERS_NAME = "cuattn"
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# -- torch <-> CuPy -----------------------------------------------------------------------------------
+
+def _to_cupy(tensor):
+    """A CuPy view of a CUDA tensor (DLPack, no copy; autograd's flags stay on the torch side)."""
+    import cupy
+
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:  # a DLPack consumer without bfloat16 reads the 16-bit pattern
+        try:
+            return cupy.from_dlpack(tensor)
+        except Exception:
+            from .core.dtypes import from_tag
+            return cupy.from_dlpack(tensor.view(torch.int16)).view(from_tag("bf16").numpy)
+    return cupy.from_dlpack(tensor)
+
+
+def _to_torch(array):
+    """A torch view of a CuPy array (DLPack, no copy)."""
+    try:
+        return torch.from_dlpack(array)
+    except Exception:
+        import cupy
+        if array.dtype.itemsize != 2 or array.dtype.kind in "fiu":
+            raise
+        return torch.from_dlpack(array.view(cupy.int16)).view(torch.bfloat16)
+
+
+def _torch_malloc(size: int, device_id: int) -> int:
+    return torch.cuda.caching_allocator_alloc(size, device_id, torch.cuda.current_stream(device_id)) if size else 0
+
+
+def _torch_free(ptr: int, device_id: int) -> None:
+    if not ptr:
+        return
+    try:
+        torch.cuda.caching_allocator_delete(ptr)
+    except (AttributeError, TypeError):  # at interpreter exit torch may be torn down before CuPy's last frees
+        pass
+
+
+_allocators: dict = {}
+
+
+def _allocator():
+    allocator = _allocators.get("torch")
+    if allocator is None:
+        import cupy
+        allocator = _allocators["torch"] = cupy.cuda.memory.PythonFunctionAllocator(_torch_malloc, _torch_free).malloc
+    return allocator
+
+
+@contextlib.contextmanager
+def _on_torch_stream(device: torch.device):
+    """CuPy on torch's device, its current stream and its caching allocator (so a CUDA graph
+    capture of torch's sees cuflash's buffers in its own memory pool)."""
+    import cupy
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ptr = torch.cuda.current_stream(index).cuda_stream
+    with cupy.cuda.Device(index):
+        stream = cupy.cuda.Stream.null if ptr == 0 else cupy.cuda.ExternalStream(ptr, index)
+        with stream, cupy.cuda.using_allocator(_allocator()):
+            yield
+
+
+# -- the operators --------------------------------------------------------------------------------------
+
+def _rows(q: torch.Tensor, layout: str) -> tuple[int, int, int]:
+    """(batch, heads, seqlen_q) of q in its layout."""
+    return (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhsd" else (q.shape[0], q.shape[2], q.shape[1])
+
+
+@torch.library.custom_op("cuflash::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, layout: str,
+                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    with _on_torch_stream(q.device):
+        out, lse = _cuflash_attention(_to_cupy(q), _to_cupy(k), _to_cupy(v), causal=causal, scale=scale,
+                                      return_lse=True, layout=layout)
+        return _to_torch(out), _to_torch(lse)
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, causal, scale, layout, deterministic):
+    return q.new_empty(q.shape), q.new_empty(_rows(q, layout), dtype=torch.float32)
+
+
+@torch.library.custom_op("cuflash::attention_backward", mutates_args=())
+def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, causal: bool, scale: float, layout: str,
+                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with _on_torch_stream(q.device):
+        grads = _cuflash_backward(*(_to_cupy(x) for x in (dout, q, k, v, out, lse)), causal=causal, scale=scale,
+                                  layout=layout, deterministic=deterministic)
+        return tuple(_to_torch(g) for g in grads)
+
+
+@_backward_op.register_fake
+def _backward_fake(dout, q, k, v, out, lse, causal, scale, layout, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, layout, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.options = (causal, scale, layout, deterministic)
+
+
+def _differentiate(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    # The LSE is not differentiated through (as FlashAttention's): its gradient is ignored.
+    dout = _readable(dout.to(out.dtype))
+    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, *ctx.options)
+    return dq, dk, dv, None, None, None, None
+
+
+torch.library.register_autograd("cuflash::attention", _differentiate, setup_context=_setup_context)
+
+
+def _readable(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its last dim is contiguous (cuflash reads any other strides), else a copy."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+# -- the call ---------------------------------------------------------------------------------------------
+
+def _check(q, k, v, layout):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__module__}.{type(x).__name__}")
+        if x.device.type != "cuda" and x.device.type != "meta":
+            raise ValueError(f"{name} is on {x.device}; cuflash.torch.attention takes CUDA tensors")
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"{name}.dtype={x.dtype} is not supported; use torch.float16, torch.bfloat16 or "
+                            f"torch.float32")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not supported; use 'bhsd' ([batch, heads, seqlen, head_dim]) or "
+                         f"'bshd' ([batch, seqlen, heads, head_dim])")
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-d ({layout}), got q.shape={tuple(q.shape)}")
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
+              return_lse: bool = False, deterministic: bool = False):
+    """:func:`cuflash.attention` on CUDA torch tensors, differentiable with respect to q, k and v.
+
+    Args:
+        q: [batch, heads, seqlen_q, head_dim] (``layout="bshd"``: [batch, seqlen_q, heads, head_dim]),
+            float16, bfloat16 or float32, on a CUDA device; any strides (a last dim that is not
+            contiguous is copied).
+        k, v: [batch, heads_k, seqlen_k, head_dim] in the same layout and dtype; heads a multiple of
+            heads_k (grouped-query attention).
+        causal, scale, layout: as for :func:`cuflash.attention` (causal aligned bottom-right).
+        return_lse: also return the natural-log LSE, float32 [batch, heads, seqlen_q]; it is not
+            differentiated through.
+        deterministic: the backward accumulates dQ in a fixed order (bit-identical runs).
+
+    Returns:
+        The output, contiguous in ``layout`` and q's dtype (and the LSE with ``return_lse``), on
+        torch's current stream.
+    """
+    _check(q, k, v, layout)
+    if isinstance(causal, torch.Tensor) or not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    out, lse = _attention_op(_readable(q), _readable(k), _readable(v), causal, float(scale), layout, deterministic)
+    return (out, lse) if return_lse else out
+
+
+# -- transformers ---------------------------------------------------------------------------------------------
+
+_warned: set = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def transformers_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                           is_causal=None, **kwargs):
+    """An attention function for transformers' ``AttentionInterface``: query, key and value come
+    as [batch, heads, seqlen, head_dim]; the output goes back as [batch, seqlen, heads, head_dim].
+    Causal or full attention without a mask runs on cuflash; a call with an explicit mask
+    (padding), dropout, a sliding window or a softcap runs on torch SDPA, with a warning once."""
+    unsupported = [name for name, value_ in (("an attention mask", attention_mask is not None),
+                                             ("dropout", bool(dropout) and module.training),
+                                             ("a sliding window", kwargs.get("sliding_window") is not None),
+                                             ("a softcap", kwargs.get("softcap") is not None)) if value_]
+    if unsupported:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        _warn_once(",".join(unsupported), f"cuflash.torch: a call with {' and '.join(unsupported)} runs on torch "
+                                          f"SDPA (cuflash takes causal or full attention without a mask)")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    # One query row attends every key (decoding); otherwise the mask is causal, aligned as SDPA's
+    # when transformers leaves it out (seqlen_q == seqlen_k).
+    causal = causal and query.shape[2] > 1
+    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
+                    scale=scaling, layout="bshd")
+    return out, None
+
+
+def register_transformers(name: str = TRANSFORMERS_NAME) -> str:
+    """Register cuflash with transformers' attention interface under ``name`` (default
+    ``"cuattn"``), with SDPA's mask function, and return the name: a model built with
+    ``attn_implementation=name`` (or ``model.set_attn_implementation(name)``) runs its attention
+    through cuflash."""
+    if "flash" in name.lower():
+        raise ValueError(f"name={name!r}: transformers takes any name containing 'flash' for a hub "
+                         f"flash-attention kernel; choose another")
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(name, transformers_attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+__all__ = ["attention", "register_transformers", "transformers_attention", "TRANSFORMERS_NAME"]

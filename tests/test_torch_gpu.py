@@ -1,0 +1,197 @@
+"""cuflash.torch on the GPU: forward and backward against the float64 reference, torch.compile,
+CUDA graphs (torch's and CuPy's), and a transformers causal LM with cuflash's attention."""
+import pytest
+
+torch = pytest.importorskip("torch")
+cupy = pytest.importorskip("cupy")
+
+import cuflash  # noqa: E402
+from cuflash.testing import AttentionProblem, assert_attention_close, assert_gradients_close  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+
+
+def _torch(x):
+    import cuflash.torch as ct
+    return ct._to_torch(x)
+
+
+def _cupy(t):
+    import cuflash.torch as ct
+    return ct._to_cupy(t)
+
+
+PROBLEMS = [
+    AttentionProblem(batch=2, heads=8, heads_k=2, seqlen_q=113, seqlen_k=239, head_dim=64, dtype="bf16", causal=True),
+    AttentionProblem(batch=1, heads=4, heads_k=4, seqlen_q=256, seqlen_k=256, head_dim=128, dtype="fp16",
+                     layout="bshd"),
+    AttentionProblem(batch=2, heads=8, heads_k=1, seqlen_q=239, seqlen_k=17, head_dim=96, dtype="bf16", causal=True,
+                     layout="bshd", strided=True),
+    AttentionProblem(batch=1, heads=2, heads_k=2, seqlen_q=1, seqlen_k=1023, head_dim=128, dtype="fp16",
+                     strided=True),
+    AttentionProblem(batch=1, heads=2, heads_k=1, seqlen_q=64, seqlen_k=64, head_dim=64, dtype="fp32", causal=True),
+]
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.name)
+def test_forward_and_backward_against_the_reference(problem):
+    import cuflash.torch as ct
+    q, k, v = problem.make_inputs(cupy, seed=3)
+    dout = problem.make_dout(cupy, seed=3)
+    tq, tk, tv = (_torch(x).requires_grad_() for x in (q, k, v))
+    out, lse = ct.attention(tq, tk, tv, causal=problem.causal, layout=problem.layout, return_lse=True)
+    assert out.dtype == tq.dtype and out.shape == tq.shape and out.is_contiguous()
+    ref, ref_lse = problem.reference(q, k, v)
+    naive, naive_lse = problem.naive(q, k, v)
+    assert_attention_close(_cupy(out.detach()), ref, problem.dtype, baseline=naive, lse=_cupy(lse), ref_lse=ref_lse,
+                           baseline_lse=naive_lse)
+    out.backward(_torch(dout))
+    grads = tuple(_cupy(t.grad) for t in (tq, tk, tv))
+    assert_gradients_close(grads, problem.backward_reference(dout, q, k, v), problem.dtype,
+                           baselines=problem.backward_naive(dout, q, k, v))
+
+
+def test_runs_on_torchs_current_stream_and_device():
+    import cuflash.torch as ct
+    q = torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = ct.attention(q, q, q, causal=True)
+        again = ct.attention(q, q, q, causal=True)
+    stream.synchronize()
+    assert torch.equal(out, again)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), q.float(), q.float(), is_causal=True)
+    assert (out.float() - expected).abs().max().item() < 2e-2
+
+
+def test_deterministic_backward_is_bit_identical():
+    import cuflash.torch as ct
+    q, k, v = (torch.randn(1, 8, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grads = []
+    for _ in range(2):
+        out = ct.attention(q, k, v, causal=True, deterministic=True)
+        grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    import cuflash.torch as ct
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(256, 3 * 256, dtype=torch.bfloat16, device="cuda")
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = self.proj(x).view(b, s, 3, 4, 64).unbind(2)
+            return ct.attention(q, k, v, causal=True, layout="bshd").reshape(b, s, 256)
+
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(2, 200, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    eager = block(x)
+    eager_grad, = torch.autograd.grad(eager.float().square().sum(), x)
+    compiled = torch.compile(block, fullgraph=True)
+    out = compiled(x)
+    out_grad, = torch.autograd.grad(out.float().square().sum(), x)
+    assert (out.float() - eager.float()).abs().max().item() <= 2e-2
+    assert (out_grad - eager_grad).abs().max().item() <= 1e-2 * eager_grad.abs().max().item()
+
+
+def test_torch_cuda_graph_capture_and_replay():
+    import cuflash.torch as ct
+    q, k, v = (torch.randn(2, 8, 384, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(2, 8, 384, 128, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up on the capture stream, as torch asks
+        for _ in range(2):
+            out = ct.attention(q, k, v, causal=True)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = ct.attention(q, k, v, causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    for step in range(3):
+        with torch.no_grad():
+            for x in (q, k, v, dout):
+                x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ct.attention(q.detach(), k.detach(), v.detach(), causal=True)
+        want_grads = torch.autograd.grad(ct.attention(q, k, v, causal=True), (q, k, v), dout)
+        assert torch.equal(out, want), step
+        assert all(torch.allclose(a, b, atol=2e-2, rtol=2e-2) for a, b in zip(grads, want_grads)), step
+
+
+def test_cupy_graph_capture_and_replay():
+    problem = AttentionProblem(batch=2, heads=8, heads_k=2, seqlen_q=300, seqlen_k=300, head_dim=64, dtype="bf16",
+                               causal=True)
+    q, k, v = problem.make_inputs(cupy, seed=1)
+    dout = problem.make_dout(cupy, seed=1)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for _ in range(2):  # warm-up on the capture stream: kernels loaded, pool blocks and counters there
+            out, backward = cuflash.attention_with_grad(q, k, v, causal=True)
+            grads = backward(dout)
+        del out, backward, grads  # their blocks go back to the stream's pool, for the capture to reuse
+        stream.synchronize()
+        stream.begin_capture()
+        out, backward = cuflash.attention_with_grad(q, k, v, causal=True)
+        grads = backward(dout)
+        graph = stream.end_capture()
+    for seed in (5, 6, 7):
+        fresh = problem.make_inputs(cupy, seed=seed)
+        for x, y in zip((q, k, v), fresh):
+            x[...] = y
+        graph.launch(stream)
+        stream.synchronize()
+        ref, _ = problem.reference(q, k, v)
+        assert_attention_close(out, ref, "bf16", baseline=problem.naive(q, k, v)[0])
+        assert_gradients_close(grads, problem.backward_reference(dout, q, k, v), "bf16",
+                               baselines=problem.backward_naive(dout, q, k, v))
+
+
+def test_a_transformers_causal_lm_matches_sdpa(monkeypatch):
+    """A small Llama-style model (GQA, random weights, bf16): cuflash's registered attention against
+    SDPA, within the distance between eager and SDPA on the same model (the bf16 noise floor)."""
+    transformers = pytest.importorskip("transformers")
+    import cuflash.torch as ct
+
+    name = ct.register_transformers()
+    calls = []
+    real = ct.attention
+    monkeypatch.setattr(ct, "attention", lambda *args, **kwargs: calls.append(kwargs["causal"]) or real(*args, **kwargs))
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
+    tokens = torch.randint(0, 512, (2, 300), device="cuda")
+
+    def run(implementation):
+        model.set_attn_implementation(implementation)
+        model.zero_grad(set_to_none=True)
+        logits = model(tokens).logits
+        logits.float().logsumexp(-1).mean().backward()
+        return logits.detach().float(), {n: p.grad.detach().float() for n, p in model.named_parameters()}
+
+    sdpa, sdpa_grads = run("sdpa")
+    eager, eager_grads = run("eager")
+    ours, our_grads = run(name)
+    assert calls == [True] * config.num_hidden_layers and not ct._warned  # every layer ran on cuflash
+
+    def grad_error(grads):
+        return max(((grads[n] - sdpa_grads[n]).abs().max() / sdpa_grads[n].abs().max().clamp_min(1e-12)).item()
+                   for n in sdpa_grads)
+
+    floor_logits = (eager - sdpa).abs().max().item()
+    assert (ours - sdpa).abs().max().item() <= 2 * floor_logits + 1e-3
+    assert grad_error(our_grads) <= 2 * grad_error(eager_grads) + 1e-3
