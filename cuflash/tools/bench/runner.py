@@ -249,6 +249,11 @@ def measure_overhead(torch=None, calls: int = 2000) -> dict:
         qt, kt, vt = (to_torch(x) for x in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention
         try:
+            import cuflash.torch as bridge
+            us["cuflash.torch"] = timing.host_overhead_us(lambda: bridge.attention(qt, kt, vt), calls=calls)
+        except Exception:
+            us["cuflash.torch"] = None
+        try:
             us["torch SDPA"] = timing.host_overhead_us(lambda: sdpa(qt, kt, vt), calls=calls)
         except Exception:
             us["torch SDPA"] = None
