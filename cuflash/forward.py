@@ -5,7 +5,7 @@ import functools
 
 from . import fp8 as _fp8
 from .core import compile as _compile
-from .core.launch import launch
+from .core.launch import LaunchPlan, launch
 from .core.policy import FP8_WGMMA_MIN_HEAD_DIM, SHORT_SEQLEN, default_spec
 from .core.spec import KernelSpec
 from .core.validate import Problem, aligned_copy, aligned_for_async_copy, readable_by_tma, validate, validate_fp8_scales
@@ -91,6 +91,16 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     """
     import cupy
 
+    key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec) \
+        if fp8_format is None and q_descale is None and k_descale is None and v_descale is None \
+        and out_dtype is None else None
+    if key is not None:
+        plan = _plans.get(key)
+        if plan is not None and not (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
+            out = cupy.empty(plan.problem.out_shape, dtype=q.dtype)
+            lse = cupy.empty((plan.problem.batch, plan.problem.heads, plan.problem.seqlen_q), dtype=cupy.float32)
+            plan.launch(q, k, v, out, lse)
+            return (out, lse) if return_lse else out
     if fp8_format is None:
         for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale),
                             ("out_dtype", out_dtype)):
@@ -134,19 +144,51 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             if problem.scale <= 0:
                 q, k, scale = _positive_scale(q, k, problem.scale)
                 problem = checked(q, k, v, scale)
+                key = None  # the plan would run on the rewritten q or k
             if not (_readable(spec, q, False) and _readable(spec, k, False) and _readable(spec, v, True)):
                 # A view the kernel's copies cannot read is copied once.
                 q, k, v = (x if _readable(spec, x, is_v) else aligned_copy(x)
                            for x, is_v in ((q, False), (k, False), (v, True)))
                 problem = checked(q, k, v, scale)
+                key = None  # the next call with this key copies again
             kernel = _compile.get_kernel(spec, problem.device_id)
             # The Hopper FP8 kernel reads V as V^T (fp8.v_operand); every other kernel reads V as it is.
             if prepared_v is not None:
                 v_operand = prepared_v.data
             else:
                 v_operand = _fp8.v_operand(v, layout) if spec.fp8 and spec.warp_specialized else v
-            launch(kernel, spec, problem, q, k, v_operand, out, lse, _out_strides(out, layout), scales)
+            if key is not None and problem.scale > 0 and not spec.fp8:
+                plan = LaunchPlan(kernel, spec, problem, q, k, v, out, lse, _out_strides(out, layout))
+                plan.launch(q, k, v, out, lse)
+                if len(_plans) >= _MAX_PLANS:
+                    _plans.clear()
+                _plans[key] = plan
+            else:
+                launch(kernel, spec, problem, q, k, v_operand, out, lse, _out_strides(out, layout), scales)
     return (out, lse) if return_lse else out
+
+
+#: Launch plans by everything a call's validation and specialization depend on but the arrays'
+#: addresses (:func:`_plan_key`): a repeated call skips straight to its launch.
+_plans: dict = {}
+_MAX_PLANS = 256
+
+
+def _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec):
+    """The key of a 16-bit or float32 call's plan, or None for a call that always takes the full
+    path (other array types, a scale that is not a plain number, a device other than the current)."""
+    if type(q) is not cupy.ndarray or type(k) is not cupy.ndarray or type(v) is not cupy.ndarray:
+        return None
+    if not (scale is None or type(scale) is float or type(scale) is int) or type(causal) is not bool:
+        return None
+    device = q.data.device_id
+    if k.data.device_id != device or v.data.device_id != device or cupy.cuda.runtime.getDevice() != device:
+        return None
+    try:
+        return (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype, causal, scale,
+                bool(return_lse), layout, family, spec, device, cupy.cuda.get_current_stream().ptr)
+    except TypeError:  # an unhashable family or spec: the full path names it
+        return None
 
 
 def _readable(spec: KernelSpec, x, is_v: bool) -> bool:

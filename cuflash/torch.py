@@ -8,8 +8,8 @@ The calls are registered as custom operators (``torch.ops.cuflash.attention`` an
 ``torch.ops.cuflash.attention_backward``) with shape functions and an autograd formula, so
 ``torch.compile(fullgraph=True)`` traces a module that calls them without a graph break. Tensors
 cross to CuPy through DLPack without a copy; cuflash runs on torch's current device and stream,
-and every buffer it allocates comes from torch's caching allocator, so the calls can be captured
-in a CUDA graph (``torch.cuda.graph``). PyTorch is imported here only: ``import cuflash`` never
+and while torch captures a CUDA graph (``torch.cuda.graph``) every buffer cuflash allocates comes
+from torch's caching allocator, so the graph's memory pool holds it. PyTorch is imported here only: ``import cuflash`` never
 imports it.
 """
 from __future__ import annotations
@@ -35,18 +35,32 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # -- torch <-> CuPy -----------------------------------------------------------------------------------
 
+_NUMPY_DTYPES: dict = {}
+
+
+def _numpy_dtype(dtype: torch.dtype):
+    numpy_dtype = _NUMPY_DTYPES.get(dtype)
+    if numpy_dtype is None:
+        from .core.dtypes import from_tag
+        tag = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype)
+        if tag is None:
+            raise TypeError(f"dtype={dtype} is not supported; use torch.float16, torch.bfloat16 or torch.float32")
+        numpy_dtype = _NUMPY_DTYPES[dtype] = from_tag(tag).numpy
+    return numpy_dtype
+
+
 def _to_cupy(tensor):
-    """A CuPy view of a CUDA tensor (DLPack, no copy; autograd's flags stay on the torch side)."""
+    """A CuPy view of a CUDA tensor (no copy): the tensor's memory, shape and strides, kept alive by
+    the view; autograd's flags stay on the torch side."""
     import cupy
 
-    tensor = tensor.detach()
-    if tensor.dtype == torch.bfloat16:  # a DLPack consumer without bfloat16 reads the 16-bit pattern
-        try:
-            return cupy.from_dlpack(tensor)
-        except Exception:
-            from .core.dtypes import from_tag
-            return cupy.from_dlpack(tensor.view(torch.int16)).view(from_tag("bf16").numpy)
-    return cupy.from_dlpack(tensor)
+    if tensor.dtype not in _DTYPES:  # int and bool tensors (masks, indices) go through DLPack
+        return cupy.from_dlpack(tensor.detach())
+    itemsize = tensor.element_size()
+    extent = 1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
+    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), extent * itemsize, tensor, tensor.device.index)
+    return cupy.ndarray(tuple(tensor.shape), _numpy_dtype(tensor.dtype), cupy.cuda.MemoryPointer(memory, 0),
+                        tuple(st * itemsize for st in tensor.stride()))
 
 
 def _to_torch(array):
@@ -84,18 +98,37 @@ def _allocator():
     return allocator
 
 
+_streams: dict = {}
+
+
+def _current_stream_ptr(index: int) -> int:
+    try:
+        return torch._C._cuda_getCurrentRawStream(index)  # the cheap form of current_stream().cuda_stream
+    except AttributeError:
+        return torch.cuda.current_stream(index).cuda_stream
+
+
 @contextlib.contextmanager
 def _on_torch_stream(device: torch.device):
-    """CuPy on torch's device, its current stream and its caching allocator (so a CUDA graph
-    capture of torch's sees cuflash's buffers in its own memory pool)."""
+    """CuPy on torch's device and current stream; while torch captures a CUDA graph, also on its
+    caching allocator, so that the graph's own memory pool holds cuflash's buffers."""
     import cupy
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    ptr = torch.cuda.current_stream(index).cuda_stream
-    with cupy.cuda.Device(index):
+    ptr = _current_stream_ptr(index)
+    stream = _streams.get((ptr, index))
+    if stream is None:
         stream = cupy.cuda.Stream.null if ptr == 0 else cupy.cuda.ExternalStream(ptr, index)
-        with stream, cupy.cuda.using_allocator(_allocator()):
-            yield
+        if len(_streams) >= 64:
+            _streams.clear()
+        _streams[(ptr, index)] = stream
+    with contextlib.ExitStack() as stack:
+        if cupy.cuda.runtime.getDevice() != index:
+            stack.enter_context(cupy.cuda.Device(index))
+        stack.enter_context(stream)
+        if torch.cuda.is_current_stream_capturing():
+            stack.enter_context(cupy.cuda.using_allocator(_allocator()))
+        yield
 
 
 # -- the operators --------------------------------------------------------------------------------------
@@ -105,8 +138,7 @@ def _rows(q: torch.Tensor, layout: str) -> tuple[int, int, int]:
     return (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhsd" else (q.shape[0], q.shape[2], q.shape[1])
 
 
-@torch.library.custom_op("cuflash::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, layout: str,
+def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, layout: str,
                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     with _on_torch_stream(q.device):
         out, lse = _cuflash_attention(_to_cupy(q), _to_cupy(k), _to_cupy(v), causal=causal, scale=scale,
@@ -114,19 +146,24 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         return _to_torch(out), _to_torch(lse)
 
 
+_attention_op = torch.library.custom_op("cuflash::attention", mutates_args=())(_forward_impl)
+
+
 @_attention_op.register_fake
 def _attention_fake(q, k, v, causal, scale, layout, deterministic):
     return q.new_empty(q.shape), q.new_empty(_rows(q, layout), dtype=torch.float32)
 
 
-@torch.library.custom_op("cuflash::attention_backward", mutates_args=())
-def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, causal: bool, scale: float, layout: str,
                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with _on_torch_stream(q.device):
         grads = _cuflash_backward(*(_to_cupy(x) for x in (dout, q, k, v, out, lse)), causal=causal, scale=scale,
                                   layout=layout, deterministic=deterministic)
         return tuple(_to_torch(g) for g in grads)
+
+
+_backward_op = torch.library.custom_op("cuflash::attention_backward", mutates_args=())(_backward_impl)
 
 
 @_backward_op.register_fake
@@ -150,6 +187,25 @@ def _differentiate(ctx, dout, dlse):
 
 
 torch.library.register_autograd("cuflash::attention", _differentiate, setup_context=_setup_context)
+
+
+class _Attention(torch.autograd.Function):
+    """The same forward and backward as the operators, for eager calls (no dispatcher on the way)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, layout, deterministic):
+        out, lse = _forward_impl(q, k, v, causal, scale, layout, deterministic)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (causal, scale, layout, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = _readable(dout.to(out.dtype))
+        dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, *ctx.options)
+        return dq, dk, dv, None, None, None, None
 
 
 def _readable(x: torch.Tensor) -> torch.Tensor:
@@ -203,7 +259,11 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
-    out, lse = _attention_op(_readable(q), _readable(k), _readable(v), causal, float(scale), layout, deterministic)
+    args = (_readable(q), _readable(k), _readable(v), causal, float(scale), layout, deterministic)
+    # Traced (torch.compile, meta tensors), the operator; eager, the same functions without the
+    # dispatcher's per-call cost.
+    traced = torch.compiler.is_compiling() or q.device.type != "cuda"
+    out, lse = _attention_op(*args) if traced else _Attention.apply(*args)
     return (out, lse) if return_lse else out
 
 

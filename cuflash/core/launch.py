@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from typing import NamedTuple
 
 import numpy as np
@@ -183,25 +184,64 @@ def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_st
            scales: Fp8Scales | None = None) -> None:
     """Launch on the current CuPy stream. FP8 (``spec.fp8``): ``scales`` holds the descales; for
     the Hopper kernel v is V^T as fp8.v_operand lays it out, for the portable one V itself."""
-    plan = None
-    if spec.warp_specialized:
-        from .tma import forward_maps
-        key = _stream_key(problem.device_id)
-        counter = _tile_counter(key)
-        plan = split_plan(spec, problem)
-        split = (0, 0)
-        if plan.shares:
-            states, flags = _split_workspace(spec, plan, key)
-            split = (states.data.ptr, flags.data.ptr)
-        args = (pack_params(problem, q, k, v, out, lse, out_strides, counter.data.ptr, scales, plan, split,
-                            ceil_div(problem.seqlen_q, spec.block_m), band_heads(spec, problem)),
-                forward_maps(spec, problem, q, k, v))
-        if spec.tma_store:
-            from .tma import output_map
-            args += (output_map(problem, out, out_strides, spec.out_dtype),)
-    else:
-        args = (pack_params(problem, q, k, v, out, lse, out_strides, scales=scales),)
-    kernel(grid(spec, problem, plan), (spec.threads, 1, 1), args, shared_mem=spec.smem_bytes)
+    LaunchPlan(kernel, spec, problem, q, k, v, out, lse, out_strides, scales).launch(q, k, v, out, lse)
+
+
+class LaunchPlan:
+    """A forward launch prepared once for calls that agree on everything but the arrays' addresses
+    (shapes, strides, dtypes, flags, device and stream; the caller keys plans by those): the
+    kernel, its grid, and the parameter block with all but the five array pointers filled in,
+    which each call writes. It keeps the per-stream buffers its block points to alive."""
+
+    __slots__ = ("spec", "problem", "kernel", "grid", "block", "smem", "template", "out_strides", "buffers",
+                 "maps_ptrs", "maps", "out_map_ptr", "out_map")
+
+    def __init__(self, kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides,
+                 scales: Fp8Scales | None = None):
+        self.spec, self.problem, self.kernel, self.out_strides = spec, problem, kernel, out_strides
+        self.block, self.smem = (spec.threads, 1, 1), spec.smem_bytes
+        plan, buffers, counter, split = None, (), 0, (0, 0)
+        if spec.warp_specialized:
+            key = _stream_key(problem.device_id)
+            counter_array = _tile_counter(key)
+            plan = split_plan(spec, problem)
+            buffers = (counter_array,)
+            if plan.shares:
+                states, flags = _split_workspace(spec, plan, key)
+                buffers += (states, flags)
+                split = (states.data.ptr, flags.data.ptr)
+            counter = counter_array.data.ptr
+        self.buffers = buffers + ((scales,) if scales is not None else ())
+        q_tiles, band = (ceil_div(problem.seqlen_q, spec.block_m), band_heads(spec, problem)) \
+            if spec.warp_specialized else (1, 1)
+        self.template = pack_params(problem, q, k, v, out, lse, out_strides, counter, scales, plan, split,
+                                    q_tiles, band).tobytes()
+        self.grid = grid(spec, problem, plan)
+        self.maps_ptrs = self.maps = self.out_map_ptr = self.out_map = None
+
+    def launch(self, q, k, v, out, lse) -> None:
+        """Launch on the current CuPy stream with these arrays (shaped and strided as the plan's)."""
+        raw = bytearray(self.template)
+        _POINTERS.pack_into(raw, 0, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
+        args = (np.frombuffer(raw, dtype=_PARAMS),)
+        spec = self.spec
+        if spec.warp_specialized:
+            ptrs = (q.data.ptr, k.data.ptr, v.data.ptr)
+            if ptrs != self.maps_ptrs:
+                from .tma import forward_maps
+                self.maps, self.maps_ptrs = forward_maps(spec, self.problem, q, k, v), ptrs
+            args += (self.maps,)
+            if spec.tma_store:
+                if out.data.ptr != self.out_map_ptr:
+                    from .tma import output_map
+                    self.out_map = output_map(self.problem, out, self.out_strides, spec.out_dtype)
+                    self.out_map_ptr = out.data.ptr
+                args += (self.out_map,)
+        self.kernel(self.grid, self.block, args, shared_mem=self.smem)
+
+
+#: The five array pointers that open the forward's parameter block (q, k, v, o, lse).
+_POINTERS = struct.Struct("<5Q")
 
 
 # -- backward -----------------------------------------------------------------------------------------
