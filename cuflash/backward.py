@@ -47,15 +47,21 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, lay
         grouped-query attention dk and dv sum the query heads that share a kv head. Rows that
         attend nothing contribute no gradient (zeros, never NaN). Runs on the current CuPy stream.
     """
+    return _attention_backward(dout, q, k, v, out, lse, None, causal=causal, scale=scale, layout=layout,
+                               deterministic=deterministic, spec=spec)
+
+
+def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout, deterministic, spec):
+    """:func:`attention_backward`, writing into ``grads`` = (dq, dk, dv) when given: C-contiguous
+    arrays shaped and typed like q, k and v (the torch bridge's)."""
     import cupy
 
     bp = validate_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
                            deterministic=deterministic)
     problem = bp.forward
     with _on_device(problem.device_id):
-        dq = cupy.empty(q.shape, dtype=q.dtype)
-        dk = cupy.empty(k.shape, dtype=k.dtype)
-        dv = cupy.empty(v.shape, dtype=v.dtype)
+        dq, dk, dv = grads or (cupy.empty(q.shape, dtype=q.dtype), cupy.empty(k.shape, dtype=k.dtype),
+                               cupy.empty(v.shape, dtype=v.dtype))
         if problem.empty or problem.seqlen_k == 0 or problem.heads_k == 0:
             for x in (dq, dk, dv):
                 x.fill(0)

@@ -89,6 +89,15 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
         The output in q's dtype (FP8: ``out_dtype``) and layout (rows with no key to attend are
         0), and the LSE if ``return_lse``. Runs on the current CuPy stream and device.
     """
+    return _attention(q, k, v, None, causal=causal, scale=scale, return_lse=return_lse, layout=layout, family=family,
+                      spec=spec, fp8_format=fp8_format, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                      out_dtype=out_dtype)
+
+
+def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, spec, fp8_format, q_descale,
+               k_descale, v_descale, out_dtype):
+    """:func:`attention`, writing into ``outputs`` = (out, lse) when given: C-contiguous arrays of
+    the output's shape and q's dtype, and float32 [batch, heads, seqlen_q] (the torch bridge's)."""
     import cupy
 
     key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec) \
@@ -97,8 +106,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     if key is not None:
         plan = _plans.get(key)
         if plan is not None and not (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
-            out = cupy.empty(plan.problem.out_shape, dtype=q.dtype)
-            lse = cupy.empty((plan.problem.batch, plan.problem.heads, plan.problem.seqlen_q), dtype=cupy.float32)
+            out, lse = outputs or (cupy.empty(plan.problem.out_shape, dtype=q.dtype),
+                                   cupy.empty((plan.problem.batch, plan.problem.heads, plan.problem.seqlen_q),
+                                              dtype=cupy.float32))
             plan.launch(q, k, v, out, lse)
             return (out, lse) if return_lse else out
     if fp8_format is None:
@@ -133,8 +143,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             raise ValueError(f"a prepared V is read by the Hopper FP8 kernel only (sm90a, head dims that are multiples "
                              f"of 16 from {FP8_WGMMA_MIN_HEAD_DIM}); "
                              f"this call runs {spec.name}: pass V itself")
-        out = cupy.empty(problem.out_shape, dtype=scales.out_dtype.numpy if scales else q.dtype)
-        lse = cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
+        out, lse = outputs or (cupy.empty(problem.out_shape, dtype=scales.out_dtype.numpy if scales else q.dtype),
+                               cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32))
         if problem.empty:
             pass
         elif problem.seqlen_k == 0:

@@ -14,7 +14,6 @@ imports it.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 
@@ -23,8 +22,8 @@ try:
 except ImportError as exc:  # torch is optional: only this module needs it
     raise ImportError("cuflash.torch needs PyTorch with CUDA (pip install torch); cuflash itself does not") from exc
 
-from .backward import attention_backward as _cuflash_backward
-from .forward import attention as _cuflash_attention
+from .backward import _attention_backward
+from .forward import _attention
 
 LAYOUTS = ("bhsd", "bshd")
 #: The name ``register_transformers`` registers: it must not contain "flash", which transformers
@@ -108,27 +107,43 @@ def _current_stream_ptr(index: int) -> int:
         return torch.cuda.current_stream(index).cuda_stream
 
 
-@contextlib.contextmanager
-def _on_torch_stream(device: torch.device):
+class _on_torch_stream:  # noqa: N801 - used as a context manager, like a function
     """CuPy on torch's device and current stream; while torch captures a CUDA graph, also on its
     caching allocator, so that the graph's own memory pool holds cuflash's buffers."""
-    import cupy
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    ptr = _current_stream_ptr(index)
-    stream = _streams.get((ptr, index))
-    if stream is None:
-        stream = cupy.cuda.Stream.null if ptr == 0 else cupy.cuda.ExternalStream(ptr, index)
-        if len(_streams) >= 64:
-            _streams.clear()
-        _streams[(ptr, index)] = stream
-    with contextlib.ExitStack() as stack:
+    __slots__ = ("contexts",)
+
+    def __init__(self, device: torch.device):
+        import cupy
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        ptr = _current_stream_ptr(index)
+        stream = _streams.get((ptr, index))
+        if stream is None:
+            if ptr == 0:
+                stream = cupy.cuda.Stream.null
+            elif hasattr(cupy.cuda.Stream, "from_external"):
+                stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream(index))
+            else:
+                stream = cupy.cuda.ExternalStream(ptr, index)
+            if len(_streams) >= 64:
+                _streams.clear()
+            _streams[(ptr, index)] = stream
+        contexts = [stream]
         if cupy.cuda.runtime.getDevice() != index:
-            stack.enter_context(cupy.cuda.Device(index))
-        stack.enter_context(stream)
+            contexts.insert(0, cupy.cuda.Device(index))
         if torch.cuda.is_current_stream_capturing():
-            stack.enter_context(cupy.cuda.using_allocator(_allocator()))
-        yield
+            contexts.append(cupy.cuda.using_allocator(_allocator()))
+        self.contexts = contexts
+
+    def __enter__(self):
+        for context in self.contexts:
+            context.__enter__()
+
+    def __exit__(self, *exc):
+        for context in reversed(self.contexts):
+            context.__exit__(*exc)
+        return False
 
 
 # -- the operators --------------------------------------------------------------------------------------
@@ -140,10 +155,13 @@ def _rows(q: torch.Tensor, layout: str) -> tuple[int, int, int]:
 
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, layout: str,
                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_rows(q, layout), dtype=torch.float32, device=q.device)
     with _on_torch_stream(q.device):
-        out, lse = _cuflash_attention(_to_cupy(q), _to_cupy(k), _to_cupy(v), causal=causal, scale=scale,
-                                      return_lse=True, layout=layout)
-        return _to_torch(out), _to_torch(lse)
+        _attention(_to_cupy(q), _to_cupy(k), _to_cupy(v), (_to_cupy(out), _to_cupy(lse)), causal=causal, scale=scale,
+                   return_lse=True, layout=layout, family=None, spec=None, fp8_format=None, q_descale=None,
+                   k_descale=None, v_descale=None, out_dtype=None)
+    return out, lse
 
 
 _attention_op = torch.library.custom_op("cuflash::attention", mutates_args=())(_forward_impl)
@@ -157,10 +175,11 @@ def _attention_fake(q, k, v, causal, scale, layout, deterministic):
 def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, causal: bool, scale: float, layout: str,
                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     with _on_torch_stream(q.device):
-        grads = _cuflash_backward(*(_to_cupy(x) for x in (dout, q, k, v, out, lse)), causal=causal, scale=scale,
-                                  layout=layout, deterministic=deterministic)
-        return tuple(_to_torch(g) for g in grads)
+        _attention_backward(*(_to_cupy(x) for x in (dout, q, k, v, out, lse)), tuple(_to_cupy(g) for g in grads),
+                            causal=causal, scale=scale, layout=layout, deterministic=deterministic, spec=None)
+    return grads
 
 
 _backward_op = torch.library.custom_op("cuflash::attention_backward", mutates_args=())(_backward_impl)
