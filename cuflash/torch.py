@@ -53,13 +53,20 @@ def _to_cupy(tensor):
     the view; autograd's flags stay on the torch side."""
     import cupy
 
-    if tensor.dtype not in _DTYPES:  # int and bool tensors (masks, indices) go through DLPack
+    dtype = tensor.dtype
+    if dtype not in _DTYPES:  # int and bool tensors (masks, indices) go through DLPack
         return cupy.from_dlpack(tensor.detach())
     itemsize = tensor.element_size()
-    extent = 1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
-    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), extent * itemsize, tensor, tensor.device.index)
-    return cupy.ndarray(tuple(tensor.shape), _numpy_dtype(tensor.dtype), cupy.cuda.MemoryPointer(memory, 0),
-                        tuple(st * itemsize for st in tensor.stride()))
+    shape, strides = tuple(tensor.shape), tensor.stride()
+    extent = 1
+    for n, st in zip(shape, strides):
+        if n == 0:
+            extent = 0
+            break
+        extent += (n - 1) * st
+    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), extent * itemsize, tensor, tensor.get_device())
+    return cupy.ndarray(shape, _NUMPY_DTYPES.get(dtype) or _numpy_dtype(dtype), cupy.cuda.MemoryPointer(memory, 0),
+                        tuple(st * itemsize for st in strides))
 
 
 def _to_torch(array):
