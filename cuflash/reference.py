@@ -149,7 +149,7 @@ def _finish(weighted, row_max, row_sum, empty):
 # -- float64 reference ----------------------------------------------------------------------------
 
 def attention_reference(q, k, v, *, causal: bool = False, scale: float | None = None,
-                        layout: str = "bhsd"):
+                        layout: str = "bhsd", score_mod=None, mask_mod=None):
     """Scaled dot-product attention computed in float64.
 
     Args:
@@ -161,6 +161,8 @@ def attention_reference(q, k, v, *, causal: bool = False, scale: float | None = 
         causal: bottom-right aligned causal mask (see the module docstring).
         scale: score scale; ``1 / sqrt(head_dim)`` when None.
         layout: ``"bhsd"`` or ``"bshd"``.
+        score_mod, mask_mod: a mod of :mod:`cuflash.mods` (or its traced graph), evaluated in
+            float64 on the scaled scores and on the index grids; the mask is and-ed with causal.
 
     Returns:
         ``(out, lse)``: ``out`` float64 with q's shape and layout; ``lse`` float64
@@ -175,15 +177,23 @@ def attention_reference(q, k, v, *, causal: bool = False, scale: float | None = 
     allowed = _allowed(seqlen_q, seqlen_k, causal)
     with np.errstate(invalid="ignore", over="ignore"):
         scores = (qb @ kb.swapaxes(-1, -2)) * scale
+        scores, allowed = _with_mods(scores, allowed, score_mod, mask_mod)
         p, row_max, row_sum, empty = _masked_softmax_parts(scores, allowed)
         out, lse = _finish(_weighted_values(p, vb, allowed), row_max, row_sum, empty)
     return _from_bhsd(out, layout), lse
 
 
+def _with_mods(scores, allowed, score_mod, mask_mod):
+    if score_mod is None and mask_mod is None:
+        return scores, allowed
+    from .mods import apply_to_scores
+    return apply_to_scores(scores, allowed, score_mod, mask_mod)
+
+
 # -- same-precision baseline ----------------------------------------------------------------------
 
 def attention_naive(q, k, v, *, causal: bool = False, scale: float | None = None,
-                    layout: str = "bhsd"):
+                    layout: str = "bhsd", score_mod=None, mask_mod=None):
     """softmax(scale * Q K^T) V written plainly in the input precision.
 
     This is what a user gets without a fused kernel, and its error against
@@ -194,6 +204,8 @@ def attention_naive(q, k, v, *, causal: bool = False, scale: float | None = None
     2. ``S = S * scale`` with ``scale`` rounded to ``T``, the product rounded to ``T``;
     3. the masked softmax of ``S`` in float32, its probabilities rounded to ``T``;
     4. ``O = P V`` accumulated in float32, rounded to ``T``.
+
+    Mods (``score_mod``, ``mask_mod``) apply in float32 between steps 2 and 3.
 
     For float32 inputs every rounding is a no-op, so the whole computation is float32.
 
@@ -216,6 +228,7 @@ def attention_naive(q, k, v, *, causal: bool = False, scale: float | None = None
         # correctly rounded multiply in T.
         scores = (qb @ kb.swapaxes(-1, -2)).astype(io).astype(f32)
         scores = (scores * scale_io).astype(io).astype(f32)
+        scores, allowed = _with_mods(scores, allowed, score_mod, mask_mod)
         p, row_max, row_sum, empty = _masked_softmax_parts(scores, allowed)
         safe_sum = np.where(empty, 1, row_sum).astype(f32)
         probs = (p / safe_sum[..., None]).astype(io).astype(f32)
@@ -490,12 +503,13 @@ def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_d
 # -- float64 gradients ----------------------------------------------------------------------------
 
 def attention_backward_reference(dout, q, k, v, *, causal: bool = False, scale: float | None = None,
-                                 layout: str = "bhsd"):
+                                 layout: str = "bhsd", score_mod=None, mask_mod=None):
     """Gradients of :func:`attention_reference`'s output, in float64.
 
     Args:
         dout: gradient of the loss with respect to ``out``; q's shape and layout.
-        q, k, v, causal, scale, layout: as for :func:`attention_reference`.
+        q, k, v, causal, scale, layout, score_mod, mask_mod: as for :func:`attention_reference`
+            (a score_mod's derivative with respect to the score, traced as the mod is, scales dS).
 
     Returns:
         ``(dq, dk, dv)``, float64, shaped like q, k and v in ``layout``. With grouped-query
@@ -514,7 +528,8 @@ def attention_backward_reference(dout, q, k, v, *, causal: bool = False, scale: 
     ke, ve = _expand_kv_heads(kb, heads_q), _expand_kv_heads(vb, heads_q)
     allowed = _allowed(seqlen_q, seqlen_k, causal)
     with np.errstate(invalid="ignore", over="ignore"):
-        scores = (qb @ ke.swapaxes(-1, -2)) * scale
+        raw = (qb @ ke.swapaxes(-1, -2)) * scale
+        scores, allowed = _with_mods(raw, allowed, score_mod, mask_mod)
         p, _, row_sum, empty = _masked_softmax_parts(scores, allowed)
         p = np.where(empty[..., None], 0.0, p / np.where(empty, 1.0, row_sum)[..., None])
         out = p @ ve
@@ -522,6 +537,9 @@ def attention_backward_reference(dout, q, k, v, *, causal: bool = False, scale: 
         dp = dob @ ve.swapaxes(-1, -2)
         row_dot = (dob * out).sum(axis=-1, keepdims=True)
         ds = p * (dp - row_dot)
+        if score_mod is not None:
+            from .mods import score_derivative
+            ds = ds * np.where(allowed, score_derivative(raw, score_mod), 0.0)
         dq = scale * (ds @ ke)
         dk = scale * (ds.swapaxes(-1, -2) @ qb)
     group = heads_q // heads_k
@@ -532,14 +550,14 @@ def attention_backward_reference(dout, q, k, v, *, causal: bool = False, scale: 
 
 
 def attention_backward_naive(dout, q, k, v, *, causal: bool = False, scale: float | None = None,
-                             layout: str = "bhsd"):
+                             layout: str = "bhsd", score_mod=None, mask_mod=None):
     """The gradients written plainly in the input precision: the baseline of the accuracy rule
     for the backward. For a 16-bit input dtype ``T``, every matmul accumulates in float32 and
     rounds its result to ``T``:
 
     1. ``P`` and ``O`` as in :func:`attention_naive` (``P`` rounded to ``T``);
     2. ``dV = P^T dO``, ``dP = dO V^T`` and ``D = rowsum(dO * O)`` (float32);
-    3. ``dS = P * (dP - D)`` rounded to ``T``;
+    3. ``dS = P * (dP - D)`` (times the score_mod's derivative) rounded to ``T``;
     4. ``dQ = scale * (dS K)`` and ``dK = scale * (dS^T Q)``, the products rounded to ``T`` before
        the scale and after it; grouped-query sums of dK and dV in float32, then rounded.
 
@@ -561,14 +579,19 @@ def attention_backward_naive(dout, q, k, v, *, causal: bool = False, scale: floa
         return x.astype(f32).astype(io).astype(f32)
 
     with np.errstate(invalid="ignore", over="ignore"):
-        scores = rounded(rounded(qb @ ke.swapaxes(-1, -2)) * scale_io)
+        raw = rounded(rounded(qb @ ke.swapaxes(-1, -2)) * scale_io)
+        scores, allowed = _with_mods(raw, allowed, score_mod, mask_mod)
         p, _, row_sum, empty = _masked_softmax_parts(scores, allowed)
         p = rounded(np.where(empty[..., None], 0, p / np.where(empty, 1, row_sum)[..., None]))
         out = rounded(p @ ve)
         dv = p.swapaxes(-1, -2) @ dob
         dp = rounded(dob @ ve.swapaxes(-1, -2))
         row_dot = (dob * out).sum(axis=-1, keepdims=True, dtype=f32)
-        ds = rounded(p * (dp - row_dot))
+        ds = p * (dp - row_dot)
+        if score_mod is not None:
+            from .mods import score_derivative
+            ds = ds * np.where(allowed, score_derivative(raw, score_mod), 0.0).astype(f32)
+        ds = rounded(ds)
         dq = rounded(rounded(ds @ ke) * scale_io)
         dk = ds.swapaxes(-1, -2) @ qb
     group = heads_q // heads_k

@@ -1,0 +1,164 @@
+"""Attention variants written in Python: score_mod and mask_mod functions, traced to graphs.
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)          # slopes: a CuPy array captured from the scope
+
+    def sliding_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 1024)
+
+    graph = cuflash.mods.trace_score_mod(alibi)              # canonical graph; graph.digest names it
+
+A mod uses arithmetic and comparison operators, the functions of this module (``where``, ``exp``,
+``exp2``, ``log``, ``tanh``, ``sigmoid``, ``abs``, ``minimum``, ``maximum``, ``sqrt``, ``floor``),
+``&``, ``|`` and ``~`` on booleans, Python numbers (folded into the graph: a different number is a
+different specialization) and arrays it captures (their contents are read when the mod runs; their
+dtype and rank are part of the specialization). ``cuflash.reference`` evaluates a mod's graph in
+float64 (``score_mod=`` / ``mask_mod=``), so any mod is testable against the reference. Anything
+the tracer cannot translate raises TypeError naming the construct and the line of the mod.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .core import mod_codegen
+from .core import mod_grad
+from .core import trace as _trace
+from .core.trace import Graph
+
+
+def where(condition, a, b):
+    """``a`` where ``condition`` holds, else ``b`` (elementwise, like numpy.where)."""
+    return _trace.where(condition, a, b)
+
+
+def minimum(a, b):
+    return _trace.minimum(a, b)
+
+
+def maximum(a, b):
+    return _trace.maximum(a, b)
+
+
+def _unary(op: str):
+    def function(x):
+        return _trace.unary(op, x)
+    function.__name__ = op
+    function.__doc__ = f"{op} of a traced value (or a number, folded)."
+    return function
+
+
+exp = _unary("exp")
+exp2 = _unary("exp2")
+log = _unary("log")
+log2 = _unary("log2")
+tanh = _unary("tanh")
+sigmoid = _unary("sigmoid")
+sqrt = _unary("sqrt")
+floor = _unary("floor")
+abs = _unary("abs")  # noqa: A001 - the name users write, as numpy.abs
+
+
+def trace_score_mod(fn) -> Graph:
+    """The canonical graph of ``fn(score, b, h, q_idx, kv_idx) -> score``."""
+    return _trace.trace(fn, "score")
+
+
+def trace_mask_mod(fn) -> Graph:
+    """The canonical graph of ``fn(b, h, q_idx, kv_idx) -> bool``."""
+    return _trace.trace(fn, "mask")
+
+
+def cuda_source(graph: Graph) -> str:
+    """The ``__device__`` function of a traced mod (see :mod:`cuflash.core.mod_codegen`)."""
+    return mod_codegen.generate(graph)
+
+
+# -- built-in mods ---------------------------------------------------------------------------------
+
+def softcap(cap: float):
+    """The score_mod ``cap * tanh(score / cap)`` (Gemma 2's logit cap)."""
+    if not cap > 0:
+        raise ValueError(f"cap={cap!r} must be a positive number")
+
+    def softcap_mod(score, b, h, q_idx, kv_idx):
+        return cap * tanh(score / cap)
+    return softcap_mod
+
+
+def alibi(slopes):
+    """The score_mod ``score - slopes[h] * (q_idx - kv_idx)`` (BLOOM, MPT): ``slopes`` one float per
+    query head."""
+    def alibi_mod(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+    return alibi_mod
+
+
+def sliding_window(window: int, causal: bool = True):
+    """The mask_mod of a window of ``window`` keys ending at each query (and, without ``causal``,
+    as many after it)."""
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window={window!r} must be a positive integer")
+    if causal:
+        def window_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+    else:
+        def window_mod(b, h, q_idx, kv_idx):
+            return (q_idx - kv_idx < window) & (kv_idx - q_idx < window)
+    return window_mod
+
+
+def document_mask(document_ids, causal: bool = False):
+    """The mask_mod of packed documents: query and key attend when ``document_ids[b, q_idx] ==
+    document_ids[b, kv_idx]`` (int32 [batch, seqlen]; one sequence for queries and keys), and
+    with ``causal`` also q_idx >= kv_idx."""
+    if causal:
+        def document_mod(b, h, q_idx, kv_idx):
+            return (document_ids[b, q_idx] == document_ids[b, kv_idx]) & (q_idx >= kv_idx)
+    else:
+        def document_mod(b, h, q_idx, kv_idx):
+            return document_ids[b, q_idx] == document_ids[b, kv_idx]
+    return document_mod
+
+
+__all__ = ["where", "minimum", "maximum", "exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "floor", "abs",
+           "trace_score_mod", "trace_mask_mod", "cuda_source", "softcap", "alibi", "sliding_window",
+           "document_mask", "Graph"]
+
+
+# -- the reference's use ----------------------------------------------------------------------------
+
+def _graph(mod, kind: str) -> Graph:
+    if isinstance(mod, Graph):
+        if mod.kind != kind:
+            raise ValueError(f"a {mod.kind} graph was given as the {kind}_mod")
+        return mod
+    return _trace.trace(mod, kind)
+
+
+def _grids(shape) -> dict:
+    """The index symbols as NumPy grids broadcasting to [batch, heads, seqlen_q, seqlen_k]."""
+    batch, heads, seqlen_q, seqlen_k = shape
+    return {"b": np.arange(batch)[:, None, None, None], "h": np.arange(heads)[None, :, None, None],
+            "q_idx": np.arange(seqlen_q)[None, None, :, None], "kv_idx": np.arange(seqlen_k)[None, None, None, :]}
+
+
+def apply_to_scores(scores, allowed, score_mod=None, mask_mod=None):
+    """``(scores, allowed)`` with the mods evaluated on index grids in the scores' precision:
+    ``scores`` [batch, heads, seqlen_q, seqlen_k] (floating), ``allowed`` a boolean mask that
+    broadcasts to it; the mask_mod's mask is and-ed in."""
+    grids = _grids(scores.shape)
+    if score_mod is not None:
+        graph = _graph(score_mod, "score")
+        scores = np.broadcast_to(_trace.evaluate(graph, dict(grids, score=scores), float_dtype=scores.dtype),
+                                 scores.shape).astype(scores.dtype)
+    if mask_mod is not None:
+        graph = _graph(mask_mod, "mask")
+        allowed = np.logical_and(allowed, np.broadcast_to(_trace.evaluate(graph, grids), scores.shape))
+    return scores, allowed
+
+
+def score_derivative(scores, score_mod):
+    """d(score_mod)/d(score) at ``scores`` [batch, heads, seqlen_q, seqlen_k], in their precision."""
+    graph = mod_grad.derivative(_graph(score_mod, "score"))
+    value = _trace.evaluate(graph, dict(_grids(scores.shape), score=scores), float_dtype=scores.dtype)
+    return np.broadcast_to(value, scores.shape).astype(scores.dtype)

@@ -1,0 +1,269 @@
+"""Mods without a GPU: tracing to canonical graphs, the named errors of what cannot be traced, the
+float64 reference of modded attention and its gradients, and the generated CUDA compiling."""
+import math
+
+import numpy as np
+import pytest
+
+from cuflash import mods, reference
+from cuflash.core import mod_grad, trace
+
+RNG = np.random.default_rng(0)
+
+
+def _qkv(batch=2, heads=4, heads_k=2, seqlen_q=33, seqlen_k=47, head_dim=16):
+    return (RNG.standard_normal((batch, heads, seqlen_q, head_dim)), RNG.standard_normal((batch, heads_k, seqlen_k, head_dim)),
+            RNG.standard_normal((batch, heads_k, seqlen_k, head_dim)))
+
+
+def _plain(q, k, v, scores_fn=None, allowed_fn=None, scale=None):
+    """Attention written out with explicit NumPy arrays: the reference the mods must match."""
+    heads = q.shape[1]
+    k, v = (np.repeat(x, heads // x.shape[1], axis=1) for x in (k, v))
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = q @ k.swapaxes(-1, -2) * scale
+    if scores_fn is not None:
+        s = scores_fn(s)
+    allowed = np.ones(s.shape, bool) if allowed_fn is None else np.broadcast_to(allowed_fn(s.shape), s.shape)
+    s = np.where(allowed, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    p = np.exp(s - m)
+    total = p.sum(-1, keepdims=True)
+    out = np.where(total > 0, p / np.where(total > 0, total, 1) @ v, 0)
+    lse = np.where(total[..., 0] > 0, np.log(np.where(total[..., 0] > 0, total[..., 0], 1)) + m[..., 0], -np.inf)
+    return out, lse
+
+
+def _grids(shape):
+    b, h, sq, sk = shape
+    return (np.arange(b)[:, None, None, None], np.arange(h)[None, :, None, None], np.arange(sq)[None, None, :, None],
+            np.arange(sk)[None, None, None, :])
+
+
+# -- tracing ----------------------------------------------------------------------------------------
+
+def test_the_same_expression_gives_the_same_graph():
+    def a(score, b, h, q_idx, kv_idx):
+        return score * 2.0 + (q_idx - kv_idx)
+
+    def b_(score, b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx) + 2.0 * score
+
+    assert mods.trace_score_mod(a).digest == mods.trace_score_mod(a).digest == mods.trace_score_mod(b_).digest
+    assert mods.trace_score_mod(mods.softcap(30.0)).digest != mods.trace_score_mod(mods.softcap(20.0)).digest
+    # a captured array's dtype and rank are part of the graph, its contents are not
+    one, two = (mods.trace_score_mod(mods.alibi(np.full(4, x, np.float32))) for x in (0.5, 0.25))
+    wide = mods.trace_score_mod(mods.alibi(np.full(4, 0.5, np.float16)))
+    assert one.digest == two.digest != wide.digest
+    assert one.array_signature == (("float32", 1),)
+
+
+def test_numbers_fold_and_types_follow_python():
+    graph = mods.trace_score_mod(lambda s, b, h, q, k: s * (2 * 3 - 1.5))
+    assert [n.args for n in graph.nodes if n.op == "const"] == [(4.5,)]
+    graph = mods.trace_mask_mod(lambda b, h, q, k: (q // 2) % 3 == k / 2)
+    ops = {n.op: n.dtype for n in graph.nodes}
+    assert ops["floordiv"] == "int" and ops["mod"] == "int" and ops["div"] == "float" and ops["eq"] == "bool"
+
+
+def _line_of(fn, text):
+    import inspect
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_python_control_flow_is_named_with_its_line():
+    def with_if(score, b, h, q_idx, kv_idx):
+        if score > 0:
+            return score
+        return -score
+
+    with pytest.raises(TypeError, match=r"if, and, or, not and bool\(\).*where") as exc:
+        mods.trace_score_mod(with_if)
+    assert f":{_line_of(with_if, 'if score > 0')}:" in str(exc.value) and "if score > 0" in str(exc.value)
+
+    def with_and(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx and kv_idx > 3
+
+    with pytest.raises(TypeError, match="if, and, or") as exc:
+        mods.trace_mask_mod(with_and)
+    assert "with_and" in str(exc.value)
+
+    def with_loop(score, b, h, q_idx, kv_idx):
+        for i in range(q_idx):
+            score = score + i
+        return score
+
+    with pytest.raises(TypeError, match="Python index or length"):
+        mods.trace_score_mod(with_loop)
+
+
+def test_functions_from_outside_the_mods_are_named():
+    with pytest.raises(TypeError, match="math.*cuflash.mods"):
+        mods.trace_score_mod(lambda s, b, h, q, k: math.tanh(s))
+    with pytest.raises(TypeError, match="numpy.exp"):
+        mods.trace_score_mod(lambda s, b, h, q, k: np.exp(s))
+
+    class Holder:
+        bias = np.zeros(8, np.float32)
+
+    holder = Holder()
+    with pytest.raises(TypeError, match="did not capture"):
+        mods.trace_score_mod(lambda s, b, h, q, k: s + holder.bias[h])
+
+
+def test_bad_arrays_indices_and_results_are_named():
+    table = np.zeros((4, 8), np.float32)
+    with pytest.raises(IndexError, match="table has 2 dims and is indexed with 1"):
+        mods.trace_score_mod(lambda s, b, h, q, k: s + table[h])
+    with pytest.raises(IndexError, match="index 9 is out of bounds for dim 1 of size 8"):
+        mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, 9])
+    with pytest.raises(TypeError, match="index 1 is a float"):
+        mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, s])
+    wide = np.zeros(8, np.int64)
+    with pytest.raises(TypeError, match="'wide' has dtype int64"):
+        mods.trace_score_mod(lambda s, b, h, q, k: s + wide[q])
+    with pytest.raises(TypeError, match="returns a boolean"):
+        mods.trace_mask_mod(lambda b, h, q, k: q - k)
+    with pytest.raises(TypeError, match="returned a boolean"):
+        mods.trace_score_mod(lambda s, b, h, q, k: q > k)
+    with pytest.raises(TypeError, match=r"takes \(b, h, q_idx, kv_idx\)"):
+        mods.trace_mask_mod(lambda q, k: q > k)
+    with pytest.raises(TypeError, match="booleans only"):
+        mods.trace_mask_mod(lambda b, h, q, k: (q > k) & 3)
+    reads_far = mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, q])  # in bounds only for q < 8
+    with pytest.raises(IndexError, match="table.*dim 1, whose size is 8"):
+        reference.attention_reference(*_qkv(heads=4, heads_k=4, seqlen_q=12, seqlen_k=12), score_mod=reads_far)
+
+
+# -- the reference ----------------------------------------------------------------------------------
+
+def test_builtin_and_user_mods_against_plain_numpy():
+    q, k, v = _qkv()
+    slopes = RNG.uniform(0.1, 1.0, 4).astype(np.float32)
+    cases = [
+        (dict(score_mod=mods.softcap(3.0)), lambda s: 3.0 * np.tanh(s / 3.0), None),
+        (dict(score_mod=mods.alibi(slopes)),
+         lambda s: s - slopes.astype(np.float64)[None, :, None, None] * (np.arange(33)[:, None] - np.arange(47)),
+         None),
+        (dict(mask_mod=mods.sliding_window(8)), None,
+         lambda shape: (lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 8))(*_grids(shape))),
+    ]
+    for kwargs, scores_fn, allowed_fn in cases:
+        out, lse = reference.attention_reference(q, k, v, **kwargs)
+        want_out, want_lse = _plain(q, k, v, scores_fn, allowed_fn)
+        assert np.allclose(out, want_out, atol=1e-12) and np.allclose(lse, want_lse, atol=1e-12), kwargs
+
+
+def test_a_relative_position_table_and_a_document_mask():
+    q, k, v = _qkv(batch=2, heads=4, heads_k=4, seqlen_q=40, seqlen_k=40)
+    bias = RNG.standard_normal((4, 2 * 40 - 1)).astype(np.float32)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx - kv_idx + 39]
+
+    lengths = [[7, 20, 13], [40]]
+    doc = np.stack([np.repeat(np.arange(len(ls)), ls) for ls in lengths]).astype(np.int32)
+    out, lse = reference.attention_reference(q, k, v, score_mod=relative, mask_mod=mods.document_mask(doc, causal=True))
+    b, h, qi, ki = _grids((2, 4, 40, 40))
+    want = _plain(q, k, v, lambda s: s + bias.astype(np.float64)[h, qi - ki + 39],
+                  lambda shape: (doc[b, qi] == doc[b, ki]) & (qi >= ki))
+    assert np.allclose(out, want[0], atol=1e-12) and np.allclose(lse, want[1], atol=1e-12)
+
+
+def test_fully_masked_rows_give_zero_and_minus_infinity():
+    q, k, v = _qkv(heads=2, heads_k=2, seqlen_q=20, seqlen_k=20)
+
+    def late_keys(b, h, q_idx, kv_idx):  # rows 0..4 see nothing, the others a window, composed with &
+        return (kv_idx >= 5) & (q_idx >= 5) & mods.sliding_window(4)(b, h, q_idx, kv_idx)
+
+    out, lse = reference.attention_reference(q, k, v, mask_mod=late_keys)
+    assert np.all(out[:, :, :5] == 0) and np.all(lse[:, :, :5] == -np.inf) and np.isfinite(lse[:, :, 5:]).all()
+    grads = reference.attention_backward_reference(RNG.standard_normal(q.shape), q, k, v, mask_mod=late_keys)
+    assert np.all(grads[0][:, :, :5] == 0) and all(np.isfinite(g).all() for g in grads)
+
+
+def test_gradients_of_modded_attention_against_finite_differences():
+    q, k, v = _qkv(batch=1, heads=2, heads_k=1, seqlen_q=9, seqlen_k=11, head_dim=8)
+    dout = RNG.standard_normal(q.shape)
+    slopes = np.array([0.3, 0.7], np.float32)
+
+    def softcap_alibi(score, b, h, q_idx, kv_idx):
+        return 2.0 * mods.tanh(score / 2.0) - slopes[h] * mods.abs(q_idx - kv_idx)
+
+    options = dict(score_mod=softcap_alibi, mask_mod=mods.sliding_window(6))
+    grads = reference.attention_backward_reference(dout, q, k, v, **options)
+    for which, x in enumerate((q, k, v)):
+        for index in ((0, 0, 3, 2), (0, 0, 7, 5)):
+            saved, eps = x[index], 1e-6
+            x[index] = saved + eps
+            plus = (reference.attention_reference(q, k, v, **options)[0] * dout).sum()
+            x[index] = saved - eps
+            minus = (reference.attention_reference(q, k, v, **options)[0] * dout).sum()
+            x[index] = saved
+            assert grads[which][index] == pytest.approx((plus - minus) / (2 * eps), rel=1e-5, abs=1e-8)
+
+
+def test_the_naive_baseline_takes_mods_too():
+    q, k, v = (x.astype(np.float16) for x in _qkv(heads=2, heads_k=2))
+    out, lse = reference.attention_naive(q, k, v, score_mod=mods.softcap(5.0), mask_mod=mods.sliding_window(10))
+    ref, ref_lse = reference.attention_reference(q, k, v, score_mod=mods.softcap(5.0), mask_mod=mods.sliding_window(10))
+    assert out.dtype == np.float16 and np.abs(out.astype(np.float64) - ref).max() < 1e-2
+    grads = reference.attention_backward_naive(q, q, k, v, score_mod=mods.softcap(5.0))
+    assert all(g.dtype == np.float16 for g in grads)
+
+
+def test_derivative_graphs_against_finite_differences():
+    scores = np.linspace(-3.9, 3.9, 14) + 0.013  # away from the branch points
+
+    def mod(score, b, h, q_idx, kv_idx):
+        x = mods.where(score > 1.0, mods.exp(score / 4.0), mods.sigmoid(score) * 3.0)
+        return mods.maximum(x, -1.0) + mods.sqrt(score * score + 1.0) - score ** 2 / 7.0
+
+    graph = mods.trace_score_mod(mod)
+    inputs = dict(b=0, h=0, q_idx=0, kv_idx=0)
+    d = trace.evaluate(mod_grad.derivative(graph), dict(inputs, score=scores))
+    eps = 1e-6
+    numeric = (trace.evaluate(graph, dict(inputs, score=scores + eps))
+               - trace.evaluate(graph, dict(inputs, score=scores - eps))) / (2 * eps)
+    assert np.allclose(d, numeric, rtol=1e-5, atol=1e-7)
+
+
+# -- the generated CUDA ---------------------------------------------------------------------------------
+
+def test_the_generated_functions_compile():
+    """Every mod above, and one of each operator, as __device__ functions called by a kernel,
+    compiled by NVRTC for sm_90a (no GPU needed)."""
+    pytest.importorskip("cupy")
+    from cupy.cuda import nvrtc
+
+    table = np.zeros((4, 8), np.float16)
+    doc = np.zeros((2, 64), np.int32)
+    flags = np.zeros(64, np.bool_)
+
+    def everything(score, b, h, q_idx, kv_idx):
+        x = mods.exp2(score) + mods.log(mods.abs(score) + 1) - mods.floor(score) * mods.tanh(score)
+        y = mods.minimum(q_idx // 3, kv_idx % 5) + mods.maximum(-q_idx, kv_idx) - abs(h - 1)
+        z = mods.where(flags[kv_idx] | ~(doc[b, q_idx] == doc[b, kv_idx]), x, score / (1 + y))
+        return z + table[h, kv_idx % 8] + float("-inf") * 0 + mods.sqrt(score * score) ** 0.5
+
+    graphs = [mods.trace_score_mod(f) for f in (everything, mods.softcap(30.0), mods.alibi(np.zeros(4, np.float32)))]
+    graphs += [mods.trace_mask_mod(f) for f in (mods.sliding_window(128), mods.document_mask(doc, causal=True))]
+    graphs.append(mod_grad.derivative(graphs[0]))
+    source = "".join(mods.cuda_source(g) for g in graphs)
+    calls = []
+    for g in graphs:
+        name = f"cuflash_{g.kind}_mod_{g.digest}"
+        arguments = "1.5f, 1, 2, 3, 4" if g.kind != "mask" else "1, 2, 3, 4"
+        calls.append(f"{{ {name}_arrays a{len(calls)} = {{}}; out[{len(calls)}] = (float){name}({arguments}, a{len(calls)}); }}")
+    source += "extern \"C\" __global__ void probe(float* out) {\n" + "\n".join(calls) + "\n}\n"
+    program = nvrtc.createProgram(source, "mods.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, ["--gpu-architecture=sm_90a", "-std=c++17",
+                                           "--device-as-default-execution-space"])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(program) + "\n" + source)
+    finally:
+        nvrtc.destroyProgram(program)
