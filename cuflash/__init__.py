@@ -21,9 +21,10 @@ _PUBLIC = {
     "CompileError": "cuflash.core.compile", "compile_offline": "cuflash.core.compile", "warmup": "cuflash.core.compile",
     "quantize_fp8": "cuflash.fp8", "dequantize_fp8": "cuflash.fp8", "random_rotation": "cuflash.fp8",
     "prepare_v": "cuflash.fp8", "PreparedV": "cuflash.fp8",
+    "merge_states": "cuflash.serving",
 }
 #: Public submodules.
-_SUBMODULES = ("reference", "testing")
+_SUBMODULES = ("reference", "testing", "mods")
 
 __all__ = [*_PUBLIC, *_SUBMODULES, "__version__"]
 
