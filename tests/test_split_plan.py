@@ -161,3 +161,47 @@ def test_pack_params_fills_every_field():
     assert (p["dp_tiles"], p["shares"], p["share_units"]) == (7, 5, 3)
     for name, d in (("q_tiles", 3), ("heads", 12), ("group", 3)):
         assert (p[f"{name}_magic"], p[f"{name}_shifts"]) == launch.divider(d)
+
+
+def test_launch_plans_write_the_five_pointers_and_reencode_maps_only_for_new_ones(monkeypatch):
+    """launch.LaunchPlan on stand-ins (no GPU): each launch's parameter block is pack_params' for
+    that call's arrays; the tensor maps are encoded again only when q, k, v or o move."""
+    from types import SimpleNamespace
+
+    from cuflash.core import tma
+
+    def array(ptr):
+        return SimpleNamespace(data=SimpleNamespace(ptr=ptr))
+
+    encoded = []
+    monkeypatch.setattr(tma, "forward_maps", lambda spec, problem, q, k, v: encoded.append(("qkv", q.data.ptr)) or
+                        f"maps{q.data.ptr:x}")
+    monkeypatch.setattr(tma, "output_map", lambda problem, out, strides, tag: encoded.append(("o", out.data.ptr)) or
+                        f"omap{out.data.ptr:x}")
+    monkeypatch.setattr(launch, "_tile_counter", lambda key: array(0x600))
+    monkeypatch.setattr(launch, "_stream_key", lambda device_id: (0, 0))
+    launched = []
+    kernel = lambda grid, block, args, shared_mem: launched.append((grid, block, args, shared_mem))  # noqa: E731
+    problem = _problem(128, 2048, causal=True)
+    spec = default_spec(128, "bf16", True, "sm90a", seqlen=2048)
+    assert spec.warp_specialized and spec.tma_store
+    strides = (1, 2, 3)
+    plan = launch.LaunchPlan(kernel, spec, problem, array(0x10), array(0x20), array(0x30), array(0x40), array(0x50),
+                             strides)
+    for q, o in ((0x10, 0x40), (0x10, 0x40), (0x1000, 0x40), (0x1000, 0x4000)):
+        plan.launch(array(q), array(0x20), array(0x30), array(o), array(0x50))
+        block = launch.pack_params(problem, array(q), array(0x20), array(0x30), array(o), array(0x50), strides,
+                                   0x600, None, launch.split_plan(spec, problem), (0, 0),
+                                   -(-problem.seqlen_q // spec.block_m), launch.band_heads(spec, problem))
+        grid, threads, args, smem = launched[-1]
+        assert args[0].tobytes() == block.tobytes() and args[1:] == (f"maps{q:x}", f"omap{o:x}")
+        assert (grid, threads, smem) == (launch.grid(spec, problem), (spec.threads, 1, 1), spec.smem_bytes)
+    assert encoded == [("qkv", 0x10), ("o", 0x40), ("qkv", 0x1000), ("o", 0x4000)]
+    # the portable family: no maps, the block of launch()'s full path
+    portable = default_spec(64, "fp16", False, "sm80")
+    small = _problem(64, 1024)
+    plan = launch.LaunchPlan(kernel, portable, small, *(array(p) for p in (1, 2, 3, 4, 5)), strides)
+    plan.launch(*(array(p) for p in (16, 32, 48, 64, 80)))
+    assert launched[-1][2][0].tobytes() == launch.pack_params(small, *(array(p) for p in (16, 32, 48, 64, 80)),
+                                                              strides).tobytes()
+    assert len(launched[-1][2]) == 1

@@ -194,7 +194,7 @@ class LaunchPlan:
     which each call writes. It keeps the per-stream buffers its block points to alive."""
 
     __slots__ = ("spec", "problem", "kernel", "grid", "block", "smem", "template", "out_strides", "buffers",
-                 "maps_ptrs", "maps", "out_map_ptr", "out_map")
+                 "maps", "out_map")
 
     def __init__(self, kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides,
                  scales: Fp8Scales | None = None):
@@ -217,7 +217,8 @@ class LaunchPlan:
         self.template = pack_params(problem, q, k, v, out, lse, out_strides, counter, scales, plan, split,
                                     q_tiles, band).tobytes()
         self.grid = grid(spec, problem, plan)
-        self.maps_ptrs = self.maps = self.out_map_ptr = self.out_map = None
+        # (pointers, encoded maps) of the last call, read and replaced as one object (threads share plans)
+        self.maps = self.out_map = (None, None)
 
     def launch(self, q, k, v, out, lse) -> None:
         """Launch on the current CuPy stream with these arrays (shaped and strided as the plan's)."""
@@ -226,17 +227,19 @@ class LaunchPlan:
         args = (np.frombuffer(raw, dtype=_PARAMS),)
         spec = self.spec
         if spec.warp_specialized:
-            ptrs = (q.data.ptr, k.data.ptr, v.data.ptr)
-            if ptrs != self.maps_ptrs:
+            ptrs, maps = self.maps
+            if ptrs != (q.data.ptr, k.data.ptr, v.data.ptr):
                 from .tma import forward_maps
-                self.maps, self.maps_ptrs = forward_maps(spec, self.problem, q, k, v), ptrs
-            args += (self.maps,)
+                maps = forward_maps(spec, self.problem, q, k, v)
+                self.maps = ((q.data.ptr, k.data.ptr, v.data.ptr), maps)
+            args += (maps,)
             if spec.tma_store:
-                if out.data.ptr != self.out_map_ptr:
+                ptr, out_map = self.out_map
+                if ptr != out.data.ptr:
                     from .tma import output_map
-                    self.out_map = output_map(self.problem, out, self.out_strides, spec.out_dtype)
-                    self.out_map_ptr = out.data.ptr
-                args += (self.out_map,)
+                    out_map = output_map(self.problem, out, self.out_strides, spec.out_dtype)
+                    self.out_map = (out.data.ptr, out_map)
+                args += (out_map,)
         self.kernel(self.grid, self.block, args, shared_mem=self.smem)
 
 
