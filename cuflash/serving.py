@@ -14,15 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .fp8 import _xp
+
 LAYOUTS = ("bhsd", "bshd")
-
-
-def _xp(x):
-    if type(x).__module__.split(".")[0] == "cupy":
-        import cupy
-        return cupy
-    import numpy
-    return numpy
 
 
 def merge_states(outs: Sequence, lses: Sequence, *, layout: str = "bhsd"):

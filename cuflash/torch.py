@@ -14,6 +14,7 @@ imports it.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -93,15 +94,11 @@ def _torch_free(ptr: int, device_id: int) -> None:
         pass
 
 
-_allocators: dict = {}
-
-
+@functools.lru_cache(maxsize=1)
 def _allocator():
-    allocator = _allocators.get("torch")
-    if allocator is None:
-        import cupy
-        allocator = _allocators["torch"] = cupy.cuda.memory.PythonFunctionAllocator(_torch_malloc, _torch_free).malloc
-    return allocator
+    """CuPy's allocations through torch's caching allocator (made once)."""
+    import cupy
+    return cupy.cuda.memory.PythonFunctionAllocator(_torch_malloc, _torch_free).malloc
 
 
 _streams: dict = {}

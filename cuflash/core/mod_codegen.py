@@ -58,7 +58,8 @@ def _literal(value, dtype: str) -> str:
     if dtype == BOOL:
         return "true" if value else "false"
     if dtype == INT:
-        return f"({int(value)})" if value >= 0 else f"({int(value) + 1} - 1)"
+        # -2147483648 is no int literal in C++ (the minus applies to a value int cannot hold)
+        return "(-2147483647 - 1)" if value == -2**31 else f"({int(value)})"
     if math.isnan(value):
         return "__int_as_float(0x7fc00000)"
     if math.isinf(value):
