@@ -21,7 +21,8 @@ _PUBLIC = {
     "CompileError": "cuflash.core.compile", "compile_offline": "cuflash.core.compile", "warmup": "cuflash.core.compile",
     "quantize_fp8": "cuflash.fp8", "dequantize_fp8": "cuflash.fp8", "random_rotation": "cuflash.fp8",
     "prepare_v": "cuflash.fp8", "PreparedV": "cuflash.fp8",
-    "merge_states": "cuflash.serving",
+    "merge_states": "cuflash.serving", "attention_with_kvcache_reference": "cuflash.serving",
+    "attention_with_kvcache": "cuflash.kvcache", "DecodeSpec": "cuflash.core.decode_spec",
 }
 #: Public submodules.
 _SUBMODULES = ("reference", "testing", "mods")

@@ -78,4 +78,64 @@ def merge_states(outs: Sequence, lses: Sequence, *, layout: str = "bhsd"):
     return out.astype(first.dtype), lse
 
 
-__all__ = ["merge_states"]
+def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, page_table=None,
+                                     causal=True, scale=None, fp8_format=None, k_descale=None, v_descale=None,
+                                     naive=False):
+    """What :func:`cuflash.attention_with_kvcache` computes, on NumPy arrays (CuPy arrays are
+    copied to the host): the new keys appended to copies of the caches, then each sequence's
+    attention over its keys, in float64 (``naive=True``: :func:`cuflash.reference.attention_naive`
+    in q's precision, the FP8 cache's values rounded to it).
+
+    Returns ``(out, lse, k_cache, v_cache)``: the output in q's layout [batch, seqlen_q, heads,
+    head_dim], the LSE [batch, heads, seqlen_q], and the caches after the append (codes for an
+    FP8 cache). A sequence whose length passes the capacity gets NaN rows and no new keys."""
+    import numpy as np
+
+    from . import fp8, reference
+    from .testing import to_numpy
+
+    q = to_numpy(q)
+    k_cache, v_cache = to_numpy(k_cache).copy(), to_numpy(v_cache).copy()
+    lens = np.broadcast_to(np.asarray(to_numpy(cache_seqlens), dtype=np.int64), (q.shape[0],))
+    table = None if page_table is None else to_numpy(page_table).astype(np.int64)
+    batch, seqlen_q, heads, head_dim = q.shape
+    page_size = k_cache.shape[1]
+    capacity = page_size * (table.shape[1] if table is not None else 1)
+    seqlen_new = 0 if k_new is None else k_new.shape[1]
+    k_new = None if k_new is None else to_numpy(k_new)
+    v_new = None if v_new is None else to_numpy(v_new)
+
+    def where(b, j):
+        j = np.asarray(j)
+        return (table[b, j // page_size], j % page_size) if table is not None else (np.full_like(j, b), j)
+
+    def values(codes, descale):
+        """[keys, heads_k, head_dim] codes or values -> float64 values."""
+        if fp8_format is None:
+            return codes.astype(np.float64)
+        factor = np.ones(1) if descale is None else np.asarray(to_numpy(descale), dtype=np.float64).reshape(-1)
+        return fp8.from_fp8_bits(codes.view(np.uint8), fp8_format).astype(np.float64) * factor[None, :, None]
+
+    out_dtype = np.float64 if not naive else q.dtype
+    out = np.zeros(q.shape, dtype=np.float64)
+    lse = np.zeros((batch, heads, seqlen_q), dtype=np.float64)
+    for b in range(batch):
+        old = int(lens[b])
+        if old < 0 or old + seqlen_new > capacity:
+            out[b], lse[b] = np.nan, np.nan
+            continue
+        if seqlen_new:
+            page, row = where(b, np.arange(old, old + seqlen_new))
+            k_cache[page, row], v_cache[page, row] = k_new[b], v_new[b]
+        page, row = where(b, np.arange(old + seqlen_new))
+        ks = values(k_cache[page, row], k_descale)[None], values(v_cache[page, row], v_descale)[None]
+        if naive:
+            kk, vv = (x.astype(q.dtype) for x in ks)
+            o, l = reference.attention_naive(q[b:b + 1], kk, vv, causal=causal, scale=scale, layout="bshd")
+        else:
+            o, l = reference.attention_reference(q[b:b + 1], *ks, causal=causal, scale=scale, layout="bshd")
+        out[b], lse[b] = o[0], l[0]
+    return out.astype(out_dtype), lse.astype(np.float32 if naive else np.float64), k_cache, v_cache
+
+
+__all__ = ["merge_states", "attention_with_kvcache_reference"]

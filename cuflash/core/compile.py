@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .render import generate, headers_digest, include_dir
 from .bwd_spec import BwdSpec
+from .decode_spec import DecodeSpec
 from .spec import KernelSpec, arch_from_capability, nvrtc_arch
 
 
@@ -112,7 +113,8 @@ stats = {"loads": 0}
 
 def get_kernel(spec: KernelSpec | BwdSpec, device_id: int):
     """The loaded kernel of ``spec`` on a device, compiled (or read from disk) once per process;
-    for a :class:`BwdSpec`, the tuple of its kernels in ``spec.kernel_names`` order."""
+    for a :class:`BwdSpec` or :class:`DecodeSpec`, the tuple of its kernels in
+    ``spec.kernel_names`` order."""
     key = (spec, device_id)
     kernel = _memo.get(key)
     if kernel is not None:
@@ -133,8 +135,9 @@ def _load(spec):
     options = compile_options(spec)
     module = cupy.RawModule(code=source, options=options)
     backward = isinstance(spec, BwdSpec)
-    names = spec.kernel_names if backward else (spec.name,)
-    smem = (0, spec.smem_bytes, spec.dq_smem_bytes) if backward else (spec.smem_bytes,)
+    several = backward or isinstance(spec, DecodeSpec)
+    names = spec.kernel_names if several else (spec.name,)
+    smem = (0, spec.smem_bytes, spec.dq_smem_bytes) if backward else (spec.smem_bytes, 0, 0)
     try:
         kernels = tuple(module.get_function(name) for name in names)  # RawModule compiles lazily, here
     except CompileException as exc:
@@ -142,7 +145,7 @@ def _load(spec):
     for kernel, size in zip(kernels, smem):
         if size > 48 * 1024:
             kernel.max_dynamic_shared_size_bytes = size
-    kernel = kernels if backward else kernels[0]
+    kernel = kernels if several else kernels[0]
     stats["loads"] += 1
     _record(spec)
     return kernel

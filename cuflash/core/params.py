@@ -58,8 +58,33 @@ BWD_PARAM_FIELDS = (
     ("rows_padded", "int", "i4"), ("scale", "float", "f4"), ("scale_log2", "float", "f4"), ("_pad", "int", "i4"),
 )
 
+#: The KV-cache kernels' parameter block (decode.cuh; same conventions). Cache strides are in
+#: elements; k_batch_stride / v_batch_stride step over sequences, or with a page table over pages.
+#: The partials of a split launch are float32 [splits, batch, heads, seqlen_q, head_dim] and
+#: [splits, batch, heads, seqlen_q].
+DECODE_PARAM_FIELDS = (
+    ("q", "const void*", "u8"), ("k_cache", "const void*", "u8"), ("v_cache", "const void*", "u8"),
+    ("k_new", "const void*", "u8"), ("v_new", "const void*", "u8"),
+    ("out", "void*", "u8"), ("lse", "float*", "u8"), ("o_part", "float*", "u8"), ("lse_part", "float*", "u8"),
+    ("page_table", "const int*", "u8"), ("cache_seqlens", "const int*", "u8"),
+    # FP8 caches: descales per kv head (descale_head_stride 1) or per tensor (0); null: 1
+    ("k_descale", "const float*", "u8"), ("v_descale", "const float*", "u8"),
+) + tuple(
+    (f"{t}_{s}_stride", "long long", "i8") for t in ("q", "k", "v", "kn", "vn", "o") for s in ("batch", "row", "head")
+) + (
+    ("batch", "int", "i4"), ("heads", "int", "i4"), ("heads_k", "int", "i4"), ("group", "int", "i4"),
+    ("seqlen_q", "int", "i4"), ("seqlen_new", "int", "i4"),
+    ("capacity", "int", "i4"),        # keys one sequence's cache holds
+    ("page_size", "int", "i4"), ("page_shift", "int", "i4"),  # log2(page_size), or -1
+    ("num_pages", "int", "i4"), ("page_table_stride", "int", "i4"),
+    ("num_splits", "int", "i4"), ("causal", "int", "i4"), ("descale_head_stride", "int", "i4"),
+    ("scale_log2", "float", "f4"),    # softmax scale * log2(e) (e4m3: times 2^8)
+    ("out_scale", "float", "f4"),     # the output's factor (e4m3: 2^8)
+)
+
 _FORMATS = {"u8": "Q", "i8": "q", "u4": "I", "i4": "i", "f4": "f"}
 
-#: Packers of the forward and backward parameter blocks (little-endian, no padding).
+#: Packers of the forward, backward and KV-cache parameter blocks (little-endian, no padding).
 FORWARD_STRUCT = struct.Struct("<" + "".join(_FORMATS[fmt] for _, _, fmt in PARAM_FIELDS))
 BACKWARD_STRUCT = struct.Struct("<" + "".join(_FORMATS[fmt] for _, _, fmt in BWD_PARAM_FIELDS))
+DECODE_STRUCT = struct.Struct("<" + "".join(_FORMATS[fmt] for _, _, fmt in DECODE_PARAM_FIELDS))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from . import dtypes
 from .bwd_spec import BWD_WGMMA_HEAD_DIMS, BwdSpec
+from .decode_spec import QUERY_DTYPES, DecodeSpec
 from .spec import FAMILIES, HEAD_DIMS, SMEM_LIMIT, KernelSpec, tiles_head_dim
 
 # -- what selects a row ---------------------------------------------------------------------------
@@ -212,6 +213,53 @@ WHOLE_TILES_MAX_SEQLEN_K_16BIT = 1024
 BAND_BYTES = 16 << 20
 BAND_SHORT_BYTES, BAND_SHORT_SEQLEN = 4 << 20, 512
 
+
+
+# -- KV-cache attention (cuflash.kvcache) ----------------------------------------------------------
+
+#: Keys per tile of the KV-cache kernel: 16 per key group when the 4 warps take 16 rows, and 64
+#: keys for the 16 rows of each warp when they take 64.
+DECODE_BLOCK_N = 64
+#: Head dims over 128 with 64 rows per block: half the keys per tile, or the output and the scores
+#: of a warp's 16 rows spill.
+DECODE_WIDE_BLOCK_N = 32
+
+#: Shared memory one KV-cache block may take, so that two blocks share a multiprocessor (their
+#: cp.async rings keep enough bytes in flight for the memory bandwidth); the stages fill it.
+DECODE_SMEM_BUDGET = 112 * 1024
+DECODE_MAX_STAGES = 4
+
+#: Splits of the key range: enough blocks for this many per multiprocessor, and at least this
+#: many key tiles per split (the merge's reads stay small beside the cache's).
+DECODE_BLOCKS_PER_SM = 2
+DECODE_MIN_TILES_PER_SPLIT = 4
+
+
+def decode_warps_m(rows: int) -> int:
+    """Row groups of 16 per block for `rows` query rows per kv head (tokens x grouped heads)."""
+    return 1 if rows <= 16 else 2 if rows <= 32 else 4
+
+
+def decode_spec(head_dim: int, dtype: str, cache_dtype: str, paged: bool, rows: int, arch: str):
+    """The KV-cache specialization for one problem class; stages fill DECODE_SMEM_BUDGET."""
+    warps_m = decode_warps_m(rows)
+    block_n = DECODE_WIDE_BLOCK_N if head_dim > 128 and warps_m == 4 else DECODE_BLOCK_N
+    spec = DecodeSpec(head_dim, dtype, cache_dtype, paged, warps_m, block_n, 2, arch)
+    stages = (DECODE_SMEM_BUDGET - spec.smem_stages) // spec.stage_bytes
+    return replace(spec, num_stages=max(2, min(DECODE_MAX_STAGES, stages)))
+
+
+def decode_splits(blocks: int, key_tiles: int, sms: int, blocks_per_sm: int) -> int:
+    """Splits of the key range for `blocks` blocks without splits over sequences of up to
+    `key_tiles` tiles: none when the blocks fill the multiprocessors' slots, else the fewest
+    splits whose blocks fill the slots' waves best."""
+    slots = sms * blocks_per_sm
+    most = max(1, min(128, key_tiles // DECODE_MIN_TILES_PER_SPLIT))
+    if blocks >= slots or most == 1:
+        return 1
+    def fill(s):
+        return blocks * s / (-(-blocks * s // slots) * slots)
+    return max(range(1, most + 1), key=lambda s: (round(fill(s), 3), -s))
 
 # -- tuned tables ------------------------------------------------------------------------------------
 
@@ -462,3 +510,11 @@ def all_default_bwd_specs(arch: str, dtype_tags=None, causal=(False, True), dete
     tags = dtype_tags or list(dtypes.DTYPES)
     return list(dict.fromkeys(default_bwd_spec(d, t, c, arch, det) for t in tags for d in HEAD_DIMS
                               for c in causal for det in deterministic))
+
+
+def all_decode_specs(arch: str = "sm90a") -> list[DecodeSpec]:
+    """The default KV-cache specialization of every head dim, dtype, cache dtype, paging and row
+    tile on a target (the set the offline compiles and the pinned sources cover)."""
+    return list(dict.fromkeys(
+        decode_spec(d, t, c, paged, rows, arch) for d in HEAD_DIMS for t in QUERY_DTYPES for c in (t, "e4m3", "e5m2")
+        if not (c in ("e4m3", "e5m2") and d % 16) for paged in (False, True) for rows in (16, 32, 64)))

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from . import dtypes
 from .bwd_spec import BwdSpec
-from .params import BWD_PARAM_FIELDS, PARAM_FIELDS
+from .decode_spec import MAX_SPLITS, DecodeSpec
+from .params import BWD_PARAM_FIELDS, DECODE_PARAM_FIELDS, PARAM_FIELDS
 from .spec import KernelSpec, nvrtc_arch
 
 
@@ -61,9 +62,13 @@ _HEADERS = {"mma": "fwd_mma.cuh", "wgmma": "fwd_wgmma.cuh", "simt": "fwd_simt.cu
 
 
 @functools.lru_cache(maxsize=512)
-def generate(spec: KernelSpec | BwdSpec) -> str:
+def generate(spec: KernelSpec | BwdSpec | DecodeSpec) -> str:
     """CUDA source of one specialization: a forward spec's kernel is ``spec.name``; a backward
-    spec's three kernels are ``spec.kernel_names``."""
+    or KV-cache spec's three kernels are ``spec.kernel_names``."""
+    if isinstance(spec, DecodeSpec):
+        return _environment().get_template("decode.cu.j2").render(
+            spec=spec, name=spec.name, names=spec.kernel_names, param_fields=DECODE_PARAM_FIELDS,
+            nvrtc_arch=nvrtc_arch(spec.arch), include_dir=include_dir(), max_splits=MAX_SPLITS)
     if isinstance(spec, BwdSpec):
         return _environment().get_template("bwd.cu.j2").render(
             spec=spec,
@@ -76,7 +81,7 @@ def generate(spec: KernelSpec | BwdSpec) -> str:
                               spec.padded_head_dim // 4} - {0}),
         )
     if not isinstance(spec, KernelSpec):
-        raise TypeError(f"generate() takes a cuflash.KernelSpec or BwdSpec, got {type(spec).__name__}")
+        raise TypeError(f"generate() takes a cuflash.KernelSpec, BwdSpec or DecodeSpec, got {type(spec).__name__}")
     template = _environment().get_template("fwd.cu.j2")
     return template.render(
         spec=spec,

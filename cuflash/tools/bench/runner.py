@@ -305,8 +305,9 @@ def run_benchmark(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(
 
 
 def add_arguments(parser):
-    parser.add_argument("--mode", choices=MODES, default="fwd",
-                        help="fwd, bwd (FLOPs 2.5x the forward) or fwdbwd (3.5x); default fwd")
+    parser.add_argument("--mode", choices=MODES + ("decode",), default="fwd",
+                        help="fwd, bwd (FLOPs 2.5x the forward) or fwdbwd (3.5x); decode: KV-cache attention's "
+                             "bandwidth (bf16, hd128, 32/8 heads) beside torch SDPA; default fwd")
     parser.add_argument("--deterministic", action="store_true", help="bwd/fwdbwd: the deterministic backward")
     parser.add_argument("--head-dims", type=int, nargs="+", default=list(DEFAULT_HEAD_DIMS),
                         help="head dims of the grid (default: 64 128 256)")
@@ -353,6 +354,25 @@ def parse_bench_dtype(text: str, mode: str = "fwd") -> str:
     return tag
 
 
+def _run_decode(args) -> int:
+    from ..machine import environment
+    from .decode import decode_overhead, decode_rows
+
+    torch = None if args.no_torch else import_torch()
+    report = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  environment=environment(), settings=dict(mode="decode", reps=args.reps, flush_l2=True),
+                  decode=decode_rows(torch, reps=args.reps), overhead=None)
+    if args.overhead:
+        report["overhead"] = decode_overhead(torch)
+        for key, value in report["overhead"].items():
+            print(f"host overhead {key}: " + ("n/a" if value is None else f"{value:.1f} µs per call"))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+        print(f"wrote {args.json}")
+    return 1 if any(r["error"] for r in report["decode"] if r["variant"].startswith("cuflash")) else 0
+
+
 def run(args) -> int:
     """``python -m cuflash bench``."""
     from ..machine import causal_modes, gpu_status
@@ -362,6 +382,8 @@ def run(args) -> int:
         return 1
     if getattr(args, "fp8_errors", False):
         return _run_fp8_errors(args)
+    if args.mode == "decode":
+        return _run_decode(args)
     try:
         dtype = parse_bench_dtype(args.dtype, args.mode)
         spec_override = parse_spec_override(args.spec_override)

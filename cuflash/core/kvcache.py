@@ -1,0 +1,327 @@
+"""KV-cache attention: validation, specialization and launch (the kernels are decode.cuh's).
+
+The host checks everything it can see (shapes, dtypes, devices, strides, the page table's
+shape); lengths and page ids stay on the device, where the kernels check them against the cache.
+Nothing here reads a device value, synchronizes or compiles once a call's kernel is loaded, so
+a call can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import dtypes, policy
+from .decode_spec import CACHE_DTYPES, MAX_SPLITS, DecodeSpec
+from .params import DECODE_STRUCT
+from .spec import HEAD_DIMS, ceil_div
+
+_PARAMS = np.dtype((np.void, DECODE_STRUCT.size))
+_LOG2E = 1.0 / math.log(2.0)
+#: Before sm_89, e4m3 codes convert on chip to their value times 2^-8 (fp8_tiles.cuh); the scales
+#: put it back.
+_E4M3_FACTOR = 256.0
+
+
+@dataclass(frozen=True)
+class KVCacheProblem:
+    batch: int
+    seqlen_q: int
+    heads: int
+    heads_k: int
+    head_dim: int
+    dtype: dtypes.DType
+    cache_dtype: str          # the queries' tag, or "e4m3" / "e5m2"
+    paged: bool
+    capacity: int             # keys one sequence's cache holds
+    page_size: int
+    num_pages: int            # pages (paged) or sequences of the cache
+    seqlen_new: int
+    causal: bool
+    scale: float
+    device_id: int
+    k_strides: tuple          # bytes: (sequence or page, row, head) of k_cache
+    v_strides: tuple
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.heads_k
+
+    @property
+    def rows(self) -> int:
+        """Query rows per kv head: tokens times grouped heads."""
+        return self.seqlen_q * self.group
+
+
+def _array(cupy, name, x, ndim):
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"{name} must be a CuPy array, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-d, got shape {x.shape}")
+    return x
+
+
+def _rows_aligned(x) -> bool:
+    """16-byte copies of whole rows: a contiguous last dim, a 16-byte aligned base and strides."""
+    return x.strides[-1] == x.itemsize and (x.data.ptr | x.strides[0] | x.strides[1] | x.strides[2]) % 16 == 0
+
+
+def _contiguous(x) -> bool:
+    """C-contiguous with a 16-byte aligned base (what q, the output and new keys are read as)."""
+    return x.flags.c_contiguous and x.data.ptr % 16 == 0
+
+
+def _int32_array(cupy, name, x, shape_text, device):
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"{name} must be an int32 CuPy array {shape_text}, got {type(x).__name__}")
+    if x.dtype != np.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}")
+    if x.data.device_id != device:
+        raise ValueError(f"{name} is on device {x.data.device_id}, q on device {device}")
+    return x
+
+
+def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_table, causal, scale, fp8_format):
+    """Check a call's host-visible inputs; returns (problem, q, cache_seqlens, k_new, v_new) with
+    q and the new keys copied where their rows are not 16-byte copyable, and an int length
+    broadcast to a device array."""
+    import cupy
+
+    q = _array(cupy, "q", q, 4)
+    k_cache = _array(cupy, "k_cache", k_cache, 4)
+    v_cache = _array(cupy, "v_cache", v_cache, 4)
+    if type(causal) is not bool:
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    entry = dtypes.from_numpy(q.dtype)
+    if not entry.tensor_core:
+        raise TypeError(f"q has dtype {q.dtype}; the KV-cache kernels take float16 or bfloat16 queries")
+    batch, seqlen_q, heads, head_dim = q.shape
+    if fp8_format is None:
+        cache_tag = entry.tag
+        if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+            raise TypeError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must have q's dtype "
+                            f"({q.dtype}), or hold FP8 codes with fp8_format='e4m3' or 'e5m2'")
+    else:
+        if fp8_format not in ("e4m3", "e5m2"):
+            raise ValueError(f"fp8_format={fp8_format!r}; use 'e4m3' or 'e5m2'")
+        cache_tag = fp8_format
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if x.dtype not in (np.uint8, np.int8):
+                raise TypeError(f"{name} has dtype {x.dtype}; with fp8_format={fp8_format!r} it holds 1-byte "
+                                f"FP8 codes (uint8)")
+    assert cache_tag in CACHE_DTYPES
+    device = q.data.device_id
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.data.device_id != device:
+            raise ValueError(f"{name} is on device {x.data.device_id}, q on device {device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must have the same shape")
+    slots, page_size, heads_k, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"q has head_dim {head_dim}, the cache {cache_head_dim}")
+    if head_dim not in HEAD_DIMS or (fp8_format and head_dim % 16):
+        raise ValueError(f"head_dim={head_dim} is not supported (multiples of {16 if fp8_format else 8} "
+                         f"from {16 if fp8_format else 8} to 256)")
+    if heads_k < 1 or heads % heads_k:
+        raise ValueError(f"q has {heads} heads, the cache {heads_k}: heads must be a multiple of heads_k")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not _rows_aligned(x):
+            raise ValueError(f"{name} (strides {x.strides}, base {x.data.ptr:#x}) must have a contiguous last "
+                             f"dim and 16-byte aligned rows: the kernels read and append rows in place")
+    if page_table is None:
+        if slots != batch:
+            raise ValueError(f"k_cache holds {slots} sequences, q {batch}: without a page table the cache is "
+                             f"[batch, max_seqlen, heads_k, head_dim]")
+        capacity, num_pages, paged = page_size, slots, False
+    else:
+        _int32_array(cupy, "page_table", page_table, "[batch, max_pages]", device)
+        if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.strides[1] != 4:
+            raise ValueError(f"page_table must be int32 [batch={batch}, max_pages] with contiguous rows, got shape "
+                             f"{page_table.shape}, strides {page_table.strides}")
+        if page_table.shape[1] < 1 or slots < 1 or page_size < 1:
+            raise ValueError(f"a paged cache needs pages: page_table {page_table.shape}, k_cache {k_cache.shape}")
+        capacity, num_pages, paged = page_table.shape[1] * page_size, slots, True
+        if capacity >= 2**31:
+            raise ValueError(f"page_table {page_table.shape} x page_size {page_size} = {capacity} keys is too many")
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        if not 0 <= int(cache_seqlens) <= capacity:
+            raise ValueError(f"cache_seqlens={int(cache_seqlens)} is outside the cache's [0, {capacity}] keys")
+        cache_seqlens = cupy.full(batch, int(cache_seqlens), dtype=cupy.int32)
+    else:
+        _int32_array(cupy, "cache_seqlens", cache_seqlens, "[batch]", device)
+        if cache_seqlens.shape != (batch,):
+            raise ValueError(f"cache_seqlens must be int32 [batch={batch}], got shape {cache_seqlens.shape}")
+        if cache_seqlens.strides != (4,):
+            cache_seqlens = cache_seqlens.copy()
+    seqlen_new = 0
+    if (k_new is None) != (v_new is None):
+        raise ValueError("pass k_new and v_new together, or neither")
+    if k_new is not None:
+        k_new = _array(cupy, "k_new", k_new, 4)
+        v_new = _array(cupy, "v_new", v_new, 4)
+        seqlen_new = k_new.shape[1]
+        want = (batch, seqlen_new, heads_k, head_dim)
+        for name, x in (("k_new", k_new), ("v_new", v_new)):
+            if x.shape != want:
+                raise ValueError(f"{name} must be [batch, seqlen_new, heads_k, head_dim] = {want}, got {x.shape}")
+            if x.dtype != k_cache.dtype:
+                raise TypeError(f"{name} has dtype {x.dtype}; it must match the cache's {k_cache.dtype}"
+                                + (" (FP8 codes, e.g. from cuflash.quantize_fp8)" if fp8_format else ""))
+            if x.data.device_id != device:
+                raise ValueError(f"{name} is on device {x.data.device_id}, q on device {device}")
+        k_new, v_new = (x if _contiguous(x) else x.copy() for x in (k_new, v_new))
+    if not _contiguous(q):
+        q = q.copy()
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif not isinstance(scale, (int, float, np.floating, np.integer)) or isinstance(scale, bool) \
+            or not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    if batch * heads_k >= 2**31:
+        raise ValueError(f"batch x heads_k = {batch * heads_k} is too many")
+    problem = KVCacheProblem(batch, seqlen_q, heads, heads_k, head_dim, entry, cache_tag, paged, capacity,
+                             page_size if paged else capacity, num_pages, seqlen_new, causal, float(scale), device,
+                             tuple(k_cache.strides[:3]), tuple(v_cache.strides[:3]))
+    if ceil_div(problem.rows, 64) > 65535:
+        raise ValueError(f"seqlen_q x heads / heads_k = {problem.rows} query rows per kv head is too many")
+    return problem, q, cache_seqlens, k_new, v_new
+
+
+def descale_operand(cupy, name, value, heads_k, device):
+    """(factor, array, per-head) of an FP8 descale: a positive number folds into the scales; a
+    float32 array of shape (), (1,) or (heads_k,) is read on the device."""
+    if value is None:
+        return 1.0, None, False
+    if isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool):
+        if not (math.isfinite(float(value)) and value > 0):
+            raise ValueError(f"{name}={value!r} must be a positive finite number")
+        return float(value), None, False
+    if not isinstance(value, cupy.ndarray) or value.dtype != np.float32:
+        raise TypeError(f"{name} must be a positive number or a float32 CuPy array of shape () or "
+                        f"(heads_k={heads_k},), got {type(value).__name__}")
+    if value.shape not in ((), (1,), (heads_k,)):
+        raise ValueError(f"{name} must have shape () or (heads_k={heads_k},), got {value.shape}")
+    if value.data.device_id != device:
+        raise ValueError(f"{name} is on device {value.data.device_id}, q on device {device}")
+    value = cupy.ascontiguousarray(value).reshape(-1)
+    return 1.0, value, value.size > 1
+
+
+def select_spec(problem: KVCacheProblem, arch: str) -> DecodeSpec:
+    return _spec(problem.head_dim, problem.dtype.tag, problem.cache_dtype, problem.paged, min(problem.rows, 64), arch)
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec(head_dim, dtype, cache_dtype, paged, rows, arch):
+    return policy.decode_spec(head_dim, dtype, cache_dtype, paged, rows, arch)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_id: int) -> int:
+    import cupy
+    return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
+
+
+def choose_splits(spec: DecodeSpec, problem: KVCacheProblem, num_splits) -> int:
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) \
+                or not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits={num_splits!r} must be an integer from 1 to {MAX_SPLITS} (or None)")
+        return int(num_splits)
+    blocks = problem.batch * problem.heads_k * ceil_div(problem.rows, spec.block_m)
+    per_sm = max(1, min(policy.DECODE_BLOCKS_PER_SM, (228 * 1024) // (spec.smem_bytes + 1024)))
+    return policy.decode_splits(blocks, ceil_div(problem.capacity, spec.block_n), _multiprocessors(problem.device_id),
+                                per_sm)
+
+
+_workspaces: dict = {}
+_retired: list = []
+
+
+def _workspace(cupy, floats: int, key):
+    """A float32 buffer of at least `floats` per (device, stream), kept for the process: a graph
+    that captured a launch keeps pointing at it. A bigger need takes a new one and keeps the old."""
+    buf = _workspaces.get(key)
+    if buf is None or buf.size < floats:
+        if buf is not None:
+            _retired.append(buf)
+        buf = _workspaces[key] = cupy.empty(max(floats, 1), dtype=cupy.float32)
+    return buf
+
+
+#: The pointers that open the parameter block: q, k_cache, v_cache, k_new, v_new, out, lse (the
+#: partials' and the rest are the plan's).
+_POINTERS = struct.Struct("<7Q")
+
+
+class KVCachePlan:
+    """The launches of one call shape (the caller keys plans by everything but the arrays'
+    addresses): the kernels, their grids, and the parameter block with all but the first seven
+    pointers filled in. Append (with new keys), attend, merge the splits (more than one)."""
+
+    __slots__ = ("spec", "problem", "kernels", "splits", "template", "grid", "combine_grid", "buffers")
+
+    def __init__(self, kernels, spec: DecodeSpec, problem: KVCacheProblem, *, page_table, cache_seqlens, splits,
+                 k_descale, v_descale, stream: int):
+        import cupy
+
+        self.spec, self.problem, self.kernels, self.splits = spec, problem, kernels, splits
+        k_factor, k_array, k_per_head = k_descale
+        v_factor, v_array, v_per_head = v_descale
+        per_head = k_per_head or v_per_head
+        if per_head and (k_array is None or v_array is None or not (k_per_head and v_per_head)):
+            ones = cupy.ones(problem.heads_k, dtype=cupy.float32)
+            k_array = ones * np.float32(k_factor) if k_array is None else cupy.broadcast_to(k_array, ones.shape).copy()
+            v_array = ones * np.float32(v_factor) if v_array is None else cupy.broadcast_to(v_array, ones.shape).copy()
+            k_factor = v_factor = 1.0
+        boost = _E4M3_FACTOR if problem.cache_dtype == "e4m3" and not spec.fp8_exact_convert else 1.0
+        rows = problem.batch * problem.heads * problem.seqlen_q
+        o_part = lse_part = 0
+        self.buffers = (page_table, cache_seqlens, k_array, v_array)
+        if splits > 1:
+            ws = _workspace(cupy, splits * rows * (problem.head_dim + 1), (problem.device_id, stream))
+            o_part, lse_part = ws.data.ptr, ws.data.ptr + 4 * splits * rows * problem.head_dim
+            self.buffers += (ws,)
+        d, h = problem.head_dim, problem.heads
+        q_strides = (problem.seqlen_q * h * d, h * d, d)                 # q and out: C-contiguous bshd
+        new_strides = (problem.seqlen_new * problem.heads_k * d, problem.heads_k * d, d)
+        size = problem.cache_dtype in ("e4m3", "e5m2") and 1 or 2
+        raw = DECODE_STRUCT.pack(
+            0, 0, 0, 0, 0, 0, 0, o_part, lse_part,
+            page_table.data.ptr if page_table is not None else 0, cache_seqlens.data.ptr,
+            k_array.data.ptr if k_array is not None else 0, v_array.data.ptr if v_array is not None else 0,
+            *q_strides, *(s // size for s in problem.k_strides), *(s // size for s in problem.v_strides),
+            *new_strides, *new_strides, *q_strides,
+            problem.batch, problem.heads, problem.heads_k, problem.group, problem.seqlen_q, problem.seqlen_new,
+            problem.capacity, problem.page_size,
+            problem.page_size.bit_length() - 1 if problem.page_size & (problem.page_size - 1) == 0 else -1,
+            problem.num_pages, page_table.strides[0] // 4 if page_table is not None else 0,
+            splits, int(problem.causal), 1 if per_head else 0,
+            problem.scale * _LOG2E * k_factor * boost, v_factor * boost,
+        )
+        self.template = raw
+        self.grid = (problem.batch * problem.heads_k, ceil_div(problem.rows, spec.block_m), splits)
+        self.combine_grid = (ceil_div(rows, 4),)
+
+    def launch(self, q, k_cache, v_cache, k_new, v_new, out, lse) -> None:
+        """Launch on the current stream with these arrays (shaped and strided as the plan's; q,
+        out and the new keys C-contiguous)."""
+        problem = self.problem
+        if problem.batch == 0:
+            return
+        raw = bytearray(self.template)
+        _POINTERS.pack_into(raw, 0, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
+                            k_new.data.ptr if k_new is not None else 0, v_new.data.ptr if v_new is not None else 0,
+                            out.data.ptr, lse.data.ptr)
+        params = (np.frombuffer(raw, dtype=_PARAMS),)
+        attend, combine, append = self.kernels
+        if problem.seqlen_new:
+            append((problem.seqlen_new, problem.heads_k, problem.batch), (128, 1, 1), params)
+        if not out.size:
+            return
+        attend(self.grid, (self.spec.threads, 1, 1), params, shared_mem=self.spec.smem_bytes)
+        if self.splits > 1:
+            combine(self.combine_grid, (128, 1, 1), params)

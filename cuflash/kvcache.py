@@ -1,0 +1,124 @@
+"""Attention over a KV cache: decode steps, speculative verification, chunked prefill."""
+from __future__ import annotations
+
+from .core import compile as _compile
+from .core import kvcache as _kv
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, page_table=None,
+                           causal=True, scale=None, num_splits=None, return_lse=False, fp8_format=None,
+                           k_descale=None, v_descale=None):
+    """Attend a few new query tokens per sequence to a KV cache (contiguous or paged).
+
+    Args:
+        q: CuPy array [batch, seqlen_q, heads, head_dim], float16 or bfloat16; seqlen_q from 1
+            (decode) to a few dozen (speculative verification, chunked prefill).
+        k_cache, v_cache: [batch, max_seqlen, heads_k, head_dim], or with ``page_table`` paged
+            [num_pages, page_size, heads_k, head_dim]; q's dtype, or uint8 FP8 codes with
+            ``fp8_format``. Rows must be 16-byte aligned with a contiguous last dim (they are
+            read and appended in place); ``heads`` a multiple of ``heads_k``.
+        cache_seqlens: int32 CuPy array [batch]: the keys each sequence's cache holds before
+            this call (read on the device, never on the host), or one int for every sequence.
+        k_new, v_new: optional [batch, seqlen_new, heads_k, head_dim] in the cache's dtype:
+            written into the cache at positions ``cache_seqlens[b] ..`` before attending, which
+            then covers ``cache_seqlens[b] + seqlen_new`` keys. ``cache_seqlens`` is not updated.
+        page_table: int32 [batch, max_pages]: the pages of sequence b, in order; key j of it sits
+            at row ``j % page_size`` of page ``page_table[b, j // page_size]``.
+        causal: queries are the last seqlen_q tokens of each sequence (bottom-right alignment):
+            token i attends keys up to ``length - seqlen_q + i``. False: every key.
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        num_splits: split each sequence's keys over this many blocks, merged by a second kernel;
+            None chooses from the multiprocessor count, the batch, heads and the cache's capacity.
+        return_lse: also return the natural-log LSE, float32 [batch, heads, seqlen_q].
+        fp8_format: ``"e4m3"`` or ``"e5m2"`` for a cache of FP8 codes (:func:`cuflash.quantize_fp8`),
+            converted on chip; values are ``codes * descale``.
+        k_descale, v_descale: FP8 descales: a positive number, or a float32 CuPy array of shape
+            () or (heads_k,) (per kv head).
+
+    Returns:
+        The output [batch, seqlen_q, heads, head_dim] in q's dtype (and the LSE). A row with no
+        key gives 0 and -inf. A sequence whose length is negative or passes the cache's capacity
+        (with the new keys), or whose keys sit on a page id outside the cache, gives NaN rows and
+        gets no new keys; nothing outside the arrays is read or written. Runs on the current CuPy
+        stream without synchronizing, so it can be captured in a CUDA graph once its kernel is
+        compiled.
+    """
+    import cupy
+
+    key = _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
+                    fp8_format, k_descale, v_descale)
+    plan = _plans.get(key) if key is not None else None
+    if plan is not None and not (q.data.ptr | k_cache.data.ptr | v_cache.data.ptr) % 16 \
+            and (k_new is None or not (k_new.data.ptr | v_new.data.ptr) % 16):
+        out = cupy.empty(q.shape, dtype=q.dtype)
+        lse = cupy.empty((plan.problem.batch, plan.problem.heads, plan.problem.seqlen_q), dtype=cupy.float32)
+        plan.launch(q, k_cache, v_cache, k_new, v_new, out, lse)
+        return (out, lse) if return_lse else out
+    return _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale,
+                      num_splits, return_lse, fp8_format, k_descale, v_descale)
+
+
+def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
+               return_lse, fp8_format, k_descale, v_descale):
+    from .forward import _arch, _on_device
+
+    if fp8_format is None and (k_descale is not None or v_descale is not None):
+        raise ValueError("k_descale and v_descale apply to FP8 caches only; pass fp8_format='e4m3' or 'e5m2'")
+    original = (q, k_new, v_new)
+    problem, q, cache_seqlens, k_new, v_new = _kv.validate_kvcache(
+        q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, page_table=page_table,
+        causal=causal, scale=scale, fp8_format=fp8_format)
+    if any(a is not b for a, b in zip((q, k_new, v_new), original)):
+        key = None  # copied inputs: the next call with this key copies again
+    descales = tuple(_kv.descale_operand(cupy, name, value, problem.heads_k, problem.device_id)
+                     for name, value in (("k_descale", k_descale), ("v_descale", v_descale)))
+    with _on_device(problem.device_id):
+        spec = _kv.select_spec(problem, _arch(problem.device_id))
+        splits = _kv.choose_splits(spec, problem, num_splits)
+        out = cupy.empty(q.shape, dtype=q.dtype)
+        lse = cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
+        kernels = _compile.get_kernel(spec, problem.device_id)
+        plan = _kv.KVCachePlan(kernels, spec, problem, page_table=page_table, cache_seqlens=cache_seqlens,
+                               splits=splits, k_descale=descales[0], v_descale=descales[1],
+                               stream=cupy.cuda.get_current_stream().ptr)
+        plan.launch(q, k_cache, v_cache, k_new, v_new, out, lse)
+        if key is not None:
+            if len(_plans) >= _MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+    return (out, lse) if return_lse else out
+
+
+#: Launch plans by everything a call's validation and launch depend on but the addresses of q,
+#: the caches, the new keys and the outputs (the page table and lengths arrays are part of it:
+#: their addresses sit in the plan's parameter block).
+_plans: dict = {}
+_MAX_PLANS = 256
+
+
+def _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
+              fp8_format, k_descale, v_descale):
+    """The key of a call's plan, or None for one that always takes the full path (anything but
+    CuPy arrays, a length given as a number, descales given as arrays)."""
+    nd = cupy.ndarray
+    if type(q) is not nd or type(k_cache) is not nd or type(v_cache) is not nd or type(cache_seqlens) is not nd:
+        return None
+    if not (k_new is None or type(k_new) is nd and type(v_new) is nd) or not (page_table is None or type(page_table) is nd):
+        return None
+    if type(k_descale) is nd or type(v_descale) is nd:
+        return None
+    try:
+        return (q.shape, q.strides, q.dtype, k_cache.shape, k_cache.strides, k_cache.dtype, v_cache.shape,
+                v_cache.strides, v_cache.dtype, cache_seqlens.data.ptr, cache_seqlens.shape, cache_seqlens.strides,
+                cache_seqlens.dtype,
+                None if k_new is None else (k_new.shape, k_new.strides, k_new.dtype, v_new.shape, v_new.strides,
+                                            v_new.dtype),
+                None if page_table is None else (page_table.data.ptr, page_table.shape, page_table.strides,
+                                                 page_table.dtype),
+                causal, scale, num_splits, fp8_format, k_descale, v_descale, q.data.device_id,
+                cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr)
+    except TypeError:  # something unhashable: the full path names it
+        return None
+
+
+__all__ = ["attention_with_kvcache"]

@@ -1,0 +1,125 @@
+"""``python -m cuflash bench --mode decode``: KV-cache attention at the memory-bandwidth limit.
+
+One query token (or a few) per sequence against a long cache, bf16, 32 query heads over 8 kv heads,
+head dim 128. The figure of merit is bandwidth: the K and V bytes of the cache's attended keys
+over the time. Timed in the same interleaved rounds: cuflash on a contiguous cache, on paged caches
+(pages 16 and 256, shuffled), on an e4m3 cache (tokens per second against bf16), with 4 and 16
+query tokens, and torch SDPA's cuDNN and flash backends on the contiguous cache where torch is
+importable. Also the host time of one small decode call beside torch SDPA's.
+"""
+from __future__ import annotations
+
+from . import timing
+from .peers import to_torch
+
+#: (batch, keys per sequence) of the decode rows.
+DECODE_SHAPES = ((64, 8192), (8, 65536), (1, 131072))
+HEADS, HEADS_K, HEAD_DIM = 32, 8, 128
+
+
+def _caches(cupy, batch, keys, page_size, rng, dtype):
+    shape = (batch, keys, HEADS_K, HEAD_DIM)
+    k = cupy.random.standard_normal(shape, dtype=cupy.float32).astype(dtype)
+    v = cupy.random.standard_normal(shape, dtype=cupy.float32).astype(dtype)
+    if page_size is None:
+        return k, v, None
+    pages = batch * keys // page_size
+    order = rng.permutation(pages).astype("int32")
+    table = cupy.asarray(order.reshape(batch, keys // page_size))
+    paged = []
+    for x in (k, v):
+        flat = x.reshape(pages, page_size, HEADS_K, HEAD_DIM)
+        out = cupy.empty_like(flat)
+        out[cupy.asarray(order)] = flat   # page order[i] holds the i-th page of the sequences
+        paged.append(out)
+    return paged[0], paged[1], table
+
+
+def decode_rows(torch=None, reps: int = 30, echo=print) -> list[dict]:
+    """Time the decode configurations; one dict per (shape, variant) with GB/s and ratios."""
+    import numpy as np
+    import cupy
+
+    import cuflash
+    from cuflash.core.dtypes import from_tag
+
+    bf16 = from_tag("bf16").numpy
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch, keys in DECODE_SHAPES:
+        lens = cupy.full(batch, keys, dtype=cupy.int32)
+        kv_bytes = 2 * batch * keys * HEADS_K * HEAD_DIM * 2
+        k, v, _ = _caches(cupy, batch, keys, None, rng, bf16)
+        calls, bytes_of = {}, {}
+        queries = {n: cupy.random.standard_normal((batch, n, HEADS, HEAD_DIM), dtype=cupy.float32).astype(bf16)
+                   for n in (1, 4, 16)}
+        for n, q in queries.items():
+            calls[f"cuflash q{n}"] = (lambda q=q: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens))
+            bytes_of[f"cuflash q{n}"] = kv_bytes
+        paged = {}
+        for page in (16, 256):
+            pk, pv, table = paged[page] = _caches(cupy, batch, keys, page, rng, bf16)
+            calls[f"cuflash paged {page}"] = (lambda pk=pk, pv=pv, table=table: cuflash.attention_with_kvcache(
+                queries[1], pk, pv, cache_seqlens=lens, page_table=table))
+            bytes_of[f"cuflash paged {page}"] = kv_bytes
+        k8, v8 = (cupy.random.randint(0, 0x7E, size=k.shape, dtype=cupy.uint8) for _ in range(2))
+        calls["cuflash e4m3"] = lambda: cuflash.attention_with_kvcache(queries[1], k8, v8, cache_seqlens=lens,
+                                                                       fp8_format="e4m3")
+        bytes_of["cuflash e4m3"] = kv_bytes // 2
+        if torch is not None:
+            qt = to_torch(queries[1]).transpose(1, 2)             # [batch, heads, 1, head_dim]
+            kt, vt = (to_torch(x).transpose(1, 2) for x in (k, v))
+            for name, backend in (("torch SDPA cuDNN", "CUDNN_ATTENTION"), ("torch SDPA flash", "FLASH_ATTENTION")):
+                def peer(backend=getattr(torch.nn.attention.SDPBackend, backend)):
+                    with torch.nn.attention.sdpa_kernel(backend):
+                        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+                calls[name] = peer
+                bytes_of[name] = kv_bytes
+        timers = {name: timing.event_timer(timing.cuda_event_times_ms, fn, flush_l2=True) for name, fn in calls.items()}
+        timed = timing.interleaved_median_ms(timers, reps)
+        base = timed.get("cuflash q1")
+        cudnn = timed.get("torch SDPA cuDNN")
+        for name, ms in timed.items():
+            row = dict(batch=batch, keys=keys, variant=name, ms=None, gbps=None, error=None)
+            if isinstance(ms, Exception):
+                row["error"] = f"{type(ms).__name__}: {str(ms).splitlines()[0] if str(ms) else ''}"
+            else:
+                row.update(ms=ms, gbps=bytes_of[name] / ms / 1e6)
+                if isinstance(base, float):
+                    row["time_vs_q1"] = base / ms
+                if isinstance(cudnn, float):
+                    row["vs_cudnn"] = cudnn / ms
+            rows.append(row)
+            echo(format_decode_row(row))
+        del calls, timers, k, v, paged, k8, v8, queries
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def format_decode_row(row: dict) -> str:
+    head = f"decode b={row['batch']} keys={row['keys']} {row['variant']:<18}"
+    if row["error"]:
+        return f"{head} error: {row['error']}"
+    extra = "".join(f"  {key}={row[key]:.2f}" for key in ("time_vs_q1", "vs_cudnn") if key in row)
+    return f"{head} {row['ms'] * 1e3:9.1f} us {row['gbps']:7.0f} GB/s{extra}"
+
+
+def decode_overhead(torch=None, calls: int = 2000) -> dict:
+    """Host time per call of a small decode (batch 1, one token, 256 cached keys)."""
+    import cupy
+
+    import cuflash
+
+    q = cupy.ones((1, 1, HEADS, HEAD_DIM), dtype=cupy.float16)
+    k = cupy.ones((1, 256, HEADS_K, HEAD_DIM), dtype=cupy.float16)
+    lens = cupy.full(1, 256, dtype=cupy.int32)
+    us = {"cuflash.attention_with_kvcache": timing.host_overhead_us(
+        lambda: cuflash.attention_with_kvcache(q, k, k, cache_seqlens=lens), calls=calls)}
+    if torch is not None:
+        qt, kt = to_torch(q).transpose(1, 2), to_torch(k).transpose(1, 2)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        try:
+            us["torch SDPA"] = timing.host_overhead_us(lambda: sdpa(qt, kt, kt, enable_gqa=True), calls=calls)
+        except Exception:
+            us["torch SDPA"] = None
+    return us

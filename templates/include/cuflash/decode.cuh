@@ -1,0 +1,549 @@
+// Attention over a KV cache (decode, speculative verification, chunked prefill), sm_80 and newer.
+//
+// One block per (batch, kv head, row tile, split). The rows of a tile are the query tokens times
+// the query heads that share the kv head (row r: token r / group, head hk * group + r % group),
+// so each K/V byte is read once per tile of rows. Keys stream through a cp.async ring; the
+// block's warps are kWarpsM row groups of 16 rows times kWarps / kWarpsM key groups, each key
+// group taking its slice of every key tile with its own online softmax; the key groups merge
+// through shared memory at the end. A split covers an equal share of its sequence's key tiles
+// and, with more than one split, leaves float32 partials (output normalized by its own sum, and
+// its natural-log LSE) that decode_combine merges.
+//
+// Lengths and page ids are read on the device and checked there: a sequence whose length is
+// negative or passes the cache's capacity, or whose keys sit on a page id outside the cache,
+// gives NaN rows (output and LSE); no copy reads outside the cache.
+#pragma once
+#include "cuflash/warp_mma.cuh"
+#include "cuflash/fp8_tiles.cuh"
+
+namespace cuflash {
+
+template <bool kValue>
+struct Bool {
+    static constexpr bool value = kValue;
+};
+
+// Where key `key` of one (batch, kv head) sits: byte offsets of its K and V rows from the
+// sequence's base pointers; false for a page id outside the cache (offsets then 0).
+template <bool kPaged>
+struct CacheRows {
+    long long k_row, v_row, k_page, v_page;  // bytes
+    const int* pages;                         // the batch's page-table row (paged)
+    int page_size, page_shift, num_pages;     // page_shift: log2(page_size), or -1
+
+    __device__ __forceinline__ int page_index(int key) const {
+        return page_shift >= 0 ? key >> page_shift : key / page_size;
+    }
+    // The page id that holds `key` (read from the page table; checked by offsets()).
+    __device__ __forceinline__ int page_of(int key) const { return kPaged ? pages[page_index(key)] : 0; }
+
+    __device__ __forceinline__ bool offsets(int key, int page, long long& k_off, long long& v_off) const {
+        if constexpr (!kPaged) {
+            k_off = key * k_row;
+            v_off = key * v_row;
+            return true;
+        } else {
+            const int slot = key - page_index(key) * page_size;
+            const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(num_pages);
+            page = ok ? page : 0;
+            k_off = page * k_page + slot * k_row;
+            v_off = page * v_page + slot * v_row;
+            return ok;
+        }
+    }
+    __device__ __forceinline__ bool locate(int key, long long& k_off, long long& v_off) const {
+        return offsets(key, page_of(key), k_off, v_off);
+    }
+};
+
+// How a block's threads share the copies of a key tile (kBlockN rows of kSrcChunks 16-byte
+// chunks): where the threads tile the rows evenly (kEven), each keeps one chunk column and steps
+// down kStep rows kIters times, so the page ids of its rows can be read a tile ahead.
+template <class Cfg>
+struct TileCopies {
+    static constexpr int kThreads = Cfg::kWarps * 32;
+    static constexpr int kCopies = Cfg::kBlockN * Cfg::kSrcChunks;
+    static constexpr bool kEven = kThreads % Cfg::kSrcChunks == 0 && kCopies % kThreads == 0;
+    static constexpr int kIters = (kCopies + kThreads - 1) / kThreads;
+    static constexpr int kStep = kThreads / Cfg::kSrcChunks;
+};
+
+// The page ids of this thread's rows of the tile at key0 (kEven tiles of a paged cache).
+template <class Cfg, bool kPaged>
+__device__ __forceinline__ void fetch_pages(const CacheRows<kPaged>& rows, int (&pages)[TileCopies<Cfg>::kIters],
+                                            int key0, int kv_len, int tid) {
+    using T = TileCopies<Cfg>;
+#pragma unroll
+    for (int it = 0; it < T::kIters; ++it) {
+        const int key = key0 + tid / Cfg::kSrcChunks + it * T::kStep;
+        pages[it] = key < kv_len ? rows.page_of(key) : 0;
+    }
+}
+
+// This thread's cp.async copies of one key tile into a K and a V tile of row pitch `pitch`
+// bytes; keys at or past kv_len are zero-filled. Sets `bad` for a key on a page id outside the
+// cache (also zero-filled). kPrefetched: `pages` holds the rows' page ids (fetch_pages).
+template <class Cfg, bool kPaged, bool kPrefetched>
+__device__ __forceinline__ void load_key_tile(const CacheRows<kPaged>& rows, const int (&pages)[TileCopies<Cfg>::kIters],
+                                              const unsigned char* k, const unsigned char* v, u32 k_dst, u32 v_dst,
+                                              int pitch, int key0, int kv_len, int tid, bool& bad) {
+    using T = TileCopies<Cfg>;
+#pragma unroll
+    for (int it = 0; it < T::kIters; ++it) {
+        const int idx = tid + it * T::kThreads;
+        if (T::kCopies % T::kThreads == 0 || idx < T::kCopies) {
+            const int row = idx / Cfg::kSrcChunks, chunk = idx % Cfg::kSrcChunks;
+            const int key = key0 + row;
+            bool valid = key < kv_len;
+            long long k_off = 0, v_off = 0;
+            if (valid) {
+                valid = kPrefetched ? rows.offsets(key, pages[it], k_off, v_off) : rows.locate(key, k_off, v_off);
+                bad |= !valid;
+            }
+            const u32 dst = row * pitch + chunk * 16;
+            cp_async_16(k_dst + dst, k + k_off + chunk * 16, valid);
+            cp_async_16(v_dst + dst, v + v_off + chunk * 16, valid);
+        }
+    }
+}
+
+// Four e4m3 codes -> four fp16 values by the conversion instruction (sm_89 and newer): exact.
+__device__ __forceinline__ void e4m3x4_to_fp16x4(u32 codes, u32& lo, u32& hi) {
+    asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.rn.f16x2.e4m3x2 %0, a;\ncvt.rn.f16x2.e4m3x2 %1, b;\n}\n"
+        : "=r"(lo), "=r"(hi) : "r"(codes));
+}
+
+// Convert this thread's copies of a staged FP8 tile (rows of kHeadDimStored codes) into the fp16
+// tile at `dst` (pitch Cfg::kSmemRowBytes), exactly: e4m3 by the conversion instruction
+// (kFp8Cvt), or by fp8_tiles.cuh's bit moves as its value times 2^-8 (the host puts 2^8 back).
+template <class Cfg>
+__device__ __forceinline__ void convert_key_tile(u32 dst, u32 src, int tid) {
+    constexpr int kThreads = Cfg::kWarps * 32;
+    constexpr int kCopies = Cfg::kBlockN * Cfg::kSrcChunks;
+#pragma unroll
+    for (int it = 0; it < (kCopies + kThreads - 1) / kThreads; ++it) {
+        const int idx = tid + it * kThreads;
+        if (kCopies % kThreads == 0 || idx < kCopies) {
+            const int row = idx / Cfg::kSrcChunks, chunk = idx % Cfg::kSrcChunks;
+            u32 codes[2][2], h[2][4];
+            ld_shared_v2(codes[0], src + row * Cfg::kSrcRowBytes + chunk * 16);
+            ld_shared_v2(codes[1], src + row * Cfg::kSrcRowBytes + chunk * 16 + 8);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                if constexpr (Cfg::kE4M3 && Cfg::kFp8Cvt) {
+                    e4m3x4_to_fp16x4(codes[j][0], h[j][0], h[j][1]);
+                    e4m3x4_to_fp16x4(codes[j][1], h[j][2], h[j][3]);
+                } else {
+                    fp8x4_to_fp16x4<Cfg::kE4M3>(codes[j][0], h[j][0], h[j][1]);
+                    fp8x4_to_fp16x4<Cfg::kE4M3>(codes[j][1], h[j][2], h[j][3]);
+                }
+            }
+            const u32 at = dst + row * Cfg::kSmemRowBytes + chunk * 32;
+            st_shared_v4(at, h[0][0], h[0][1], h[0][2], h[0][3]);
+            st_shared_v4(at + 16, h[1][0], h[1][1], h[1][2], h[1][3]);
+        }
+    }
+}
+
+// acc[16 x 8*kNT] += A[16 x 16*kKT] * B[8*kNT x 16*kKT]^T: A in registers (k=16 fragments), B
+// row-major [n][k] in shared memory (`b` addresses its element (0, 0)); kNT even.
+template <bool kBF16, int kKT, int kNT, int kBPitch>
+__device__ __forceinline__ void warp_gemm_rt(float (&acc)[kNT][4], const u32 (&fa)[kKT][4], u32 b, int lane) {
+    static_assert(kNT % 2 == 0, "B rows in pairs of n=8 tiles");
+    const u32 b_lane = b + (lane % 8 + (lane / 16) * 8) * kBPitch + ((lane / 8) % 2) * 16;
+#pragma unroll
+    for (int ks = 0; ks < kKT; ++ks)
+        mma_k16_step<kBF16>(
+            reinterpret_cast<float (&)[1][kNT][4]>(acc), reinterpret_cast<const u32 (&)[1][4]>(fa[ks]),
+            [&](u32 (&fb)[4], int np) { ldmatrix_x4(fb, b_lane + np * 16 * kBPitch + ks * 32); },
+            [&](u32 (&)[2]) {});
+}
+
+// The keys query row r (token r / group) may attend: all kv_len, or with the causal mask,
+// aligned bottom-right, those up to kv_len - seqlen_q + token (clamped to [0, kv_len]).
+__device__ __forceinline__ int key_limit(int r, int group, int seqlen_q, int kv_len, bool causal) {
+    if (!causal) return kv_len;
+    return max(0, min(kv_len, kv_len - seqlen_q + r / group + 1));
+}
+
+template <class Cfg>
+__device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    constexpr int D = Cfg::kHeadDim;  // padded to 16
+    constexpr int BM = 16 * Cfg::kWarpsM, BN = Cfg::kBlockN;
+    constexpr int WK = Cfg::kWarps / Cfg::kWarpsM;
+    constexpr int kWarpKeys = BN / WK;
+    constexpr int kNT = kWarpKeys / 8, kOT = D / 8;
+    constexpr int kPitch = Cfg::kSmemRowBytes;
+    constexpr int kThreads = Cfg::kWarps * 32;
+    static_assert(kWarpKeys % 16 == 0, "each key group takes whole k=16 steps of P V");
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int wm = warp % Cfg::kWarpsM, wk = warp / Cfg::kWarpsM;
+    const int bh = blockIdx.x, row0 = blockIdx.y * BM, split = blockIdx.z;
+    const int b = bh / p.heads_k, hk = bh - b * p.heads_k;
+    const int group = p.group, seqlen_q = p.seqlen_q, rows = seqlen_q * group;
+
+    const int old_len = p.cache_seqlens[b];
+    const int kv_len = old_len + p.seqlen_new;
+    const bool bad_len = old_len < 0 || kv_len > p.capacity;
+    const int kv_keys = bad_len ? 0 : kv_len;  // keys the copies may read
+
+    const u32 base = smem_addr(smem);
+    const u32 q_tile = base + Cfg::kSmemQ;
+    // Zero the padding chunk of every 16-bit row (head dims of 8 mod 16): copies never write it.
+    if constexpr (Cfg::kChunks > Cfg::kHeadDimStored / 8) {
+        for (int row = tid; row < Cfg::kPaddedRows; row += kThreads)
+            st_shared_v4(base + row * kPitch + (Cfg::kChunks - 1) * 16, 0u, 0u, 0u, 0u);
+    }
+
+    // The key range of this block: its rows' last key, split into equal shares of tiles.
+    const int r_last = min(rows, row0 + BM) - 1;
+    const int keys_end = bad_len ? 0 : key_limit(r_last, group, seqlen_q, kv_len, p.causal);
+    const int keys_min = bad_len ? 0 : key_limit(row0, group, seqlen_q, kv_len, p.causal);
+    const int n_tiles = (keys_end + BN - 1) / BN;
+    const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
+    const int t0 = split * per_split, t1 = min(n_tiles, t0 + per_split);
+
+    // Q rows of the tile (zero-filled past the last row).
+    {
+        const unsigned short* q = static_cast<const unsigned short*>(p.q) + b * p.q_batch_stride;
+        constexpr int kQChunks = Cfg::kHeadDimStored / 8;
+        for (int idx = tid; idx < BM * kQChunks; idx += kThreads) {
+            const int row = idx / kQChunks, chunk = idx % kQChunks;
+            const int r = row0 + row;
+            const bool valid = r < rows;
+            const int token = valid ? r / group : 0, head = hk * group + (valid ? r % group : 0);
+            cp_async_16(q_tile + row * kPitch + chunk * 16,
+                        q + token * p.q_row_stride + head * p.q_head_stride + chunk * 8, valid);
+        }
+        cp_async_commit();
+    }
+
+    CacheRows<Cfg::kPaged> cache;
+    cache.k_row = p.k_row_stride * Cfg::kCacheElemBytes;
+    cache.v_row = p.v_row_stride * Cfg::kCacheElemBytes;
+    cache.k_page = p.k_batch_stride * Cfg::kCacheElemBytes;
+    cache.v_page = p.v_batch_stride * Cfg::kCacheElemBytes;
+    cache.pages = p.page_table + static_cast<long long>(b) * p.page_table_stride;
+    cache.page_size = p.page_size;
+    cache.page_shift = p.page_shift;
+    cache.num_pages = p.num_pages;
+    const unsigned char* k = static_cast<const unsigned char*>(p.k_cache) + hk * p.k_head_stride * Cfg::kCacheElemBytes
+                             + (Cfg::kPaged ? 0 : b * cache.k_page);
+    const unsigned char* v = static_cast<const unsigned char*>(p.v_cache) + hk * p.v_head_stride * Cfg::kCacheElemBytes
+                             + (Cfg::kPaged ? 0 : b * cache.v_page);
+    bool bad_page = false;
+
+    // Where stage s lands: the 16-bit tiles themselves, or (FP8) a staging ring of codes.
+    auto stage_k = [&](int s) { return base + Cfg::kSmemStages + s * Cfg::kStageBytes; };
+    auto stage_v = [&](int s) { return stage_k(s) + Cfg::kStageBytes / 2; };
+    // A paged cache's page ids are read a tile before their copies are issued (kPrefetch).
+    constexpr bool kPrefetch = Cfg::kPaged && TileCopies<Cfg>::kEven;
+    int pages[TileCopies<Cfg>::kIters];
+    auto issue = [&](int t, auto prefetched) {
+        if (t < t1) {
+            const int s = (t - t0) % Cfg::kStages;
+            load_key_tile<Cfg, Cfg::kPaged, decltype(prefetched)::value>(
+                cache, pages, k, v, stage_k(s), stage_v(s), Cfg::kSrcPitch, t * BN, kv_keys, tid, bad_page);
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages - 1; ++s) issue(t0 + s, Bool<false>());
+    if constexpr (kPrefetch) fetch_pages<Cfg>(cache, pages, (t0 + Cfg::kStages - 1) * BN, kv_keys, tid);
+
+    float scale_log2 = p.scale_log2;
+    if (p.k_descale) scale_log2 *= p.k_descale[hk * p.descale_head_stride];
+    float row_scale[2] = {scale_log2, scale_log2};
+
+    // Q has landed (the tiles may not have).
+    cp_async_wait<Cfg::kStages - 1>();
+    __syncthreads();
+    if constexpr (Cfg::kFp8 && Cfg::kBF16) {
+        // An FP8 cache runs fp16 products: each bf16 query row becomes fp16 times a power of two
+        // that brings its largest magnitude to [2^13, 2^14), taken back out of the row's scale.
+        int* shifts = reinterpret_cast<int*>(smem + Cfg::kSmemRowShift);
+        for (int row = tid; row < BM; row += kThreads) {
+            float top = 0.f;
+            for (int c = 0; c < Cfg::kHeadDimStored / 2; ++c) {
+                float lo, hi;
+                unpack2<true>(static_cast<u32>(ld_shared(q_tile + row * kPitch + 4 * c)), lo, hi);
+                top = fmaxf(top, fmaxf(fabsf(lo), fabsf(hi)));
+            }
+            const int exponent = ((__float_as_int(top) >> 23) & 0xff) - 127;
+            shifts[row] = (top > 0.f && exponent < 128) ? max(-100, min(100, 13 - exponent)) : 0;
+        }
+        __syncthreads();
+        for (int idx = tid; idx < BM * Cfg::kHeadDimStored / 2; idx += kThreads) {
+            const int row = idx / (Cfg::kHeadDimStored / 2), c = idx % (Cfg::kHeadDimStored / 2);
+            const u32 at = q_tile + row * kPitch + 4 * c;
+            const float factor = __int_as_float((127 + shifts[row]) << 23);
+            float lo, hi;
+            unpack2<true>(static_cast<u32>(ld_shared(at)), lo, hi);
+            st_shared(at, static_cast<int>(pack2<false>(lo * factor, hi * factor)));
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            row_scale[r] = scale_log2 * __int_as_float((127 - shifts[wm * 16 + lane / 4 + 8 * r]) << 23);
+    }
+
+    float o[kOT][4];
+    zero_fragments(o);
+    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+    int limit[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + wm * 16 + lane / 4 + 8 * r;
+        limit[r] = key_limit(min(row, rows - 1), group, seqlen_q, kv_len, p.causal);
+    }
+    const u32 q_warp = q_tile + wm * 16 * kPitch;
+    u32 q_frag[Cfg::kQInRegs ? D / 16 : 1][4];  // Q's A fragments, where registers allow
+    if constexpr (Cfg::kQInRegs) {
+        const u32 a_lane = q_warp + (lane % 8 + ((lane / 8) % 2) * 8) * kPitch + (lane / 16) * 16;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(q_frag[ks], a_lane + ks * 32);
+    }
+
+    for (int t = t0; t < t1; ++t) {
+        cp_async_wait<Cfg::kStages - 2>();
+        __syncthreads();
+        u32 k_tile, v_tile;
+        if constexpr (Cfg::kFp8) {
+            const int s = (t - t0) % Cfg::kStages;
+            convert_key_tile<Cfg>(base + Cfg::kSmemK16, stage_k(s), tid);
+            convert_key_tile<Cfg>(base + Cfg::kSmemV16, stage_v(s), tid);
+            __syncthreads();
+            k_tile = base + Cfg::kSmemK16;
+            v_tile = base + Cfg::kSmemV16;
+        } else {
+            k_tile = stage_k((t - t0) % Cfg::kStages);
+            v_tile = stage_v((t - t0) % Cfg::kStages);
+        }
+        issue(t + Cfg::kStages - 1, Bool<kPrefetch>());
+        if constexpr (kPrefetch) fetch_pages<Cfg>(cache, pages, (t + Cfg::kStages) * BN, kv_keys, tid);
+
+        float s[kNT][4];
+        zero_fragments(s);
+        if constexpr (Cfg::kQInRegs)
+            warp_gemm_rt<Cfg::kMmaBF16, D / 16, kNT, kPitch>(s, q_frag, k_tile + wk * kWarpKeys * kPitch, lane);
+        else
+            warp_gemm_nt<Cfg::kMmaBF16, D, kNT, kPitch, kPitch>(s, q_warp, k_tile + wk * kWarpKeys * kPitch, lane);
+        const bool masked = (t + 1) * BN > keys_min;
+        const int key_base = t * BN + wk * kWarpKeys + 2 * (lane % 4);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float top = neg_inf();
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float x = s[nt][2 * r + e] * row_scale[r];
+                    if (masked && key_base + nt * 8 + e >= limit[r]) x = neg_inf();
+                    s[nt][2 * r + e] = x;
+                    top = fmaxf(top, x);
+                }
+            top = quad_max(top);
+            const float m_new = fmaxf(m[r], top);
+            const float pivot = m_new == neg_inf() ? 0.f : m_new;
+            const float alpha = exp2_approx(m[r] - pivot);
+            m[r] = m_new;
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float pr = exp2_approx(s[nt][2 * r + e] - pivot);
+                    s[nt][2 * r + e] = pr;
+                    sum += pr;
+                }
+            l[r] = l[r] * alpha + sum;
+            if (__any_sync(0xffffffffu, alpha != 1.f)) {  // once the row maxima settle, rarely
+#pragma unroll
+                for (int ot = 0; ot < kOT; ++ot) {
+                    o[ot][2 * r] *= alpha;
+                    o[ot][2 * r + 1] *= alpha;
+                }
+            }
+        }
+        u32 packed[kNT][2];
+        pack_fragments<Cfg::kMmaBF16, kNT>(packed, s);
+        warp_gemm_rn<Cfg::kMmaBF16, kNT / 2, kOT, kPitch>(o, as_operand(packed), v_tile + wk * kWarpKeys * kPitch, lane);
+    }
+    cp_async_wait<0>();
+    const bool bad = __syncthreads_or(bad_page) || bad_len;
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l[r] = quad_sum(l[r]);
+    float* red = reinterpret_cast<float*>(smem + Cfg::kSmemStages);  // the ring is free now
+    if constexpr (WK > 1) {
+        float* ml = red;                      // [WK][BM][2]: each key group's max and sum
+        float* parts = red + 2 * WK * BM;     // [WK - 1][BM][D]: key groups 1.. 's outputs
+        if (lane % 4 == 0) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = wm * 16 + lane / 4 + 8 * r;
+                ml[2 * (wk * BM + row)] = m[r];
+                ml[2 * (wk * BM + row) + 1] = l[r];
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = wm * 16 + lane / 4 + 8 * r;
+            float top = neg_inf();
+#pragma unroll
+            for (int w = 0; w < WK; ++w) top = fmaxf(top, ml[2 * (w * BM + row)]);
+            const float pivot = top == neg_inf() ? 0.f : top;
+            float total = 0.f;
+#pragma unroll
+            for (int w = 0; w < WK; ++w) total += ml[2 * (w * BM + row) + 1] * exp2_approx(ml[2 * (w * BM + row)] - pivot);
+            const float mine = exp2_approx(m[r] - pivot);
+#pragma unroll
+            for (int ot = 0; ot < kOT; ++ot) {
+                o[ot][2 * r] *= mine;
+                o[ot][2 * r + 1] *= mine;
+            }
+            m[r] = top;
+            l[r] = total;
+        }
+        if (wk > 0) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float* dst = parts + ((wk - 1) * BM + wm * 16 + lane / 4 + 8 * r) * D + 2 * (lane % 4);
+#pragma unroll
+                for (int ot = 0; ot < kOT; ++ot) {
+                    dst[ot * 8] = o[ot][2 * r];
+                    dst[ot * 8 + 1] = o[ot][2 * r + 1];
+                }
+            }
+        }
+        __syncthreads();
+        if (wk > 0) return;
+#pragma unroll
+        for (int w = 1; w < WK; ++w)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float* src = parts + ((w - 1) * BM + wm * 16 + lane / 4 + 8 * r) * D + 2 * (lane % 4);
+#pragma unroll
+                for (int ot = 0; ot < kOT; ++ot) {
+                    o[ot][2 * r] += src[ot * 8];
+                    o[ot][2 * r + 1] += src[ot * 8 + 1];
+                }
+            }
+    }
+
+    float v_scale = p.out_scale;
+    if (p.v_descale) v_scale *= p.v_descale[hk * p.descale_head_stride];
+    const float nan = __int_as_float(0x7fffffff);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + wm * 16 + lane / 4 + 8 * r;
+        if (row >= rows) continue;
+        const int token = row / group, head = hk * group + row % group;
+        const float factor = bad ? nan : (l[r] > 0.f ? v_scale / l[r] : 0.f);
+        const float lse = bad ? nan : (l[r] > 0.f ? (m[r] + log2_approx(l[r])) * 0.69314718055994531f : neg_inf());
+        const long long state = (static_cast<long long>(b) * p.heads + head) * seqlen_q + token;
+        if (p.num_splits == 1) {
+            u32* dst = reinterpret_cast<u32*>(static_cast<unsigned short*>(p.out) + b * p.o_batch_stride
+                                              + token * p.o_row_stride + head * p.o_head_stride) + lane % 4;
+#pragma unroll
+            for (int ot = 0; ot < kOT; ++ot)
+                if (ot * 8 < Cfg::kHeadDimStored)
+                    dst[ot * 4] = pack2<Cfg::kBF16>(o[ot][2 * r] * factor, o[ot][2 * r + 1] * factor);
+            if (lane % 4 == 0) p.lse[state] = lse;
+        } else {
+            const long long part = static_cast<long long>(split) * p.batch * p.heads * seqlen_q + state;
+            float2* dst = reinterpret_cast<float2*>(p.o_part + part * Cfg::kHeadDimStored) + lane % 4;
+#pragma unroll
+            for (int ot = 0; ot < kOT; ++ot)
+                if (ot * 8 < Cfg::kHeadDimStored) dst[ot * 4] = make_float2(o[ot][2 * r] * factor, o[ot][2 * r + 1] * factor);
+            if (lane % 4 == 0) p.lse_part[part] = lse;
+        }
+    }
+}
+
+// Merge the splits' partials of one query row per warp: weights exp(LSE_s - LSE); a NaN in any
+// split makes the row NaN; a row no split attends gives 0 and -inf.
+template <class Cfg>
+__device__ __forceinline__ void decode_combine(const typename Cfg::Params& p) {
+    __shared__ float weights[4][Cfg::kMaxSplits];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const long long rows = static_cast<long long>(p.batch) * p.heads * p.seqlen_q;
+    const long long row = static_cast<long long>(blockIdx.x) * 4 + warp;
+    if (row >= rows) return;
+    const int splits = p.num_splits;
+    float top = neg_inf();
+    bool nan = false;
+    for (int s = lane; s < splits; s += 32) {
+        const float x = p.lse_part[s * rows + row];
+        nan |= x != x;
+        top = fmaxf(top, x);
+    }
+    top = group_max<32>(top);
+    nan = __any_sync(0xffffffffu, nan);
+    const float pivot = top == neg_inf() ? 0.f : top;
+    float total = 0.f;
+    for (int s = lane; s < splits; s += 32) {
+        const float w = __expf(p.lse_part[s * rows + row] - pivot);
+        weights[warp][s] = w;
+        total += w;
+    }
+    total = group_sum<32>(total);
+    __syncwarp();
+    const int token = static_cast<int>(row % p.seqlen_q);
+    const long long bh = row / p.seqlen_q;
+    const int head = static_cast<int>(bh % p.heads), b = static_cast<int>(bh / p.heads);
+    unsigned short* out = static_cast<unsigned short*>(p.out) + b * p.o_batch_stride + token * p.o_row_stride
+                          + head * p.o_head_stride;
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    const float qnan = __int_as_float(0x7fffffff);
+    for (int d = lane; d < Cfg::kHeadDimStored; d += 32) {
+        float acc = 0.f;
+        for (int s = 0; s < splits; ++s) {
+            const float w = weights[warp][s];
+            if (w > 0.f) acc += w * p.o_part[(s * rows + row) * Cfg::kHeadDimStored + d];
+        }
+        out[d] = static_cast<unsigned short>(pack2<Cfg::kBF16>(nan ? qnan : acc * inv, 0.f) & 0xffffu);
+    }
+    if (lane == 0) p.lse[row] = nan ? qnan : (total > 0.f ? pivot + __logf(total) : neg_inf());
+}
+
+// Write the new keys and values of token blockIdx.x into the cache at the sequence's length (the
+// cache_seqlens entry, which stays as it was). A sequence whose new length passes the capacity,
+// or whose length is negative, gets none; a row on a page id outside the cache is skipped.
+template <class Cfg>
+__device__ __forceinline__ void decode_append(const typename Cfg::Params& p) {
+    const int i = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int old_len = p.cache_seqlens[b];
+    if (old_len < 0 || old_len + p.seqlen_new > p.capacity) return;
+    CacheRows<Cfg::kPaged> cache;
+    cache.k_row = p.k_row_stride * Cfg::kCacheElemBytes;
+    cache.v_row = p.v_row_stride * Cfg::kCacheElemBytes;
+    cache.k_page = p.k_batch_stride * Cfg::kCacheElemBytes;
+    cache.v_page = p.v_batch_stride * Cfg::kCacheElemBytes;
+    cache.pages = p.page_table + static_cast<long long>(b) * p.page_table_stride;
+    cache.page_size = p.page_size;
+    cache.page_shift = p.page_shift;
+    cache.num_pages = p.num_pages;
+    long long k_off, v_off;
+    if (!cache.locate(old_len + i, k_off, v_off)) return;
+    const long long batch_k = Cfg::kPaged ? 0 : b * cache.k_page, batch_v = Cfg::kPaged ? 0 : b * cache.v_page;
+    uint4* k_dst = reinterpret_cast<uint4*>(static_cast<unsigned char*>(const_cast<void*>(p.k_cache)) + batch_k
+                                            + hk * p.k_head_stride * Cfg::kCacheElemBytes + k_off);
+    uint4* v_dst = reinterpret_cast<uint4*>(static_cast<unsigned char*>(const_cast<void*>(p.v_cache)) + batch_v
+                                            + hk * p.v_head_stride * Cfg::kCacheElemBytes + v_off);
+    const uint4* k_src = reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(p.k_new)
+        + (b * p.kn_batch_stride + i * p.kn_row_stride + hk * p.kn_head_stride) * Cfg::kCacheElemBytes);
+    const uint4* v_src = reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(p.v_new)
+        + (b * p.vn_batch_stride + i * p.vn_row_stride + hk * p.vn_head_stride) * Cfg::kCacheElemBytes);
+    for (int c = threadIdx.x; c < 2 * Cfg::kSrcChunks; c += blockDim.x) {
+        if (c < Cfg::kSrcChunks)
+            k_dst[c] = k_src[c];
+        else
+            v_dst[c - Cfg::kSrcChunks] = v_src[c - Cfg::kSrcChunks];
+    }
+}
+
+}  // namespace cuflash

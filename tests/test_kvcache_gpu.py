@@ -1,0 +1,232 @@
+"""cuflash.attention_with_kvcache on the GPU against the float64 reference: decode and a few query
+tokens, GQA, contiguous and paged caches (shuffled pages), appends, forced splits, FP8 caches,
+lengths and page ids the kernels must refuse, and a decode loop captured in a CUDA graph."""
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.serving import attention_with_kvcache_reference
+from cuflash.testing import assert_attention_close, to_numpy
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+def _np_dtype(tag):
+    if tag == "bf16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(np.float16)
+
+
+def _make(rng, *, batch, seqlen_q, heads, heads_k, head_dim, dtype, lengths, capacity, page_size=None,
+          seqlen_new=0, fp8_format=None):
+    """Device arrays of one problem: caches whose slots past each length (and unused pages) hold
+    NaN (or FP8 NaN codes), so a kernel reading past a length shows it."""
+    npd = _np_dtype(dtype)
+    q = rng.standard_normal((batch, seqlen_q, heads, head_dim)).astype(npd)
+    if page_size is None:
+        shape, table = (batch, capacity, heads_k, head_dim), None
+    else:
+        pages_per_seq = -(-capacity // page_size)
+        num_pages = batch * pages_per_seq + 3
+        table = rng.permutation(num_pages)[:batch * pages_per_seq].reshape(batch, pages_per_seq).astype(np.int32)
+        shape = (num_pages, page_size, heads_k, head_dim)
+    if fp8_format is None:
+        kc = np.full(shape, np.nan, dtype=np.float32).astype(npd)
+        vc = kc.copy()
+        fill = lambda n: rng.standard_normal((n, heads_k, head_dim)).astype(npd)  # noqa: E731
+    else:
+        kc = np.full(shape, 0x7F, dtype=np.uint8)  # e4m3 NaN (e5m2: a NaN too)
+        vc = kc.copy()
+        import ml_dtypes
+        fp8 = ml_dtypes.float8_e4m3fn if fp8_format == "e4m3" else ml_dtypes.float8_e5m2
+        fill = lambda n: (4 * rng.standard_normal((n, heads_k, head_dim))).astype(fp8).view(np.uint8)  # noqa: E731
+    for b, n in enumerate(lengths):
+        n = max(0, min(int(n), capacity))
+        keys = np.arange(n)
+        if table is None:
+            kc[b, :n], vc[b, :n] = fill(n), fill(n)
+        else:
+            kc[table[b, keys // page_size], keys % page_size] = fill(n)
+            vc[table[b, keys // page_size], keys % page_size] = fill(n)
+    new = None
+    if seqlen_new:
+        new = tuple(fill(batch * seqlen_new).reshape(batch, seqlen_new, heads_k, head_dim) for _ in range(2))
+    return q, kc, vc, table, new
+
+
+def _to_device(*xs):
+    return tuple(None if x is None else cupy.asarray(x) for x in xs)
+
+
+def _check(q, kc, vc, lens, table, new, *, dtype, causal=True, num_splits=None, fp8_format=None, descales=(None, None)):
+    dq, dk, dv, dlens, dtable = _to_device(q, kc, vc, np.asarray(lens, dtype=np.int32), table)
+    dnew = _to_device(*new) if new else (None, None)
+    kwargs = dict(page_table=dtable, causal=causal, fp8_format=fp8_format)
+    out, lse = cuflash.attention_with_kvcache(dq, dk, dv, cache_seqlens=dlens, k_new=dnew[0], v_new=dnew[1],
+                                              num_splits=num_splits, return_lse=True, k_descale=descales[0],
+                                              v_descale=descales[1], **kwargs)
+    ref_kwargs = dict(k_new=None if not new else new[0], v_new=None if not new else new[1], page_table=table,
+                      causal=causal, fp8_format=fp8_format, k_descale=descales[0], v_descale=descales[1])
+    ref, ref_lse, k_after, v_after = attention_with_kvcache_reference(q, kc, vc, lens, **ref_kwargs)
+    naive, naive_lse, _, _ = attention_with_kvcache_reference(q, kc, vc, lens, naive=True, **ref_kwargs)
+    assert out.dtype == dq.dtype and out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    assert_attention_close(out, ref, dtype, baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+    bits = np.uint8 if fp8_format else np.uint16
+    assert np.array_equal(to_numpy(dk).view(bits), k_after.view(bits))
+    assert np.array_equal(to_numpy(dv).view(bits), v_after.view(bits))
+    return to_numpy(out), to_numpy(lse)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 72, 128, 256])
+@pytest.mark.parametrize("seqlen_q,heads,heads_k", [(1, 32, 8), (4, 8, 2), (16, 8, 1), (3, 4, 4)])
+def test_decode_contiguous(dtype, head_dim, seqlen_q, heads, heads_k):
+    rng = np.random.default_rng(head_dim * 100 + seqlen_q + heads)
+    lens = rng.integers(0, 700, size=3)
+    lens[0] = 0
+    q, kc, vc, table, new = _make(rng, batch=3, seqlen_q=seqlen_q, heads=heads, heads_k=heads_k, head_dim=head_dim,
+                                  dtype=dtype, lengths=lens, capacity=720)
+    _check(q, kc, vc, lens, table, new, dtype=dtype)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 256, 48])
+@pytest.mark.parametrize("seqlen_new", [0, 1, 5])
+@pytest.mark.parametrize("causal", [True, False])
+def test_paged_with_appends(page_size, seqlen_new, causal):
+    rng = np.random.default_rng(page_size * 10 + seqlen_new)
+    lens = rng.integers(0, 900, size=4)
+    q, kc, vc, table, new = _make(rng, batch=4, seqlen_q=max(seqlen_new, 1), heads=16, heads_k=4, head_dim=128,
+                                  dtype="bf16", lengths=lens, capacity=1024, page_size=page_size,
+                                  seqlen_new=seqlen_new)
+    _check(q, kc, vc, lens, table, new, dtype="bf16", causal=causal)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_forced_splits_agree_with_one(paged):
+    rng = np.random.default_rng(7)
+    lens = np.array([3000, 17, 1, 2500])
+    q, kc, vc, table, new = _make(rng, batch=4, seqlen_q=2, heads=8, heads_k=2, head_dim=128, dtype="bf16",
+                                  lengths=lens, capacity=3072, page_size=64 if paged else None)
+    one, one_lse = _check(q, kc, vc, lens, table, new, dtype="bf16", num_splits=1)
+    for splits in (3, 16, 128):
+        many, many_lse = _check(q, kc, vc, lens, table, new, dtype="bf16", num_splits=splits)
+        assert np.abs(many.astype(np.float32) - one.astype(np.float32)).max() < 2e-2
+        assert np.array_equal(np.isfinite(many_lse), np.isfinite(one_lse))
+        finite = np.isfinite(one_lse)
+        assert np.all(many_lse[~finite] == one_lse[~finite]) and np.abs(many_lse - one_lse)[finite].max() < 1e-3
+
+
+@pytest.mark.parametrize("fp8_format", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fp8_caches(fp8_format, dtype, per_head):
+    rng = np.random.default_rng(11)
+    lens = rng.integers(1, 1500, size=3)
+    q, kc, vc, table, new = _make(rng, batch=3, seqlen_q=1, heads=16, heads_k=4, head_dim=128, dtype=dtype,
+                                  lengths=lens, capacity=1600, page_size=16, seqlen_new=1, fp8_format=fp8_format)
+    if per_head:
+        descales = (cupy.asarray(rng.uniform(0.5, 2, 4).astype(np.float32)),
+                    cupy.asarray(rng.uniform(0.5, 2, 4).astype(np.float32)))
+    else:
+        descales = (0.75, 1.5)
+    _check(q, kc, vc, lens, table, new, dtype=dtype, fp8_format=fp8_format, descales=descales)
+
+
+def test_rows_with_no_key_and_more_queries_than_keys():
+    rng = np.random.default_rng(3)
+    lens = np.array([0, 2, 9])
+    q, kc, vc, table, new = _make(rng, batch=3, seqlen_q=6, heads=4, heads_k=2, head_dim=64, dtype="bf16",
+                                  lengths=lens, capacity=64)
+    out, lse = _check(q, kc, vc, lens, table, new, dtype="bf16", causal=True)
+    assert np.all(out[0].astype(np.float32) == 0) and np.all(lse[0] == -np.inf)
+    assert np.all(lse[1][:, :4] == -np.inf) and np.isfinite(lse[1][:, 4:]).all()
+
+
+def test_bad_lengths_and_page_ids_give_nan_rows_only_there():
+    rng = np.random.default_rng(5)
+    lens = np.array([100, -1, 300, 5000])
+    q, kc, vc, table, _ = _make(rng, batch=4, seqlen_q=1, heads=8, heads_k=2, head_dim=128, dtype="bf16",
+                                lengths=np.clip(lens, 0, 512), capacity=512, page_size=16)
+    table = table.copy()
+    table[2, 3] = -7          # a page id outside the cache, inside sequence 2's 300 keys
+    table[0, 20] = 10 ** 6    # outside the cache too, but past sequence 0's length: never read
+    dq, dk, dv, dlens, dtable = _to_device(q, kc, vc, lens.astype(np.int32), table)
+    for splits in (1, 4):
+        out, lse = cuflash.attention_with_kvcache(dq, dk, dv, cache_seqlens=dlens, page_table=dtable,
+                                                  num_splits=splits, return_lse=True)
+        out, lse = to_numpy(out).astype(np.float32), to_numpy(lse)
+        assert np.isnan(out[1:]).all() and np.isnan(lse[1:]).all()
+        assert np.isfinite(out[0]).all() and np.isfinite(lse[0]).all()
+
+
+def test_invalid_host_inputs_are_named():
+    q = cupy.zeros((2, 1, 8, 64), dtype=cupy.float16)
+    kc = cupy.zeros((2, 128, 2, 64), dtype=cupy.float16)
+    lens = cupy.zeros(2, dtype=cupy.int32)
+    call = cuflash.attention_with_kvcache
+    with pytest.raises(TypeError, match="k_cache .* must have q's dtype"):
+        call(q, kc.astype(cupy.float32), kc, cache_seqlens=lens)
+    with pytest.raises(ValueError, match="multiple of heads_k"):
+        call(q, kc[:, :, :1].repeat(3, axis=2), kc[:, :, :1].repeat(3, axis=2), cache_seqlens=lens)
+    with pytest.raises(ValueError, match="cache_seqlens must be int32 \\[batch=2\\]"):
+        call(q, kc, kc, cache_seqlens=cupy.zeros(3, dtype=cupy.int32))
+    with pytest.raises(TypeError, match="cache_seqlens must be int32"):
+        call(q, kc, kc, cache_seqlens=cupy.zeros(2, dtype=cupy.int64))
+    with pytest.raises(ValueError, match="page_table must be int32 \\[batch=2"):
+        call(q, kc, kc, cache_seqlens=lens, page_table=cupy.zeros((3, 4), dtype=cupy.int32))
+    with pytest.raises(ValueError, match="k_new must be"):
+        call(q, kc, kc, cache_seqlens=lens, k_new=cupy.zeros((2, 1, 8, 64), dtype=cupy.float16),
+             v_new=cupy.zeros((2, 1, 8, 64), dtype=cupy.float16))
+    with pytest.raises(ValueError, match="16-byte aligned rows"):
+        call(q[..., :32], kc[..., 1:33], kc[..., 1:33], cache_seqlens=lens)
+    with pytest.raises(ValueError, match="cache_seqlens=129 is outside"):
+        call(q, kc, kc, cache_seqlens=129)
+    with pytest.raises(ValueError, match="num_splits=0"):
+        call(q, kc, kc, cache_seqlens=lens, num_splits=0)
+    with pytest.raises(ValueError, match="FP8 caches only"):
+        call(q, kc, kc, cache_seqlens=lens, k_descale=2.0)
+
+
+def test_a_decode_loop_captured_in_a_cuda_graph():
+    """One captured step (append one token, attend) replayed with new tokens and lengths that the
+    host moves forward on the device between replays."""
+    rng = np.random.default_rng(9)
+    batch, heads, heads_k, head_dim, capacity = 4, 16, 4, 128, 2048
+    lens0 = rng.integers(100, 1500, size=batch)
+    q, kc, vc, table, _ = _make(rng, batch=batch, seqlen_q=1, heads=heads, heads_k=heads_k, head_dim=head_dim,
+                                dtype="bf16", lengths=lens0, capacity=capacity, page_size=16)
+    dq, dk, dv, dtable = _to_device(q, kc, vc, table)
+    dlens = cupy.asarray(lens0.astype(np.int32))
+    k_new = cupy.zeros((batch, 1, heads_k, head_dim), dtype=dq.dtype)
+    v_new = cupy.zeros_like(k_new)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    call = dict(cache_seqlens=dlens, k_new=k_new, v_new=v_new, page_table=dtable, return_lse=True)
+    with stream:
+        scratch = (dk.copy(), dv.copy())
+        out, lse = cuflash.attention_with_kvcache(dq, *scratch, **{**call, "k_new": None, "v_new": None})
+        del out, lse, scratch
+        stream.synchronize()
+        stream.begin_capture()
+        out, lse = cuflash.attention_with_kvcache(dq, dk, dv, **call)
+        graph = stream.end_capture()
+    lens = lens0.copy()
+    for step in range(4):
+        kn = rng.standard_normal(k_new.shape).astype(q.dtype)
+        vn = rng.standard_normal(k_new.shape).astype(q.dtype)
+        qn = rng.standard_normal(q.shape).astype(q.dtype)
+        k_before, v_before = to_numpy(dk), to_numpy(dv)
+        with stream:
+            k_new.set(kn)
+            v_new.set(vn)
+            dq.set(qn)
+            dlens.set(lens.astype(np.int32))
+            graph.launch(stream)
+        stream.synchronize()
+        ref, ref_lse, k_after, v_after = attention_with_kvcache_reference(
+            qn, k_before, v_before, lens, k_new=kn, v_new=vn, page_table=table)
+        naive, naive_lse, _, _ = attention_with_kvcache_reference(
+            qn, k_before, v_before, lens, k_new=kn, v_new=vn, page_table=table, naive=True)
+        assert_attention_close(out, ref, "bf16", baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+        assert np.array_equal(to_numpy(dk).view(np.uint16), k_after.view(np.uint16)), step
+        lens += 1
