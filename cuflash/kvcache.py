@@ -6,8 +6,8 @@ from .core import kvcache as _kv
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, page_table=None,
-                           causal=True, scale=None, num_splits=None, return_lse=False, fp8_format=None,
-                           k_descale=None, v_descale=None):
+                           causal=True, scale=None, window_size=(-1, -1), softcap=0.0, num_splits=None,
+                           return_lse=False, fp8_format=None, k_descale=None, v_descale=None):
     """Attend a few new query tokens per sequence to a KV cache (contiguous or paged).
 
     Args:
@@ -27,6 +27,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         causal: queries are the last seqlen_q tokens of each sequence (bottom-right alignment):
             token i attends keys up to ``length - seqlen_q + i``. False: every key.
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        window_size: ``(left, right)``: a query at position i sees keys i - left to i + right
+            (sliding-window attention, as Mistral's); -1 for unbounded. Causal: right is 0.
+        softcap: ``softcap * tanh(score / softcap)`` on the scaled scores (Gemma 2); 0 for none.
         num_splits: split each sequence's keys over this many blocks, merged by a second kernel;
             None chooses from the multiprocessor count, the batch, heads and the cache's capacity.
         return_lse: also return the natural-log LSE, float32 [batch, heads, seqlen_q].
@@ -46,20 +49,23 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     import cupy
 
     key = _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
-                    fp8_format, k_descale, v_descale)
+                    fp8_format, k_descale, v_descale, window_size, softcap)
     plan = _plans.get(key) if key is not None else None
     if plan is not None and not (q.data.ptr | k_cache.data.ptr | v_cache.data.ptr) % 16 \
             and (k_new is None or not (k_new.data.ptr | v_new.data.ptr) % 16):
         out = cupy.empty(q.shape, dtype=q.dtype)
+        if not return_lse:
+            plan.launch(q, k_cache, v_cache, k_new, v_new, out, plan.lse_scratch)
+            return out
         lse = cupy.empty((plan.problem.batch, plan.problem.heads, plan.problem.seqlen_q), dtype=cupy.float32)
         plan.launch(q, k_cache, v_cache, k_new, v_new, out, lse)
-        return (out, lse) if return_lse else out
+        return out, lse
     return _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale,
-                      num_splits, return_lse, fp8_format, k_descale, v_descale)
+                      num_splits, return_lse, fp8_format, k_descale, v_descale, window_size, softcap)
 
 
 def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
-               return_lse, fp8_format, k_descale, v_descale):
+               return_lse, fp8_format, k_descale, v_descale, window_size, softcap):
     from .forward import _arch, _on_device
 
     if fp8_format is None and (k_descale is not None or v_descale is not None):
@@ -67,7 +73,7 @@ def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page
     original = (q, k_new, v_new)
     problem, q, cache_seqlens, k_new, v_new = _kv.validate_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, page_table=page_table,
-        causal=causal, scale=scale, fp8_format=fp8_format)
+        causal=causal, scale=scale, fp8_format=fp8_format, window_size=window_size, softcap=softcap)
     if any(a is not b for a, b in zip((q, k_new, v_new), original)):
         key = None  # copied inputs: the next call with this key copies again
     descales = tuple(_kv.descale_operand(cupy, name, value, problem.heads_k, problem.device_id)
@@ -97,7 +103,7 @@ _MAX_PLANS = 256
 
 
 def _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
-              fp8_format, k_descale, v_descale):
+              fp8_format, k_descale, v_descale, window_size, softcap):
     """The key of a call's plan, or None for one that always takes the full path (anything but
     CuPy arrays, a length given as a number, descales given as arrays)."""
     nd = cupy.ndarray
@@ -115,7 +121,8 @@ def _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table
                                             v_new.dtype),
                 None if page_table is None else (page_table.data.ptr, page_table.shape, page_table.strides,
                                                  page_table.dtype),
-                causal, scale, num_splits, fp8_format, k_descale, v_descale, q.data.device_id,
+                causal, scale, num_splits, fp8_format, k_descale, v_descale,
+                tuple(window_size) if isinstance(window_size, list) else window_size, softcap, q.data.device_id,
                 cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr)
     except TypeError:  # something unhashable: the full path names it
         return None

@@ -79,8 +79,8 @@ def merge_states(outs: Sequence, lses: Sequence, *, layout: str = "bhsd"):
 
 
 def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, page_table=None,
-                                     causal=True, scale=None, fp8_format=None, k_descale=None, v_descale=None,
-                                     naive=False):
+                                     causal=True, scale=None, window_size=(-1, -1), softcap=0.0, fp8_format=None,
+                                     k_descale=None, v_descale=None, naive=False):
     """What :func:`cuflash.attention_with_kvcache` computes, on NumPy arrays (CuPy arrays are
     copied to the host): the new keys appended to copies of the caches, then each sequence's
     attention over its keys, in float64 (``naive=True``: :func:`cuflash.reference.attention_naive`
@@ -92,6 +92,7 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
     import numpy as np
 
     from . import fp8, reference
+    from . import mods as _mods
     from .testing import to_numpy
 
     q = to_numpy(q)
@@ -129,13 +130,29 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
             k_cache[page, row], v_cache[page, row] = k_new[b], v_new[b]
         page, row = where(b, np.arange(old + seqlen_new))
         ks = values(k_cache[page, row], k_descale)[None], values(v_cache[page, row], v_descale)[None]
+        mods = dict(score_mod=_mods.softcap(softcap) if softcap else None,
+                    mask_mod=_window_mask(window_size, causal, old + seqlen_new - seqlen_q))
         if naive:
             kk, vv = (x.astype(q.dtype) for x in ks)
-            o, l = reference.attention_naive(q[b:b + 1], kk, vv, causal=causal, scale=scale, layout="bshd")
+            o, l = reference.attention_naive(q[b:b + 1], kk, vv, causal=causal, scale=scale, layout="bshd", **mods)
         else:
-            o, l = reference.attention_reference(q[b:b + 1], *ks, causal=causal, scale=scale, layout="bshd")
+            o, l = reference.attention_reference(q[b:b + 1], *ks, causal=causal, scale=scale, layout="bshd", **mods)
         out[b], lse[b] = o[0], l[0]
     return out.astype(out_dtype), lse.astype(np.float32 if naive else np.float64), k_cache, v_cache
+
+
+def _window_mask(window_size, causal, offset):
+    """The mask_mod of a sliding window for queries at positions q_idx + offset, or None."""
+    left, right = window_size
+    right = 0 if causal else right
+    if left < 0 and right < 0:
+        return None
+
+    def window(b, h, q_idx, kv_idx):
+        inside_left = kv_idx >= q_idx + (offset - left) if left >= 0 else kv_idx >= 0
+        inside_right = kv_idx <= q_idx + (offset + right) if right >= 0 else kv_idx >= 0
+        return inside_left & inside_right
+    return window
 
 
 __all__ = ["merge_states", "attention_with_kvcache_reference"]

@@ -290,6 +290,30 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
     return (out, lse) if return_lse else out
 
 
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, page_table=None,
+                           causal=True, scale=None, window_size=(-1, -1), softcap=0.0, num_splits=None,
+                           return_lse=False, fp8_format=None, k_descale=None, v_descale=None):
+    """:func:`cuflash.attention_with_kvcache` on CUDA torch tensors (inference: not differentiable),
+    on torch's current device and stream: the caches are read, and appended to, in place; an FP8
+    cache is a torch.uint8 tensor of codes, lengths and page tables torch.int32."""
+    from .kvcache import attention_with_kvcache as _kvcache
+
+    def view(x):
+        return _to_cupy(x) if isinstance(x, torch.Tensor) else x
+
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
+            raise TypeError(f"{name} must be a CUDA torch tensor, got {type(x).__name__}"
+                            + (f" on {x.device}" if isinstance(x, torch.Tensor) else ""))
+    with _on_torch_stream(q.device):
+        result = _kvcache(view(q), view(k_cache), view(v_cache), cache_seqlens=view(cache_seqlens),
+                          k_new=view(k_new), v_new=view(v_new), page_table=view(page_table), causal=causal,
+                          scale=scale, window_size=window_size, softcap=softcap, num_splits=num_splits,
+                          return_lse=return_lse, fp8_format=fp8_format, k_descale=view(k_descale),
+                          v_descale=view(v_descale))
+    return tuple(_to_torch(x) for x in result) if return_lse else _to_torch(result)
+
+
 # -- transformers ---------------------------------------------------------------------------------------------
 
 _warned: set = set()
@@ -342,4 +366,5 @@ def register_transformers(name: str = TRANSFORMERS_NAME) -> str:
     return name
 
 
-__all__ = ["attention", "register_transformers", "transformers_attention", "TRANSFORMERS_NAME"]
+__all__ = ["attention", "attention_with_kvcache", "register_transformers", "transformers_attention",
+           "TRANSFORMERS_NAME"]

@@ -59,15 +59,17 @@ def _to_device(*xs):
     return tuple(None if x is None else cupy.asarray(x) for x in xs)
 
 
-def _check(q, kc, vc, lens, table, new, *, dtype, causal=True, num_splits=None, fp8_format=None, descales=(None, None)):
+def _check(q, kc, vc, lens, table, new, *, dtype, causal=True, num_splits=None, fp8_format=None, descales=(None, None),
+           window_size=(-1, -1), softcap=0.0):
     dq, dk, dv, dlens, dtable = _to_device(q, kc, vc, np.asarray(lens, dtype=np.int32), table)
     dnew = _to_device(*new) if new else (None, None)
-    kwargs = dict(page_table=dtable, causal=causal, fp8_format=fp8_format)
+    kwargs = dict(page_table=dtable, causal=causal, fp8_format=fp8_format, window_size=window_size, softcap=softcap)
     out, lse = cuflash.attention_with_kvcache(dq, dk, dv, cache_seqlens=dlens, k_new=dnew[0], v_new=dnew[1],
                                               num_splits=num_splits, return_lse=True, k_descale=descales[0],
                                               v_descale=descales[1], **kwargs)
     ref_kwargs = dict(k_new=None if not new else new[0], v_new=None if not new else new[1], page_table=table,
-                      causal=causal, fp8_format=fp8_format, k_descale=descales[0], v_descale=descales[1])
+                      causal=causal, fp8_format=fp8_format, k_descale=descales[0], v_descale=descales[1],
+                      window_size=window_size, softcap=softcap)
     ref, ref_lse, k_after, v_after = attention_with_kvcache_reference(q, kc, vc, lens, **ref_kwargs)
     naive, naive_lse, _, _ = attention_with_kvcache_reference(q, kc, vc, lens, naive=True, **ref_kwargs)
     assert out.dtype == dq.dtype and out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
@@ -115,6 +117,20 @@ def test_forced_splits_agree_with_one(paged):
         assert np.array_equal(np.isfinite(many_lse), np.isfinite(one_lse))
         finite = np.isfinite(one_lse)
         assert np.all(many_lse[~finite] == one_lse[~finite]) and np.abs(many_lse - one_lse)[finite].max() < 1e-3
+
+
+@pytest.mark.parametrize("window_size,causal", [((64, -1), True), ((0, -1), True), ((300, 0), True),
+                                                ((100, 20), False), ((-1, 7), False)])
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("num_splits", [None, 5])
+def test_sliding_window_and_softcap(window_size, causal, softcap, num_splits):
+    rng = np.random.default_rng(window_size[0] + 13)
+    lens = np.array([0, 1, 90, 700, 1500])
+    q, kc, vc, table, new = _make(rng, batch=5, seqlen_q=5, heads=8, heads_k=2, head_dim=128, dtype="bf16",
+                                  lengths=lens, capacity=1536, page_size=16, seqlen_new=2)
+    q = (q.astype(np.float32) * 8).astype(q.dtype)  # large scores, where the cap bites
+    _check(q, kc, vc, lens, table, new, dtype="bf16", causal=causal, num_splits=num_splits, window_size=window_size,
+           softcap=softcap)
 
 
 @pytest.mark.parametrize("fp8_format", ["e4m3", "e5m2"])
@@ -186,6 +202,12 @@ def test_invalid_host_inputs_are_named():
         call(q, kc, kc, cache_seqlens=lens, num_splits=0)
     with pytest.raises(ValueError, match="FP8 caches only"):
         call(q, kc, kc, cache_seqlens=lens, k_descale=2.0)
+    with pytest.raises(ValueError, match="right must be 0 or -1"):
+        call(q, kc, kc, cache_seqlens=lens, window_size=(10, 3))
+    with pytest.raises(TypeError, match="window_size must be a pair"):
+        call(q, kc, kc, cache_seqlens=lens, window_size=10)
+    with pytest.raises(ValueError, match="softcap=-1"):
+        call(q, kc, kc, cache_seqlens=lens, softcap=-1)
 
 
 def test_a_decode_loop_captured_in_a_cuda_graph():

@@ -42,12 +42,12 @@ def test_invalid_specs_are_named(kwargs, match):
 
 def test_split_policy():
     # enough blocks without splits: none
-    assert decode_splits(512, 128, 132, 2) == 1
-    # one sequence of 8 kv heads: the splits fill both slots of every multiprocessor
-    assert decode_splits(8, 2048, 132, 2) == 33
+    assert decode_splits(512, 128, 132) == 1 and decode_splits(200, 128, 132) == 1
+    # one sequence of 8 kv heads: one wave of two blocks per multiprocessor
+    assert decode_splits(8, 2048, 132) == 33 and decode_splits(64, 1024, 132) == 4
     # short sequences keep at least 4 key tiles per split
-    assert decode_splits(8, 8, 132, 2) == 2
-    assert decode_splits(8, 3, 132, 2) == 1
+    assert decode_splits(8, 8, 132) == 2
+    assert decode_splits(8, 3, 132) == 1
 
 
 def _report(spec):

@@ -195,3 +195,44 @@ def test_a_transformers_causal_lm_matches_sdpa(monkeypatch):
     floor_logits = (eager - sdpa).abs().max().item()
     assert (ours - sdpa).abs().max().item() <= 2 * floor_logits + 1e-3
     assert grad_error(our_grads) <= 2 * grad_error(eager_grads) + 1e-3
+
+
+def test_kvcache_decode_through_the_bridge_matches_cupy():
+    """cuflash.torch.attention_with_kvcache on torch tensors (a paged bf16 cache and an FP8 one, with
+    an append) gives what the CuPy call gives on the same memory, on torch's stream."""
+    import cuflash.torch as ct
+
+    torch.manual_seed(0)
+    batch, heads, heads_k, head_dim, page = 3, 16, 4, 128, 16
+    q = torch.randn(batch, 2, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    pages = torch.randperm(batch * 8, device="cuda", dtype=torch.int32).reshape(batch, 8)
+    lens = torch.tensor([0, 40, 100], device="cuda", dtype=torch.int32)
+    for fp8 in (None, "e4m3"):
+        if fp8:
+            cache = [torch.randint(0, 0x7E, (batch * 8, page, heads_k, head_dim), device="cuda", dtype=torch.uint8)
+                     for _ in range(2)]
+            new = [torch.randint(0, 0x7E, (batch, 2, heads_k, head_dim), device="cuda", dtype=torch.uint8)
+                   for _ in range(2)]
+        else:
+            cache = [torch.randn(batch * 8, page, heads_k, head_dim, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(2)]
+            new = [torch.randn(batch, 2, heads_k, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        before = [c.clone() for c in cache]
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            out, lse = ct.attention_with_kvcache(q, *cache, cache_seqlens=lens, k_new=new[0], v_new=new[1],
+                                                 page_table=pages, return_lse=True, fp8_format=fp8,
+                                                 k_descale=0.5 if fp8 else None)
+        stream.synchronize()
+        appended = [c.clone() for c in cache]
+        for c, b in zip(cache, before):
+            c.copy_(b)
+        torch.cuda.synchronize()
+        want, want_lse = cuflash.attention_with_kvcache(
+            _cupy(q), *(_cupy(c) for c in cache), cache_seqlens=_cupy(lens), k_new=_cupy(new[0]),
+            v_new=_cupy(new[1]), page_table=_cupy(pages), return_lse=True, fp8_format=fp8,
+            k_descale=0.5 if fp8 else None)
+        cupy.cuda.Device().synchronize()
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        assert torch.equal(out, _torch(want)) and torch.equal(lse, _torch(want_lse))
+        assert all(torch.equal(a, c) for a, c in zip(appended, cache))

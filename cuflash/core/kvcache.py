@@ -45,6 +45,8 @@ class KVCacheProblem:
     device_id: int
     k_strides: tuple          # bytes: (sequence or page, row, head) of k_cache
     v_strides: tuple
+    window: tuple = (-1, -1)  # (left, right) keys around a query's position; -1: unbounded
+    softcap: float = 0.0      # 0: none
 
     @property
     def group(self) -> int:
@@ -84,7 +86,34 @@ def _int32_array(cupy, name, x, shape_text, device):
     return x
 
 
-def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_table, causal, scale, fp8_format):
+def _window(window_size, causal):
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded; got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size={tuple(window_size)}: each bound is -1 (unbounded) or a number of keys >= 0")
+    if causal:
+        if right > 0:
+            raise ValueError(f"window_size={tuple(window_size)} with causal=True: a causal query sees no key after "
+                             f"its own position (right must be 0 or -1)")
+        right = 0
+    if max(left, right) >= 2**31 - 2**20:
+        raise ValueError(f"window_size={tuple(window_size)} is too large")
+    return left, right
+
+
+def _softcap(softcap):
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)) \
+            or not (math.isfinite(float(softcap)) and softcap >= 0):
+        raise ValueError(f"softcap={softcap!r} must be a finite number >= 0 (0: none)")
+    return float(softcap)
+
+
+def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_table, causal, scale, fp8_format,
+                     window_size=(-1, -1), softcap=0.0):
     """Check a call's host-visible inputs; returns (problem, q, cache_seqlens, k_new, v_new) with
     q and the new keys copied where their rows are not 16-byte copyable, and an int length
     broadcast to a device array."""
@@ -184,7 +213,8 @@ def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_t
         raise ValueError(f"batch x heads_k = {batch * heads_k} is too many")
     problem = KVCacheProblem(batch, seqlen_q, heads, heads_k, head_dim, entry, cache_tag, paged, capacity,
                              page_size if paged else capacity, num_pages, seqlen_new, causal, float(scale), device,
-                             tuple(k_cache.strides[:3]), tuple(v_cache.strides[:3]))
+                             tuple(k_cache.strides[:3]), tuple(v_cache.strides[:3]), _window(window_size, causal),
+                             _softcap(softcap))
     if ceil_div(problem.rows, 64) > 65535:
         raise ValueError(f"seqlen_q x heads / heads_k = {problem.rows} query rows per kv head is too many")
     return problem, q, cache_seqlens, k_new, v_new
@@ -232,9 +262,7 @@ def choose_splits(spec: DecodeSpec, problem: KVCacheProblem, num_splits) -> int:
             raise ValueError(f"num_splits={num_splits!r} must be an integer from 1 to {MAX_SPLITS} (or None)")
         return int(num_splits)
     blocks = problem.batch * problem.heads_k * ceil_div(problem.rows, spec.block_m)
-    per_sm = max(1, min(policy.DECODE_BLOCKS_PER_SM, (228 * 1024) // (spec.smem_bytes + 1024)))
-    return policy.decode_splits(blocks, ceil_div(problem.capacity, spec.block_n), _multiprocessors(problem.device_id),
-                                per_sm)
+    return policy.decode_splits(blocks, ceil_div(problem.capacity, spec.block_n), _multiprocessors(problem.device_id))
 
 
 _workspaces: dict = {}
@@ -262,7 +290,8 @@ class KVCachePlan:
     addresses): the kernels, their grids, and the parameter block with all but the first seven
     pointers filled in. Append (with new keys), attend, merge the splits (more than one)."""
 
-    __slots__ = ("spec", "problem", "kernels", "splits", "template", "grid", "combine_grid", "buffers")
+    __slots__ = ("spec", "problem", "kernels", "splits", "template", "grid", "combine_grid", "buffers", "lse_scratch",
+                 "_driver", "_stream")
 
     def __init__(self, kernels, spec: DecodeSpec, problem: KVCacheProblem, *, page_table, cache_seqlens, splits,
                  k_descale, v_descale, stream: int):
@@ -299,12 +328,16 @@ class KVCachePlan:
             problem.capacity, problem.page_size,
             problem.page_size.bit_length() - 1 if problem.page_size & (problem.page_size - 1) == 0 else -1,
             problem.num_pages, page_table.strides[0] // 4 if page_table is not None else 0,
-            splits, int(problem.causal), 1 if per_head else 0,
+            splits, 1 if per_head else 0, *problem.window, problem.softcap * _LOG2E,
             problem.scale * _LOG2E * k_factor * boost, v_factor * boost,
         )
         self.template = raw
         self.grid = (problem.batch * problem.heads_k, ceil_div(problem.rows, spec.block_m), splits)
         self.combine_grid = (ceil_div(rows, 4),)
+        # The LSE of calls that do not return it
+        self.lse_scratch = cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
+        self._stream = stream
+        self._driver = _driver_launcher(kernels, stream)
 
     def launch(self, q, k_cache, v_cache, k_new, v_new, out, lse) -> None:
         """Launch on the current stream with these arrays (shaped and strided as the plan's; q,
@@ -312,10 +345,13 @@ class KVCachePlan:
         problem = self.problem
         if problem.batch == 0:
             return
+        pointers = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, k_new.data.ptr if k_new is not None else 0,
+                    v_new.data.ptr if v_new is not None else 0, out.data.ptr, lse.data.ptr)
+        if self._driver is not None:
+            self._driver(self, pointers, bool(out.size))
+            return
         raw = bytearray(self.template)
-        _POINTERS.pack_into(raw, 0, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
-                            k_new.data.ptr if k_new is not None else 0, v_new.data.ptr if v_new is not None else 0,
-                            out.data.ptr, lse.data.ptr)
+        _POINTERS.pack_into(raw, 0, *pointers)
         params = (np.frombuffer(raw, dtype=_PARAMS),)
         attend, combine, append = self.kernels
         if problem.seqlen_new:
@@ -325,3 +361,41 @@ class KVCachePlan:
         attend(self.grid, (self.spec.threads, 1, 1), params, shared_mem=self.spec.smem_bytes)
         if self.splits > 1:
             combine(self.combine_grid, (128, 1, 1), params)
+
+
+def _driver_launcher(kernels, stream: int):
+    """A launch of the plan's kernels straight through the driver (cuda-bindings' cuLaunchKernel,
+    the parameter block passed as the kernels' one argument), or None where that is unavailable."""
+    try:
+        import ctypes
+
+        from cuda.bindings import driver
+    except ImportError:
+        return None
+    try:  # CuPy's RawKernel holds the loaded function (its .kernel) once it is compiled
+        handles = [driver.CUfunction(init_value=k.kernel.ptr) for k in kernels]
+    except AttributeError:
+        return None
+    cu_stream = driver.CUstream(init_value=stream)
+    success = driver.CUresult.CUDA_SUCCESS
+    size = DECODE_STRUCT.size
+
+    def run(plan, pointers, attend_rows: bool) -> None:
+        block = ctypes.create_string_buffer(plan.template, size)
+        _POINTERS.pack_into(block, 0, *pointers)
+        argv = (ctypes.c_void_p * 1)(ctypes.addressof(block))
+        problem = plan.problem
+        launches = []
+        if problem.seqlen_new:
+            launches.append((handles[2], (problem.seqlen_new, problem.heads_k, problem.batch), 0))
+        if attend_rows:
+            launches.append((handles[0], plan.grid, plan.spec.smem_bytes))
+            if plan.splits > 1:
+                launches.append((handles[1], plan.combine_grid + (1, 1), 0))
+        for handle, grid, smem in launches:
+            grid = tuple(grid) + (1,) * (3 - len(grid))
+            threads = plan.spec.threads if handle is handles[0] else 128
+            (err,) = driver.cuLaunchKernel(handle, *grid[:3], threads, 1, 1, smem, cu_stream, ctypes.addressof(argv), 0)
+            if err != success:
+                raise RuntimeError(f"launching {plan.spec.name} failed: {err}")
+    return run

@@ -77,7 +77,11 @@ DECODE_PARAM_FIELDS = (
     ("capacity", "int", "i4"),        # keys one sequence's cache holds
     ("page_size", "int", "i4"), ("page_shift", "int", "i4"),  # log2(page_size), or -1
     ("num_pages", "int", "i4"), ("page_table_stride", "int", "i4"),
-    ("num_splits", "int", "i4"), ("causal", "int", "i4"), ("descale_head_stride", "int", "i4"),
+    ("num_splits", "int", "i4"), ("descale_head_stride", "int", "i4"),
+    # keys a query at position i sees: i - window_left .. i + window_right (negative: unbounded;
+    # causal: window_right 0)
+    ("window_left", "int", "i4"), ("window_right", "int", "i4"),
+    ("softcap_log2", "float", "f4"),  # softcap * log2(e), 0 for none
     ("scale_log2", "float", "f4"),    # softmax scale * log2(e) (e4m3: times 2^8)
     ("out_scale", "float", "f4"),     # the output's factor (e4m3: 2^8)
 )

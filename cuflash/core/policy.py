@@ -229,8 +229,9 @@ DECODE_WIDE_BLOCK_N = 32
 DECODE_SMEM_BUDGET = 112 * 1024
 DECODE_MAX_STAGES = 4
 
-#: Splits of the key range: enough blocks for this many per multiprocessor, and at least this
-#: many key tiles per split (the merge's reads stay small beside the cache's).
+#: Splits of the key range fill one wave of this many blocks per multiprocessor (one per SM was
+#: faster for contiguous caches at 1 x 128k keys, slower for paged ones and 16 query tokens), and
+#: keep at least this many key tiles each (the merge's reads stay small beside the cache's).
 DECODE_BLOCKS_PER_SM = 2
 DECODE_MIN_TILES_PER_SPLIT = 4
 
@@ -249,17 +250,12 @@ def decode_spec(head_dim: int, dtype: str, cache_dtype: str, paged: bool, rows: 
     return replace(spec, num_stages=max(2, min(DECODE_MAX_STAGES, stages)))
 
 
-def decode_splits(blocks: int, key_tiles: int, sms: int, blocks_per_sm: int) -> int:
+def decode_splits(blocks: int, key_tiles: int, sms: int) -> int:
     """Splits of the key range for `blocks` blocks without splits over sequences of up to
-    `key_tiles` tiles: none when the blocks fill the multiprocessors' slots, else the fewest
-    splits whose blocks fill the slots' waves best."""
-    slots = sms * blocks_per_sm
+    `key_tiles` tiles: as many as fit DECODE_BLOCKS_PER_SM blocks per multiprocessor in a single
+    wave (none when the blocks fill them already), with at least DECODE_MIN_TILES_PER_SPLIT tiles each."""
     most = max(1, min(128, key_tiles // DECODE_MIN_TILES_PER_SPLIT))
-    if blocks >= slots or most == 1:
-        return 1
-    def fill(s):
-        return blocks * s / (-(-blocks * s // slots) * slots)
-    return max(range(1, most + 1), key=lambda s: (round(fill(s), 3), -s))
+    return max(1, min(most, DECODE_BLOCKS_PER_SM * sms // max(blocks, 1)))
 
 # -- tuned tables ------------------------------------------------------------------------------------
 

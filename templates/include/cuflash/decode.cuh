@@ -18,6 +18,12 @@
 
 namespace cuflash {
 
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 template <bool kValue>
 struct Bool {
     static constexpr bool value = kValue;
@@ -159,11 +165,18 @@ __device__ __forceinline__ void warp_gemm_rt(float (&acc)[kNT][4], const u32 (&f
             [&](u32 (&)[2]) {});
 }
 
-// The keys query row r (token r / group) may attend: all kv_len, or with the causal mask,
-// aligned bottom-right, those up to kv_len - seqlen_q + token (clamped to [0, kv_len]).
-__device__ __forceinline__ int key_limit(int r, int group, int seqlen_q, int kv_len, bool causal) {
-    if (!causal) return kv_len;
-    return max(0, min(kv_len, kv_len - seqlen_q + r / group + 1));
+// The keys [lo, hi) query row r may attend. Its token r / group sits at position
+// kv_len - seqlen_q + token (bottom-right alignment); it sees keys from position - window_left
+// to position + window_right (a negative bound: none), clamped to [0, kv_len]. Causal: right 0.
+struct KeyRange {
+    int lo, hi;
+};
+template <class Params>
+__device__ __forceinline__ KeyRange key_range(const Params& p, int r, int kv_len) {
+    const int position = kv_len - p.seqlen_q + r / p.group;
+    const int hi = p.window_right >= 0 ? min(kv_len, max(0, position + p.window_right + 1)) : kv_len;
+    const int lo = p.window_left >= 0 ? min(hi, max(0, position - p.window_left)) : 0;
+    return {lo, hi};
 }
 
 template <class Cfg>
@@ -197,13 +210,16 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
             st_shared_v4(base + row * kPitch + (Cfg::kChunks - 1) * 16, 0u, 0u, 0u, 0u);
     }
 
-    // The key range of this block: its rows' last key, split into equal shares of tiles.
+    // The key tiles of this block, from its first row's first key to its last row's last,
+    // split into equal shares; tiles inside every row's range need no mask.
     const int r_last = min(rows, row0 + BM) - 1;
-    const int keys_end = bad_len ? 0 : key_limit(r_last, group, seqlen_q, kv_len, p.causal);
-    const int keys_min = bad_len ? 0 : key_limit(row0, group, seqlen_q, kv_len, p.causal);
-    const int n_tiles = (keys_end + BN - 1) / BN;
+    const KeyRange first = key_range(p, row0, kv_len), last = key_range(p, r_last, kv_len);
+    const int keys_end = bad_len ? 0 : last.hi;
+    const int tile_begin = bad_len ? 0 : min(first.lo, keys_end) / BN;
+    const int n_tiles = (keys_end + BN - 1) / BN - tile_begin;
     const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
-    const int t0 = split * per_split, t1 = min(n_tiles, t0 + per_split);
+    const int t0 = tile_begin + split * per_split, t1 = tile_begin + min(n_tiles, split * per_split + per_split);
+    const int unmasked_lo = last.lo, unmasked_hi = first.hi;
 
     // Q rows of the tile (zero-filled past the last row).
     {
@@ -292,12 +308,10 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
     float o[kOT][4];
     zero_fragments(o);
     float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
-    int limit[2];
+    KeyRange range[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + wm * 16 + lane / 4 + 8 * r;
-        limit[r] = key_limit(min(row, rows - 1), group, seqlen_q, kv_len, p.causal);
-    }
+    for (int r = 0; r < 2; ++r) range[r] = key_range(p, min(row0 + wm * 16 + lane / 4 + 8 * r, rows - 1), kv_len);
+    const float softcap = p.softcap_log2, inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
     const u32 q_warp = q_tile + wm * 16 * kPitch;
     u32 q_frag[Cfg::kQInRegs ? D / 16 : 1][4];  // Q's A fragments, where registers allow
     if constexpr (Cfg::kQInRegs) {
@@ -330,7 +344,7 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
             warp_gemm_rt<Cfg::kMmaBF16, D / 16, kNT, kPitch>(s, q_frag, k_tile + wk * kWarpKeys * kPitch, lane);
         else
             warp_gemm_nt<Cfg::kMmaBF16, D, kNT, kPitch, kPitch>(s, q_warp, k_tile + wk * kWarpKeys * kPitch, lane);
-        const bool masked = (t + 1) * BN > keys_min;
+        const bool masked = t * BN < unmasked_lo || (t + 1) * BN > unmasked_hi;
         const int key_base = t * BN + wk * kWarpKeys + 2 * (lane % 4);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -340,7 +354,9 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float x = s[nt][2 * r + e] * row_scale[r];
-                    if (masked && key_base + nt * 8 + e >= limit[r]) x = neg_inf();
+                    if (softcap > 0.f) x = softcap * tanh_approx(x * inv_softcap);
+                    const int key = key_base + nt * 8 + e;
+                    if (masked && (key < range[r].lo || key >= range[r].hi)) x = neg_inf();
                     s[nt][2 * r + e] = x;
                     top = fmaxf(top, x);
                 }
