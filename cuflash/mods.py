@@ -120,9 +120,43 @@ def document_mask(document_ids, causal: bool = False):
     return document_mod
 
 
+def and_masks(*masks):
+    """The mask_mod that allows a pair where every one of ``masks`` does."""
+    if not masks:
+        raise ValueError("and_masks takes at least one mask_mod")
+
+    def all_of(b, h, q_idx, kv_idx):
+        result = masks[0](b, h, q_idx, kv_idx)
+        for mask in masks[1:]:
+            result = result & mask(b, h, q_idx, kv_idx)
+        return result
+    return all_of
+
+
+def or_masks(*masks):
+    """The mask_mod that allows a pair where any one of ``masks`` does."""
+    if not masks:
+        raise ValueError("or_masks takes at least one mask_mod")
+
+    def any_of(b, h, q_idx, kv_idx):
+        result = masks[0](b, h, q_idx, kv_idx)
+        for mask in masks[1:]:
+            result = result | mask(b, h, q_idx, kv_idx)
+        return result
+    return any_of
+
+
+def prefix_lm(prefix_lengths):
+    """The mask_mod of a prefix LM: causal, and bidirectional inside the first
+    ``prefix_lengths[b]`` tokens of sequence b (an int32 array [batch])."""
+    def prefix_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) | (kv_idx < prefix_lengths[b])
+    return prefix_mod
+
+
 __all__ = ["where", "minimum", "maximum", "exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "floor", "abs",
            "trace_score_mod", "trace_mask_mod", "cuda_source", "softcap", "alibi", "sliding_window",
-           "document_mask", "Graph"]
+           "document_mask", "and_masks", "or_masks", "prefix_lm", "Graph"]
 
 
 # -- the reference's use ----------------------------------------------------------------------------

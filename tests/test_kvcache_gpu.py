@@ -252,3 +252,24 @@ def test_a_decode_loop_captured_in_a_cuda_graph():
         assert_attention_close(out, ref, "bf16", baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
         assert np.array_equal(to_numpy(dk).view(np.uint16), k_after.view(np.uint16)), step
         lens += 1
+
+
+def test_bad_device_values_under_memcheck():
+    """Negative and overlong lengths, page ids outside the cache and bad varlen offsets (with an
+    append and forced splits) under compute-sanitizer: no kernel reads or writes outside its arrays."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = shutil.which("compute-sanitizer")
+    if tool is None:
+        pytest.skip("compute-sanitizer is not installed")
+    script = Path(__file__).with_name("data") / "kvcache_bad_values.py"
+    root = Path(__file__).resolve().parent.parent
+    env = dict(__import__("os").environ, PYTHONPATH=str(root))
+    run = subprocess.run([tool, "--tool", "memcheck", "--report-api-errors", "no", "--error-exitcode", "3",
+                          sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in run.stdout + run.stderr
+    assert "varlen nan rows 20" in run.stdout and "done" in run.stdout

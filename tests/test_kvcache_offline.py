@@ -32,6 +32,7 @@ def test_default_specs_cover_every_head_dim_and_fit():
     (dict(block_n=48), "block_n=48"),
     (dict(num_stages=1), "num_stages=1"),
     (dict(num_stages=8, block_n=128, head_dim=256), "shared memory"),
+    (dict(varlen=True, paged=True), "varlen specs"),
 ])
 def test_invalid_specs_are_named(kwargs, match):
     base = dict(head_dim=128, dtype="bf16", cache_dtype="bf16", paged=False, warps_m=1, block_n=64, num_stages=3,
@@ -61,6 +62,7 @@ _SAMPLE = [decode_spec(d, t, c, paged, rows, arch) for arch in ("sm80", "sm90a")
                                         (128, "bf16", "e4m3", True, 16), (128, "fp16", "e5m2", False, 32),
                                         (256, "bf16", "bf16", True, 64), (256, "bf16", "e4m3", False, 16),
                                         (96, "bf16", "bf16", True, 32))]
+_SAMPLE += [decode_spec(d, t, t, False, 64, "sm90a", varlen=True) for d, t in ((64, "bf16"), (128, "fp16"), (256, "bf16"))]
 
 
 def test_sample_of_specs_compiles_without_spills():

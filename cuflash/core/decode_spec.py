@@ -37,9 +37,12 @@ class DecodeSpec:
     block_n: int
     num_stages: int
     arch: str
+    varlen: bool = False  # packed sequences of their own lengths (attention_varlen)
 
     def __post_init__(self):
         problems = []
+        if self.varlen and (self.paged or self.fp8):
+            problems.append("varlen specs read packed 16-bit keys (no page table, no FP8)")
         if self.head_dim not in HEAD_DIMS:
             problems.append(f"head_dim={self.head_dim} (supported: multiples of 8 from 8 to 256)")
         if self.dtype not in QUERY_DTYPES:
@@ -71,7 +74,8 @@ class DecodeSpec:
     @property
     def name(self) -> str:
         paged = "_paged" if self.paged else ""
-        return (f"kvcache_{self.dtype}_{self.cache_dtype}{paged}_hd{self.head_dim}_m{16 * self.warps_m}"
+        kind = "varlen" if self.varlen else "kvcache"
+        return (f"{kind}_{self.dtype}_{self.cache_dtype}{paged}_hd{self.head_dim}_m{16 * self.warps_m}"
                 f"n{self.block_n}s{self.num_stages}_{self.arch}")
 
     @property

@@ -47,6 +47,9 @@ class KVCacheProblem:
     v_strides: tuple
     window: tuple = (-1, -1)  # (left, right) keys around a query's position; -1: unbounded
     softcap: float = 0.0      # 0: none
+    varlen: bool = False      # packed sequences: q [total_q, heads, d], k/v [total_k, heads_k, d]
+    total_q: int = 0
+    total_k: int = 0
 
     @property
     def group(self) -> int:
@@ -241,12 +244,13 @@ def descale_operand(cupy, name, value, heads_k, device):
 
 
 def select_spec(problem: KVCacheProblem, arch: str) -> DecodeSpec:
-    return _spec(problem.head_dim, problem.dtype.tag, problem.cache_dtype, problem.paged, min(problem.rows, 64), arch)
+    return _spec(problem.head_dim, problem.dtype.tag, problem.cache_dtype, problem.paged, min(problem.rows, 64), arch,
+                 problem.varlen)
 
 
 @functools.lru_cache(maxsize=1024)
-def _spec(head_dim, dtype, cache_dtype, paged, rows, arch):
-    return policy.decode_spec(head_dim, dtype, cache_dtype, paged, rows, arch)
+def _spec(head_dim, dtype, cache_dtype, paged, rows, arch, varlen=False):
+    return policy.decode_spec(head_dim, dtype, cache_dtype, paged, rows, arch, varlen)
 
 
 @functools.lru_cache(maxsize=None)
@@ -294,7 +298,7 @@ class KVCachePlan:
                  "_driver", "_stream")
 
     def __init__(self, kernels, spec: DecodeSpec, problem: KVCacheProblem, *, page_table, cache_seqlens, splits,
-                 k_descale, v_descale, stream: int):
+                 k_descale, v_descale, stream: int, cu_seqlens=(None, None)):
         import cupy
 
         self.spec, self.problem, self.kernels, self.splits = spec, problem, kernels, splits
@@ -309,19 +313,22 @@ class KVCachePlan:
         boost = _E4M3_FACTOR if problem.cache_dtype == "e4m3" and not spec.fp8_exact_convert else 1.0
         rows = problem.batch * problem.heads * problem.seqlen_q
         o_part = lse_part = 0
-        self.buffers = (page_table, cache_seqlens, k_array, v_array)
+        self.buffers = (page_table, cache_seqlens, k_array, v_array, *cu_seqlens)
         if splits > 1:
             ws = _workspace(cupy, splits * rows * (problem.head_dim + 1), (problem.device_id, stream))
             o_part, lse_part = ws.data.ptr, ws.data.ptr + 4 * splits * rows * problem.head_dim
             self.buffers += (ws,)
         d, h = problem.head_dim, problem.heads
-        q_strides = (problem.seqlen_q * h * d, h * d, d)                 # q and out: C-contiguous bshd
+        # q and out: C-contiguous bshd, or packed [total_q, heads, d] (varlen)
+        q_strides = (0 if problem.varlen else problem.seqlen_q * h * d, h * d, d)
         new_strides = (problem.seqlen_new * problem.heads_k * d, problem.heads_k * d, d)
         size = problem.cache_dtype in ("e4m3", "e5m2") and 1 or 2
         raw = DECODE_STRUCT.pack(
             0, 0, 0, 0, 0, 0, 0, o_part, lse_part,
-            page_table.data.ptr if page_table is not None else 0, cache_seqlens.data.ptr,
+            page_table.data.ptr if page_table is not None else 0,
+            cache_seqlens.data.ptr if cache_seqlens is not None else 0,
             k_array.data.ptr if k_array is not None else 0, v_array.data.ptr if v_array is not None else 0,
+            *(c.data.ptr if c is not None else 0 for c in cu_seqlens),
             *q_strides, *(s // size for s in problem.k_strides), *(s // size for s in problem.v_strides),
             *new_strides, *new_strides, *q_strides,
             problem.batch, problem.heads, problem.heads_k, problem.group, problem.seqlen_q, problem.seqlen_new,
@@ -329,13 +336,14 @@ class KVCachePlan:
             problem.page_size.bit_length() - 1 if problem.page_size & (problem.page_size - 1) == 0 else -1,
             problem.num_pages, page_table.strides[0] // 4 if page_table is not None else 0,
             splits, 1 if per_head else 0, *problem.window, problem.softcap * _LOG2E,
-            problem.scale * _LOG2E * k_factor * boost, v_factor * boost,
+            problem.scale * _LOG2E * k_factor * boost, v_factor * boost, problem.total_q, problem.total_k,
         )
         self.template = raw
         self.grid = (problem.batch * problem.heads_k, ceil_div(problem.rows, spec.block_m), splits)
         self.combine_grid = (ceil_div(rows, 4),)
         # The LSE of calls that do not return it
-        self.lse_scratch = cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
+        self.lse_scratch = cupy.empty((problem.heads, problem.total_q) if problem.varlen else
+                                      (problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
         self._stream = stream
         self._driver = _driver_launcher(kernels, stream)
 

@@ -69,6 +69,8 @@ DECODE_PARAM_FIELDS = (
     ("page_table", "const int*", "u8"), ("cache_seqlens", "const int*", "u8"),
     # FP8 caches: descales per kv head (descale_head_stride 1) or per tensor (0); null: 1
     ("k_descale", "const float*", "u8"), ("v_descale", "const float*", "u8"),
+    # varlen: packed sequences, int32 [batch + 1] offsets into q and k/v (total_q, total_k rows)
+    ("cu_seqlens_q", "const int*", "u8"), ("cu_seqlens_k", "const int*", "u8"),
 ) + tuple(
     (f"{t}_{s}_stride", "long long", "i8") for t in ("q", "k", "v", "kn", "vn", "o") for s in ("batch", "row", "head")
 ) + (
@@ -84,6 +86,7 @@ DECODE_PARAM_FIELDS = (
     ("softcap_log2", "float", "f4"),  # softcap * log2(e), 0 for none
     ("scale_log2", "float", "f4"),    # softmax scale * log2(e) (e4m3: times 2^8)
     ("out_scale", "float", "f4"),     # the output's factor (e4m3: 2^8)
+    ("total_q", "int", "i4"), ("total_k", "int", "i4"),
 )
 
 _FORMATS = {"u8": "Q", "i8": "q", "u4": "I", "i4": "i", "f4": "f"}

@@ -390,8 +390,9 @@ def _is_array(value) -> bool:
     return module in ("cupy", "numpy") and hasattr(value, "ndim") and hasattr(value, "dtype") and value.ndim > 0
 
 
-def _with_captured(fn, graph: Graph):
-    """fn with the arrays it captures (closure cells, globals it names) swapped for stand-ins."""
+def _with_captured(fn, graph: Graph, _depth: int = 0):
+    """fn with the arrays it captures (closure cells, globals it names) swapped for stand-ins; the
+    functions it captures (a mod combining mods: and_masks, or_masks) get the same treatment."""
     if not isinstance(fn, types.FunctionType):
         raise TypeError(f"a mod must be a Python function (def or lambda), got {type(fn).__name__}")
     code = fn.__code__
@@ -404,7 +405,15 @@ def _with_captured(fn, graph: Graph):
             except ValueError:  # an empty cell
                 cells.append(cell)
                 continue
-            cells.append(types.CellType(CapturedArray(graph, value, name)) if _is_array(value) else cell)
+            if _is_array(value):
+                cells.append(types.CellType(CapturedArray(graph, value, name)))
+            elif _depth < 8 and isinstance(value, types.FunctionType) and value is not fn:
+                cells.append(types.CellType(_with_captured(value, graph, _depth + 1)))
+            elif _depth < 8 and isinstance(value, tuple) and value and all(
+                    isinstance(f, types.FunctionType) for f in value):
+                cells.append(types.CellType(tuple(_with_captured(f, graph, _depth + 1) for f in value)))
+            else:
+                cells.append(cell)
         closure = tuple(cells)
     names = set(code.co_names)
     replaced = {name: CapturedArray(graph, value, name) for name, value in fn.__globals__.items()

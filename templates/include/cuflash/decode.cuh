@@ -172,8 +172,8 @@ struct KeyRange {
     int lo, hi;
 };
 template <class Params>
-__device__ __forceinline__ KeyRange key_range(const Params& p, int r, int kv_len) {
-    const int position = kv_len - p.seqlen_q + r / p.group;
+__device__ __forceinline__ KeyRange key_range(const Params& p, int r, int seqlen_q, int kv_len) {
+    const int position = kv_len - seqlen_q + r / p.group;
     const int hi = p.window_right >= 0 ? min(kv_len, max(0, position + p.window_right + 1)) : kv_len;
     const int lo = p.window_left >= 0 ? min(hi, max(0, position - p.window_left)) : 0;
     return {lo, hi};
@@ -195,11 +195,29 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
     const int wm = warp % Cfg::kWarpsM, wk = warp / Cfg::kWarpsM;
     const int bh = blockIdx.x, row0 = blockIdx.y * BM, split = blockIdx.z;
     const int b = bh / p.heads_k, hk = bh - b * p.heads_k;
-    const int group = p.group, seqlen_q = p.seqlen_q, rows = seqlen_q * group;
-
-    const int old_len = p.cache_seqlens[b];
-    const int kv_len = old_len + p.seqlen_new;
-    const bool bad_len = old_len < 0 || kv_len > p.capacity;
+    const int group = p.group;
+    // Per sequence: its query tokens and their first row in q (varlen: packed), its keys and their
+    // first row in the cache (varlen: packed), and whether these are valid.
+    int seqlen_q = p.seqlen_q, q_first = 0, kv_len, k_first = 0;
+    bool bad_len;
+    if constexpr (Cfg::kVarlen) {
+        q_first = p.cu_seqlens_q[b];
+        seqlen_q = p.cu_seqlens_q[b + 1] - q_first;
+        k_first = p.cu_seqlens_k[b];
+        kv_len = p.cu_seqlens_k[b + 1] - k_first;
+        const bool bad_q = q_first < 0 || seqlen_q < 0 || q_first > p.total_q - seqlen_q;
+        if (bad_q) return;  // rows of no valid sequence keep the host's NaN
+        // A sequence with more rows than the grid covers (max_seqlen_q too small) is NaN as well.
+        bad_len = k_first < 0 || kv_len < 0 || k_first > p.total_k - kv_len
+                  || static_cast<long long>(seqlen_q) * group > static_cast<long long>(gridDim.y) * BM;
+        if (bad_len) kv_len = 0;
+    } else {
+        const int old_len = p.cache_seqlens[b];
+        kv_len = old_len + p.seqlen_new;
+        bad_len = old_len < 0 || kv_len > p.capacity;
+    }
+    const int rows = seqlen_q * group;
+    if (Cfg::kVarlen && row0 >= rows) return;  // the grid covers the longest sequence
     const int kv_keys = bad_len ? 0 : kv_len;  // keys the copies may read
 
     const u32 base = smem_addr(smem);
@@ -213,7 +231,7 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
     // The key tiles of this block, from its first row's first key to its last row's last,
     // split into equal shares; tiles inside every row's range need no mask.
     const int r_last = min(rows, row0 + BM) - 1;
-    const KeyRange first = key_range(p, row0, kv_len), last = key_range(p, r_last, kv_len);
+    const KeyRange first = key_range(p, row0, seqlen_q, kv_len), last = key_range(p, r_last, seqlen_q, kv_len);
     const int keys_end = bad_len ? 0 : last.hi;
     const int tile_begin = bad_len ? 0 : min(first.lo, keys_end) / BN;
     const int n_tiles = (keys_end + BN - 1) / BN - tile_begin;
@@ -223,7 +241,8 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
 
     // Q rows of the tile (zero-filled past the last row).
     {
-        const unsigned short* q = static_cast<const unsigned short*>(p.q) + b * p.q_batch_stride;
+        const unsigned short* q = static_cast<const unsigned short*>(p.q) + b * p.q_batch_stride
+                                  + static_cast<long long>(q_first) * p.q_row_stride;
         constexpr int kQChunks = Cfg::kHeadDimStored / 8;
         for (int idx = tid; idx < BM * kQChunks; idx += kThreads) {
             const int row = idx / kQChunks, chunk = idx % kQChunks;
@@ -246,9 +265,9 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
     cache.page_shift = p.page_shift;
     cache.num_pages = p.num_pages;
     const unsigned char* k = static_cast<const unsigned char*>(p.k_cache) + hk * p.k_head_stride * Cfg::kCacheElemBytes
-                             + (Cfg::kPaged ? 0 : b * cache.k_page);
+                             + (Cfg::kPaged ? 0 : b * cache.k_page) + k_first * cache.k_row;
     const unsigned char* v = static_cast<const unsigned char*>(p.v_cache) + hk * p.v_head_stride * Cfg::kCacheElemBytes
-                             + (Cfg::kPaged ? 0 : b * cache.v_page);
+                             + (Cfg::kPaged ? 0 : b * cache.v_page) + k_first * cache.v_row;
     bool bad_page = false;
 
     // Where stage s lands: the 16-bit tiles themselves, or (FP8) a staging ring of codes.
@@ -310,7 +329,8 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
     float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
     KeyRange range[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) range[r] = key_range(p, min(row0 + wm * 16 + lane / 4 + 8 * r, rows - 1), kv_len);
+    for (int r = 0; r < 2; ++r)
+        range[r] = key_range(p, min(row0 + wm * 16 + lane / 4 + 8 * r, rows - 1), seqlen_q, kv_len);
     const float softcap = p.softcap_log2, inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
     const u32 q_warp = q_tile + wm * 16 * kPitch;
     u32 q_frag[Cfg::kQInRegs ? D / 16 : 1][4];  // Q's A fragments, where registers allow
@@ -460,10 +480,13 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
         const int token = row / group, head = hk * group + row % group;
         const float factor = bad ? nan : (l[r] > 0.f ? v_scale / l[r] : 0.f);
         const float lse = bad ? nan : (l[r] > 0.f ? (m[r] + log2_approx(l[r])) * 0.69314718055994531f : neg_inf());
-        const long long state = (static_cast<long long>(b) * p.heads + head) * seqlen_q + token;
+        // LSE [batch, heads, seqlen_q], or varlen [heads, total_q]
+        const long long state = Cfg::kVarlen ? static_cast<long long>(head) * p.total_q + q_first + token
+                                             : (static_cast<long long>(b) * p.heads + head) * seqlen_q + token;
         if (p.num_splits == 1) {
             u32* dst = reinterpret_cast<u32*>(static_cast<unsigned short*>(p.out) + b * p.o_batch_stride
-                                              + token * p.o_row_stride + head * p.o_head_stride) + lane % 4;
+                                              + static_cast<long long>(q_first + token) * p.o_row_stride
+                                              + head * p.o_head_stride) + lane % 4;
 #pragma unroll
             for (int ot = 0; ot < kOT; ++ot)
                 if (ot * 8 < Cfg::kHeadDimStored)

@@ -1,0 +1,99 @@
+"""Attention over packed sequences of their own lengths (variable-length batches), forward."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .core import compile as _compile
+from .core import kvcache as _kv
+
+
+def _offsets(cupy, name, x, device):
+    if not isinstance(x, cupy.ndarray) or x.dtype != np.int32 or x.ndim != 1 or x.size < 1:
+        raise TypeError(f"{name} must be an int32 CuPy array [batch + 1] of offsets, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
+    if x.data.device_id != device:
+        raise ValueError(f"{name} is on device {x.data.device_id}, q on device {device}")
+    return x if x.strides == (4,) else x.copy()
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, causal=False, scale=None,
+                     window_size=(-1, -1), softcap=0.0, return_lse=False):
+    """Attention of each packed sequence to its own keys, as FlashAttention's varlen call.
+
+    Args:
+        q: CuPy array [total_q, heads, head_dim], float16 or bfloat16: the queries of all
+            sequences, one after another; sequence b's are rows ``cu_seqlens_q[b]`` to
+            ``cu_seqlens_q[b + 1]``.
+        k, v: [total_k, heads_k, head_dim] in q's dtype, packed the same way by ``cu_seqlens_k``;
+            heads a multiple of heads_k.
+        cu_seqlens_q, cu_seqlens_k: int32 CuPy arrays [batch + 1] of offsets, read on the device.
+        max_seqlen_q: the longest sequence's query count (sizes the grid); None reads the offsets
+            on the host once (a synchronization).
+        causal: aligned bottom-right per sequence (query i of a sequence of n queries and m keys
+            sees keys up to i + m - n). window_size, softcap, scale: as for
+            :func:`cuflash.attention_with_kvcache`.
+        return_lse: also return the natural-log LSE, float32 [heads, total_q].
+
+    Returns:
+        The output [total_q, heads, head_dim] in q's dtype (and the LSE). Sequences may be empty;
+        a row with no key gives 0 and -inf. A sequence whose offsets are decreasing or outside
+        q, k or v, or with more queries than ``max_seqlen_q``, gives NaN rows where its rows lie
+        inside q; rows that no valid sequence covers are NaN. Runs on the current CuPy stream.
+        There is no varlen backward yet.
+    """
+    import cupy
+
+    from .forward import _arch, _on_device
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name} must be a CuPy array, got {type(x).__name__}")
+        if x.ndim != 3:
+            raise ValueError(f"{name} must be 3-d [total, heads, head_dim] (packed sequences), got shape {x.shape}")
+    if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"k {k.dtype} {k.shape} and v {v.dtype} {v.shape} must match each other and q's dtype "
+                         f"{q.dtype}")
+    device = q.data.device_id
+    cu_q = _offsets(cupy, "cu_seqlens_q", cu_seqlens_q, device)
+    cu_k = _offsets(cupy, "cu_seqlens_k", cu_seqlens_k, device)
+    if cu_q.size != cu_k.size:
+        raise ValueError(f"cu_seqlens_q has {cu_q.size} offsets and cu_seqlens_k {cu_k.size}: one per sequence "
+                         f"boundary each")
+    batch = cu_q.size - 1
+    total_q, heads, head_dim = q.shape
+    total_k, heads_k, _ = k.shape
+    if max_seqlen_q is None:
+        host = cu_q.get()
+        max_seqlen_q = int(np.max(np.diff(host), initial=0)) if batch else 0
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer)) or max_seqlen_q < 0:
+        raise ValueError(f"max_seqlen_q={max_seqlen_q!r} must be a non-negative integer")
+    # validate_kvcache checks the rest on 4-d views: [1, total, heads, d] (a "cache" of total_k keys,
+    # copied where its rows are not 16-byte copyable)
+    k4, v4 = (x[None] if _kv._rows_aligned(x[None]) else x.copy()[None] for x in (k, v))
+    problem, q4, _, _, _ = _kv.validate_kvcache(
+        q[None], k4, v4, cache_seqlens=0, k_new=None, v_new=None, page_table=None,
+        causal=causal, scale=scale, fp8_format=None, window_size=window_size, softcap=softcap)
+    if total_q >= 2**31 or total_k >= 2**31:
+        raise ValueError(f"total_q={total_q} and total_k={total_k} must be below 2**31")
+    problem = _kv.KVCacheProblem(
+        batch, int(max_seqlen_q), heads, heads_k, head_dim, problem.dtype, problem.cache_dtype, False, total_k,
+        total_k, batch, 0, problem.causal, problem.scale, device, (0, *k4.strides[1:3]), (0, *v4.strides[1:3]),
+        problem.window, problem.softcap, True, total_q, total_k)
+    if math.ceil(problem.rows / 64) > 65535:
+        raise ValueError(f"max_seqlen_q x heads / heads_k = {problem.rows} query rows per kv head is too many")
+    with _on_device(device):
+        out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+        lse = cupy.full((heads, total_q), np.nan, dtype=cupy.float32)
+        if batch and max_seqlen_q and out.size:
+            spec = _kv.select_spec(problem, _arch(device))
+            kernels = _compile.get_kernel(spec, device)
+            plan = _kv.KVCachePlan(kernels, spec, problem, page_table=None, cache_seqlens=None, splits=1,
+                                   k_descale=(1.0, None, False), v_descale=(1.0, None, False),
+                                   stream=cupy.cuda.get_current_stream().ptr, cu_seqlens=(cu_q, cu_k))
+            plan.launch(q4, k4, v4, None, None, out, lse)
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["attention_varlen"]

@@ -1,0 +1,116 @@
+"""cuflash.attention_varlen on the GPU against the float64 reference, sequence by sequence: empty
+and one-token sequences, seqlen_q != seqlen_k per sequence, causal and not, GQA, windows, and
+offsets the kernel must refuse."""
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import reference
+from cuflash.testing import assert_attention_close, to_numpy
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+
+def _np_dtype(tag):
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16) if tag == "bf16" else np.dtype(np.float16)
+
+
+def _packed(rng, lens_q, lens_k, heads, heads_k, head_dim, dtype):
+    npd = _np_dtype(dtype)
+    q = rng.standard_normal((int(sum(lens_q)), heads, head_dim)).astype(npd)
+    k = rng.standard_normal((int(sum(lens_k)), heads_k, head_dim)).astype(npd)
+    v = rng.standard_normal((int(sum(lens_k)), heads_k, head_dim)).astype(npd)
+    cu = [np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k)]
+    return q, k, v, cu[0], cu[1]
+
+
+def _reference(q, k, v, cu_q, cu_k, naive=False, **kwargs):
+    heads = q.shape[1]
+    out = np.zeros(q.shape, dtype=np.float64 if not naive else q.dtype)
+    lse = np.zeros((heads, q.shape[0]))
+    fn = reference.attention_naive if naive else reference.attention_reference
+    for b in range(len(cu_q) - 1):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if qs.stop == qs.start:
+            continue
+        o, l = fn(q[None, qs], k[None, ks], v[None, ks], layout="bshd", **kwargs)
+        out[qs], lse[:, qs] = o[0], l[0]
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 72])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads,heads_k", [(8, 2), (4, 4), (8, 1)])
+def test_varlen_matches_per_sequence_attention(dtype, head_dim, causal, heads, heads_k):
+    rng = np.random.default_rng(head_dim + heads + causal)
+    lens_q = np.array([0, 1, 17, 113, 239, 700])
+    lens_k = np.array([5, 1, 40, 113, 100, 1023])
+    q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k, heads, heads_k, head_dim, dtype)
+    out, lse = cuflash.attention_varlen(*(cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)), causal=causal,
+                                        return_lse=True)
+    ref, ref_lse = _reference(q, k, v, cu_q, cu_k, causal=causal)
+    naive, naive_lse = _reference(q, k, v, cu_q, cu_k, naive=True, causal=causal)
+    assert out.shape == q.shape and lse.shape == (heads, q.shape[0])
+    assert_attention_close(out, ref, dtype, baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+
+
+def _window_mask(offset):
+    def window(b, h, q_idx, kv_idx):
+        return kv_idx >= q_idx + offset
+    return window
+
+
+def test_varlen_windows_softcap_and_random_lengths():
+    rng = np.random.default_rng(1)
+    lens_q = rng.integers(0, 400, size=7)
+    lens_k = lens_q + rng.integers(0, 200, size=7)
+    q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k, 8, 2, 128, "bf16")
+    out, lse = cuflash.attention_varlen(*(cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)), causal=True,
+                                        window_size=(50, 0), softcap=20.0, max_seqlen_q=int(lens_q.max()),
+                                        return_lse=True)
+    kwargs = dict(causal=True, score_mod=cuflash.mods.softcap(20.0))
+    refs = [], []
+    for naive in (False, True):
+        fn = reference.attention_naive if naive else reference.attention_reference
+        o_all = np.zeros(q.shape, dtype=q.dtype if naive else np.float64)
+        l_all = np.zeros((8, q.shape[0]))
+        for b in range(7):
+            qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            if qs.stop == qs.start:
+                continue
+            window = _window_mask((ks.stop - ks.start) - (qs.stop - qs.start) - 50)
+            o, l = fn(q[None, qs], k[None, ks], v[None, ks], layout="bshd", mask_mod=window, **kwargs)
+            o_all[qs], l_all[:, qs] = o[0], l[0]
+        refs[0].append(o_all)
+        refs[1].append(l_all)
+    assert_attention_close(out, refs[0][0], "bf16", baseline=refs[0][1], lse=lse, ref_lse=refs[1][0],
+                           baseline_lse=refs[1][1])
+
+
+def test_bad_offsets_give_nan_rows_only_there():
+    rng = np.random.default_rng(2)
+    lens = np.array([50, 60, 70])
+    q, k, v, cu_q, cu_k = _packed(rng, lens, lens, 4, 2, 64, "bf16")
+    cu_k_bad = cu_k.copy()
+    cu_k_bad[2] = 10 ** 6  # sequence 1 ends, and sequence 2 starts, past k
+    out = to_numpy(cuflash.attention_varlen(*(cupy.asarray(x) for x in (q, k, v, cu_q, cu_k_bad)))).astype(np.float32)
+    assert np.isfinite(out[:50]).all() and np.isnan(out[50:]).all()
+    # max_seqlen_q smaller than a sequence: that sequence is NaN, the others are right
+    out = to_numpy(cuflash.attention_varlen(*(cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)), max_seqlen_q=60))
+    ref, _ = _reference(q, k, v, cu_q, cu_k)
+    out = out.astype(np.float32)
+    assert np.isnan(out[110:]).all() and np.abs(out[:110] - ref[:110]).max() < 2e-2
+
+
+def test_invalid_varlen_inputs_are_named():
+    q = cupy.zeros((10, 4, 64), dtype=cupy.float16)
+    cu = cupy.asarray(np.array([0, 4, 10], dtype=np.int32))
+    with pytest.raises(ValueError, match="3-d"):
+        cuflash.attention_varlen(q[None], q, q, cu, cu)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be an int32"):
+        cuflash.attention_varlen(q, q, q, cu.astype(cupy.int64), cu)
+    with pytest.raises(ValueError, match="one per sequence"):
+        cuflash.attention_varlen(q, q, q, cu, cu[:2])
