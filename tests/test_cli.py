@@ -206,6 +206,18 @@ def test_demo_without_gpu_compiles_offline(capsys):
 def test_bench_without_gpu_exits_1(capsys):
     assert cli.main(["bench", "--head-dims", "64", "--seqlens", "512"]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().err
+    for mode in ("decode", "varlen"):
+        assert cli.main(["bench", "--mode", mode]) == 1
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_varlen_lengths_add_up_within_their_range():
+    import numpy as np
+
+    from cuflash.tools.bench.decode import varlen_lengths
+    for seed in range(20):
+        lens = varlen_lengths(np.random.default_rng(seed))
+        assert 16384 - 100 < sum(lens) <= 16384 and all(100 <= n <= 4000 for n in lens)
 
 
 # -- benchmark helpers that need no GPU --------------------------------------------------------

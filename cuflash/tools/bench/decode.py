@@ -1,4 +1,6 @@
-"""``python -m cuflash bench --mode decode``: KV-cache attention at the memory-bandwidth limit.
+"""``python -m cuflash bench --mode decode`` / ``--mode varlen``: the serving calls.
+
+Decode: KV-cache attention at the memory-bandwidth limit.
 
 One query token (or a few) per sequence against a long cache, bf16, 32 query heads over 8 kv heads,
 head dim 128. The figure of merit is bandwidth: the K and V bytes of the cache's attended keys
@@ -123,3 +125,65 @@ def decode_overhead(torch=None, calls: int = 2000) -> dict:
         except Exception:
             us["torch SDPA"] = None
     return us
+
+
+#: Varlen: tokens in all, their lengths' range, heads (hidden 2048) and head dim.
+VARLEN_TOKENS, VARLEN_LENGTHS, VARLEN_HEADS, VARLEN_HEAD_DIM = 16384, (100, 4000), 16, 128
+
+
+def varlen_lengths(rng, total=VARLEN_TOKENS, lengths=VARLEN_LENGTHS) -> list[int]:
+    """Random sequence lengths in ``lengths`` that add up to ``total`` (the last one trimmed, and
+    dropped if that leaves it shorter than the range's low end)."""
+    out, left = [], total
+    while left >= lengths[0]:
+        n = min(left, int(rng.integers(lengths[0], lengths[1] + 1)))
+        out.append(n)
+        left -= n
+    return out
+
+
+def varlen_rows(reps: int = 30, echo=print, seed: int = 0) -> list[dict]:
+    """cuflash.attention_varlen, causal, on VARLEN_TOKENS tokens in sequences of random lengths,
+    against cuflash.attention on a dense batch of the mean length; TFLOP/s over attended pairs."""
+    import numpy as np
+    import cupy
+
+    import cuflash
+    from cuflash.core.dtypes import from_tag
+    from cuflash.reference import attention_flops
+
+    bf16 = from_tag("bf16").numpy
+    rng = np.random.default_rng(seed)
+    lens = varlen_lengths(rng)
+    total = sum(lens)
+    q, k, v = (cupy.random.standard_normal((total, VARLEN_HEADS, VARLEN_HEAD_DIM), dtype=cupy.float32).astype(bf16)
+               for _ in range(3))
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    mean = total // len(lens)
+    dense = [cupy.random.standard_normal((len(lens), mean, VARLEN_HEADS, VARLEN_HEAD_DIM),
+                                         dtype=cupy.float32).astype(bf16) for _ in range(3)]
+    calls = {
+        "cuflash varlen": lambda: cuflash.attention_varlen(q, k, v, cu, cu, max_seqlen_q=max(lens), causal=True),
+        "cuflash dense, mean length": lambda: cuflash.attention(*dense, causal=True, layout="bshd"),
+    }
+    flops = {"cuflash varlen": sum(attention_flops(1, VARLEN_HEADS, n, n, VARLEN_HEAD_DIM, True) for n in lens),
+             "cuflash dense, mean length": attention_flops(len(lens), VARLEN_HEADS, mean, mean, VARLEN_HEAD_DIM, True)}
+    timers = {name: timing.event_timer(timing.cuda_event_times_ms, fn, flush_l2=True) for name, fn in calls.items()}
+    timed = timing.interleaved_median_ms(timers, reps)
+    rows = []
+    for name, ms in timed.items():
+        row = dict(variant=name, sequences=len(lens), tokens=total, ms=None, tflops=None, error=None)
+        if isinstance(ms, Exception):
+            row["error"] = f"{type(ms).__name__}: {str(ms).splitlines()[0] if str(ms) else ''}"
+        else:
+            row.update(ms=ms, tflops=flops[name] / ms / 1e9)
+        rows.append(row)
+    base = rows[1]["tflops"]
+    for row in rows:
+        if row["tflops"] and base:
+            row["vs_dense"] = row["tflops"] / base
+        head = f"varlen {row['sequences']} sequences, {row['tokens']} tokens, {row['variant']:<26}"
+        echo(f"{head} error: {row['error']}" if row["error"] else
+             f"{head} {row['ms']:8.3f} ms {row['tflops']:6.0f} TFLOP/s" +
+             (f"  vs_dense={row['vs_dense']:.2f}" if "vs_dense" in row else ""))
+    return rows

@@ -305,9 +305,10 @@ def run_benchmark(head_dims=DEFAULT_HEAD_DIMS, seqlens=DEFAULT_SEQLENS, causal=(
 
 
 def add_arguments(parser):
-    parser.add_argument("--mode", choices=MODES + ("decode",), default="fwd",
+    parser.add_argument("--mode", choices=MODES + ("decode", "varlen"), default="fwd",
                         help="fwd, bwd (FLOPs 2.5x the forward) or fwdbwd (3.5x); decode: KV-cache attention's "
-                             "bandwidth (bf16, hd128, 32/8 heads) beside torch SDPA; default fwd")
+                             "bandwidth (bf16, hd128, 32/8 heads) beside torch SDPA; varlen: packed sequences of "
+                             "random lengths against a dense batch of the mean length; default fwd")
     parser.add_argument("--deterministic", action="store_true", help="bwd/fwdbwd: the deterministic backward")
     parser.add_argument("--head-dims", type=int, nargs="+", default=list(DEFAULT_HEAD_DIMS),
                         help="head dims of the grid (default: 64 128 256)")
@@ -356,12 +357,13 @@ def parse_bench_dtype(text: str, mode: str = "fwd") -> str:
 
 def _run_decode(args) -> int:
     from ..machine import environment
-    from .decode import decode_overhead, decode_rows
+    from .decode import decode_overhead, decode_rows, varlen_rows
 
     torch = None if args.no_torch else import_torch()
     report = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  environment=environment(), settings=dict(mode="decode", reps=args.reps, flush_l2=True),
-                  decode=decode_rows(torch, reps=args.reps), overhead=None)
+                  environment=environment(), settings=dict(mode=args.mode, reps=args.reps, flush_l2=True),
+                  decode=decode_rows(torch, reps=args.reps) if args.mode == "decode" else varlen_rows(args.reps),
+                  overhead=None)
     if args.overhead:
         report["overhead"] = decode_overhead(torch)
         for key, value in report["overhead"].items():
@@ -382,7 +384,7 @@ def run(args) -> int:
         return 1
     if getattr(args, "fp8_errors", False):
         return _run_fp8_errors(args)
-    if args.mode == "decode":
+    if args.mode in ("decode", "varlen"):
         return _run_decode(args)
     try:
         dtype = parse_bench_dtype(args.dtype, args.mode)
