@@ -70,12 +70,12 @@ def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page
 
     if fp8_format is None and (k_descale is not None or v_descale is not None):
         raise ValueError("k_descale and v_descale apply to FP8 caches only; pass fp8_format='e4m3' or 'e5m2'")
-    original = (q, k_new, v_new)
+    original = (q, k_new, v_new, cache_seqlens)
     problem, q, cache_seqlens, k_new, v_new = _kv.validate_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, page_table=page_table,
         causal=causal, scale=scale, fp8_format=fp8_format, window_size=window_size, softcap=softcap)
-    if any(a is not b for a, b in zip((q, k_new, v_new), original)):
-        key = None  # copied inputs: the next call with this key copies again
+    if any(a is not b for a, b in zip((q, k_new, v_new, cache_seqlens), original)):
+        key = None  # copied inputs (the plan would keep a copy of the lengths): the full path again
     descales = tuple(_kv.descale_operand(cupy, name, value, problem.heads_k, problem.device_id)
                      for name, value in (("k_descale", k_descale), ("v_descale", v_descale)))
     with _on_device(problem.device_id):
