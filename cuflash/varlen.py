@@ -1,4 +1,5 @@
-"""Attention over packed sequences of their own lengths (variable-length batches), forward."""
+"""Attention over packed sequences of their own lengths (variable-length batches): the forward on
+the KV-cache kernel's varlen specialization, the backward sequence by sequence."""
 from __future__ import annotations
 
 import math
@@ -41,7 +42,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         a row with no key gives 0 and -inf. A sequence whose offsets are decreasing or outside
         q, k or v, or with more queries than ``max_seqlen_q``, gives NaN rows where its rows lie
         inside q; rows that no valid sequence covers are NaN. Runs on the current CuPy stream.
-        There is no varlen backward yet.
+        The gradients: :func:`attention_varlen_backward`.
     """
     import cupy
 
@@ -96,4 +97,73 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     return (out, lse) if return_lse else out
 
 
-__all__ = ["attention_varlen"]
+def _host_offsets(name, x, total):
+    """The offsets on the host (a CuPy array is copied: one synchronization), checked."""
+    host = np.asarray(x.get() if hasattr(x, "get") else x)
+    if host.dtype != np.int32 or host.ndim != 1 or host.size < 1:
+        raise TypeError(f"{name} must be int32 [batch + 1] offsets, got {host.dtype} {host.shape}")
+    if host[0] != 0 or host[-1] != total or np.any(np.diff(host) < 0):
+        raise ValueError(f"{name} must rise from 0 to {total} (the packed rows), got {host.tolist()[:8]}"
+                         f"{' ...' if host.size > 8 else ''}")
+    return host
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
+                              deterministic=False):
+    """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen` (without a window or softcap).
+
+    Args:
+        dout: [total_q, heads, head_dim], the gradient of the output.
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale: as passed to the forward.
+        out, lse: the forward's output and LSE ([heads, total_q], ``return_lse=True``).
+        deterministic: dQ in a fixed order (bit-identical runs).
+
+    Each sequence runs :func:`cuflash.attention_backward` on its rows, writing straight into the
+    packed gradients, so the host reads the offsets once (a synchronization for CuPy offsets;
+    NumPy offsets are taken as they are), and each sequence costs one backward call's host time.
+    Offsets must rise from 0 to the packed row counts (checked, ValueError). The keys of a
+    sequence with no queries get zero gradients."""
+    from .backward import _attention_backward
+
+    xp = _module(q)
+    total_q, total_k = q.shape[0], k.shape[0]
+    offsets_q = _host_offsets("cu_seqlens_q", cu_seqlens_q, total_q)
+    offsets_k = _host_offsets("cu_seqlens_k", cu_seqlens_k, total_k)
+    if offsets_q.size != offsets_k.size:
+        raise ValueError(f"cu_seqlens_q has {offsets_q.size} offsets and cu_seqlens_k {offsets_k.size}")
+    for name, x, want in (("dout", dout, q.shape), ("out", out, q.shape), ("lse", lse, (q.shape[1], total_q))):
+        if tuple(x.shape) != tuple(want):
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; it must be {tuple(want)}")
+    dq, dk, dv = (xp.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+    for b in range(offsets_q.size - 1):
+        qs, ks = slice(int(offsets_q[b]), int(offsets_q[b + 1])), slice(int(offsets_k[b]), int(offsets_k[b + 1]))
+        if qs.stop == qs.start:
+            dk[ks] = 0
+            dv[ks] = 0
+            continue
+        grads = (dq[qs][None], dk[ks][None], dv[ks][None])
+        _attention_backward(dout[qs][None], q[qs][None], k[ks][None], v[ks][None], out[qs][None],
+                            xp.ascontiguousarray(lse[:, qs])[None], grads, causal=causal, scale=scale, layout="bshd",
+                            deterministic=deterministic, spec=None)
+    return dq, dk, dv
+
+
+def attention_varlen_with_grad(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, causal=False, scale=None,
+                               deterministic=False):
+    """The forward output and a function from ``dout`` to ``(dq, dk, dv)``, as
+    :func:`cuflash.attention_with_grad` for packed sequences."""
+    out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, causal=causal,
+                                scale=scale, return_lse=True)
+
+    def backward(dout):
+        return attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal=causal,
+                                         scale=scale, deterministic=deterministic)
+    return out, backward
+
+
+def _module(x):
+    """The array module of x (NumPy or CuPy)."""
+    return np if isinstance(x, np.ndarray) else __import__("cupy")
+
+
+__all__ = ["attention_varlen", "attention_varlen_backward", "attention_varlen_with_grad"]

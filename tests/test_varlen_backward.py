@@ -1,0 +1,62 @@
+"""attention_varlen_backward's per-sequence walk on the CPU: the packed gradients are each
+sequence's own (a NumPy stand-in for the dense backward computes them), keys of sequences with no
+queries get zeros, and offsets are checked."""
+import numpy as np
+import pytest
+
+import cuflash
+import cuflash.backward
+from cuflash import reference
+
+
+def _fake_backward(calls):
+    def fake(dout, q, k, v, out, lse, grads, *, causal, scale, layout, deterministic, spec):
+        assert layout == "bshd" and q.shape[0] == 1 and lse.shape == (1, q.shape[2], q.shape[1])
+        assert lse.flags.c_contiguous and all(g.flags.c_contiguous for g in grads)
+        calls.append((q.shape[1], k.shape[1], float(lse.sum())))
+        for g, want in zip(grads, reference.attention_backward_reference(dout, q, k, v, causal=causal, scale=scale,
+                                                                          layout=layout)):
+            g[...] = want
+        return grads
+    return fake
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_gradients_are_each_sequences_own(monkeypatch, causal):
+    calls = []
+    monkeypatch.setattr(cuflash.backward, "_attention_backward", _fake_backward(calls))
+    rng = np.random.default_rng(3)
+    lens_q, lens_k = np.array([3, 0, 7, 1, 12]), np.array([5, 4, 7, 0, 9])
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k))
+    q = rng.standard_normal((lens_q.sum(), 4, 8))
+    k, v = (rng.standard_normal((lens_k.sum(), 2, 8)) for _ in range(2))
+    dout = rng.standard_normal(q.shape)
+    lse = rng.standard_normal((4, lens_q.sum()))
+    out = rng.standard_normal(q.shape)
+    dq, dk, dv = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=causal, scale=0.3)
+    assert [c[:2] for c in calls] == [(3, 5), (7, 7), (1, 0), (12, 9)]   # the empty-query sequence is skipped
+    for b in range(5):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lens_q[b] == 0:
+            assert np.all(dk[ks] == 0) and np.all(dv[ks] == 0)
+            continue
+        want = reference.attention_backward_reference(dout[None, qs], q[None, qs], k[None, ks], v[None, ks],
+                                                      causal=causal, scale=0.3, layout="bshd")
+        for got, w in zip((dq[qs], dk[ks], dv[ks]), want):
+            assert np.allclose(got, w[0])
+    assert np.isclose(calls[1][2], lse[:, 3:10].sum())
+
+
+def test_offsets_are_checked(monkeypatch):
+    monkeypatch.setattr(cuflash.backward, "_attention_backward", _fake_backward([]))
+    q = np.zeros((10, 2, 8))
+    lse = np.zeros((2, 10))
+    good = np.array([0, 4, 10], np.int32)
+    with pytest.raises(ValueError, match="rise from 0 to 10"):
+        cuflash.attention_varlen_backward(q, q, q, q, q, lse, np.array([0, 6, 4, 10], np.int32), good)
+    with pytest.raises(ValueError, match="rise from 0 to 10"):
+        cuflash.attention_varlen_backward(q, q, q, q, q, lse, np.array([0, 4, 9], np.int32), good)
+    with pytest.raises(TypeError, match="int32"):
+        cuflash.attention_varlen_backward(q, q, q, q, q, lse, good.astype(np.int64), good)
+    with pytest.raises(ValueError, match="lse has shape"):
+        cuflash.attention_varlen_backward(q, q, q, q, q, lse.T, good, good)
