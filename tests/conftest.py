@@ -58,6 +58,23 @@ def warm_bwd_kernels():
     cuflash.warmup(all_default_specs(arch) + all_default_bwd_specs(arch) + portable, progress=False)
 
 
+@pytest.fixture(scope="session")
+def warm_kvcache_kernels():
+    """Compile the KV-cache and varlen specializations the serving tests use, in parallel processes."""
+    import cuflash
+    from cuflash.core.compile import device_arch
+    from cuflash.core.policy import decode_spec
+
+    arch = device_arch()
+    specs = [decode_spec(d, t, t, paged, rows, arch) for d in (64, 72, 128, 256) for t in ("bf16", "fp16")
+             for paged in (False, True) for rows in (16, 32, 64)]
+    specs += [decode_spec(128, t, c, paged, rows, arch) for t in ("bf16", "fp16") for c in ("e4m3", "e5m2")
+              for paged in (False, True) for rows in (16, 32)]
+    specs += [decode_spec(d, t, t, False, rows, arch, varlen=True) for d in (64, 72, 128, 256)
+              for t in ("bf16", "fp16") for rows in (16, 32, 64)]
+    cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
+
+
 @pytest.fixture
 def poison():
     """``poison(nbytes)``: leave a freed, all-ones block of that size in CuPy's memory pool, so

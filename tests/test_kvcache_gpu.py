@@ -9,7 +9,7 @@ from cuflash.serving import attention_with_kvcache_reference
 from cuflash.testing import assert_attention_close, to_numpy
 
 cupy = pytest.importorskip("cupy")
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("warm_kvcache_kernels")]
 
 def _np_dtype(tag):
     if tag == "bf16":

@@ -9,7 +9,7 @@ from cuflash import reference
 from cuflash.testing import assert_attention_close, to_numpy
 
 cupy = pytest.importorskip("cupy")
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("warm_kvcache_kernels")]
 
 
 def _np_dtype(tag):
