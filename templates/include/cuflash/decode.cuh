@@ -62,6 +62,21 @@ struct CacheRows {
     }
 };
 
+// The cache geometry of sequence b, from the parameter block.
+template <class Cfg>
+__device__ __forceinline__ CacheRows<Cfg::kPaged> cache_rows(const typename Cfg::Params& p, int b) {
+    CacheRows<Cfg::kPaged> cache;
+    cache.k_row = p.k_row_stride * Cfg::kCacheElemBytes;
+    cache.v_row = p.v_row_stride * Cfg::kCacheElemBytes;
+    cache.k_page = p.k_batch_stride * Cfg::kCacheElemBytes;
+    cache.v_page = p.v_batch_stride * Cfg::kCacheElemBytes;
+    cache.pages = p.page_table + static_cast<long long>(b) * p.page_table_stride;
+    cache.page_size = p.page_size;
+    cache.page_shift = p.page_shift;
+    cache.num_pages = p.num_pages;
+    return cache;
+}
+
 // How a block's threads share the copies of a key tile (kBlockN rows of kSrcChunks 16-byte
 // chunks): where the threads tile the rows evenly (kEven), each keeps one chunk column and steps
 // down kStep rows kIters times, so the page ids of its rows can be read a tile ahead.
@@ -255,15 +270,7 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
         cp_async_commit();
     }
 
-    CacheRows<Cfg::kPaged> cache;
-    cache.k_row = p.k_row_stride * Cfg::kCacheElemBytes;
-    cache.v_row = p.v_row_stride * Cfg::kCacheElemBytes;
-    cache.k_page = p.k_batch_stride * Cfg::kCacheElemBytes;
-    cache.v_page = p.v_batch_stride * Cfg::kCacheElemBytes;
-    cache.pages = p.page_table + static_cast<long long>(b) * p.page_table_stride;
-    cache.page_size = p.page_size;
-    cache.page_shift = p.page_shift;
-    cache.num_pages = p.num_pages;
+    const CacheRows<Cfg::kPaged> cache = cache_rows<Cfg>(p, b);
     const unsigned char* k = static_cast<const unsigned char*>(p.k_cache) + hk * p.k_head_stride * Cfg::kCacheElemBytes
                              + (Cfg::kPaged ? 0 : b * cache.k_page) + k_first * cache.k_row;
     const unsigned char* v = static_cast<const unsigned char*>(p.v_cache) + hk * p.v_head_stride * Cfg::kCacheElemBytes
@@ -557,15 +564,7 @@ __device__ __forceinline__ void decode_append(const typename Cfg::Params& p) {
     const int i = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int old_len = p.cache_seqlens[b];
     if (old_len < 0 || old_len + p.seqlen_new > p.capacity) return;
-    CacheRows<Cfg::kPaged> cache;
-    cache.k_row = p.k_row_stride * Cfg::kCacheElemBytes;
-    cache.v_row = p.v_row_stride * Cfg::kCacheElemBytes;
-    cache.k_page = p.k_batch_stride * Cfg::kCacheElemBytes;
-    cache.v_page = p.v_batch_stride * Cfg::kCacheElemBytes;
-    cache.pages = p.page_table + static_cast<long long>(b) * p.page_table_stride;
-    cache.page_size = p.page_size;
-    cache.page_shift = p.page_shift;
-    cache.num_pages = p.num_pages;
+    const CacheRows<Cfg::kPaged> cache = cache_rows<Cfg>(p, b);
     long long k_off, v_off;
     if (!cache.locate(old_len + i, k_off, v_off)) return;
     const long long batch_k = Cfg::kPaged ? 0 : b * cache.k_page, batch_v = Cfg::kPaged ? 0 : b * cache.v_page;
