@@ -120,30 +120,26 @@ def document_mask(document_ids, causal: bool = False):
     return document_mod
 
 
-def and_masks(*masks):
-    """The mask_mod that allows a pair where every one of ``masks`` does."""
+def _combined(masks, op, name):
     if not masks:
-        raise ValueError("and_masks takes at least one mask_mod")
+        raise ValueError(f"{name} takes at least one mask_mod")
 
-    def all_of(b, h, q_idx, kv_idx):
+    def combined(b, h, q_idx, kv_idx):
         result = masks[0](b, h, q_idx, kv_idx)
         for mask in masks[1:]:
-            result = result & mask(b, h, q_idx, kv_idx)
+            result = op(result, mask(b, h, q_idx, kv_idx))
         return result
-    return all_of
+    return combined
+
+
+def and_masks(*masks):
+    """The mask_mod that allows a pair where every one of ``masks`` does."""
+    return _combined(masks, lambda a, b: a & b, "and_masks")
 
 
 def or_masks(*masks):
     """The mask_mod that allows a pair where any one of ``masks`` does."""
-    if not masks:
-        raise ValueError("or_masks takes at least one mask_mod")
-
-    def any_of(b, h, q_idx, kv_idx):
-        result = masks[0](b, h, q_idx, kv_idx)
-        for mask in masks[1:]:
-            result = result | mask(b, h, q_idx, kv_idx)
-        return result
-    return any_of
+    return _combined(masks, lambda a, b: a | b, "or_masks")
 
 
 def prefix_lm(prefix_lengths):

@@ -8,6 +8,7 @@ import numpy as np
 
 from .core import compile as _compile
 from .core import kvcache as _kv
+from .fp8 import _xp
 
 
 def _offsets(cupy, name, x, device):
@@ -74,7 +75,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     # copied where its rows are not 16-byte copyable)
     k4, v4 = (x[None] if _kv._rows_aligned(x[None]) else x.copy()[None] for x in (k, v))
     problem, q4, _, _, _ = _kv.validate_kvcache(
-        q[None], k4, v4, cache_seqlens=0, k_new=None, v_new=None, page_table=None,
+        q[None], k4, v4, cache_seqlens=None, k_new=None, v_new=None, page_table=None,
         causal=causal, scale=scale, fp8_format=None, window_size=window_size, softcap=softcap)
     if total_q >= 2**31 or total_k >= 2**31:
         raise ValueError(f"total_q={total_q} and total_k={total_k} must be below 2**31")
@@ -125,7 +126,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     sequence with no queries get zero gradients."""
     from .backward import _attention_backward
 
-    xp = _module(q)
+    xp = _xp(q)
     total_q, total_k = q.shape[0], k.shape[0]
     offsets_q = _host_offsets("cu_seqlens_q", cu_seqlens_q, total_q)
     offsets_k = _host_offsets("cu_seqlens_k", cu_seqlens_k, total_k)
@@ -159,11 +160,6 @@ def attention_varlen_with_grad(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqle
         return attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal=causal,
                                          scale=scale, deterministic=deterministic)
     return out, backward
-
-
-def _module(x):
-    """The array module of x (NumPy or CuPy)."""
-    return np if isinstance(x, np.ndarray) else __import__("cupy")
 
 
 __all__ = ["attention_varlen", "attention_varlen_backward", "attention_varlen_with_grad"]

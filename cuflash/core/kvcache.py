@@ -17,7 +17,9 @@ import numpy as np
 from . import dtypes, policy
 from .decode_spec import CACHE_DTYPES, MAX_SPLITS, DecodeSpec
 from .params import DECODE_STRUCT
+from .launch import _multiprocessors
 from .spec import HEAD_DIMS, ceil_div
+from .validate import aligned_for_async_copy
 
 _PARAMS = np.dtype((np.void, DECODE_STRUCT.size))
 _LOG2E = 1.0 / math.log(2.0)
@@ -71,7 +73,7 @@ def _array(cupy, name, x, ndim):
 
 def _rows_aligned(x) -> bool:
     """16-byte copies of whole rows: a contiguous last dim, a 16-byte aligned base and strides."""
-    return x.strides[-1] == x.itemsize and (x.data.ptr | x.strides[0] | x.strides[1] | x.strides[2]) % 16 == 0
+    return x.strides[-1] == x.itemsize and aligned_for_async_copy(x)
 
 
 def _contiguous(x) -> bool:
@@ -178,7 +180,9 @@ def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_t
         capacity, num_pages, paged = page_table.shape[1] * page_size, slots, True
         if capacity >= 2**31:
             raise ValueError(f"page_table {page_table.shape} x page_size {page_size} = {capacity} keys is too many")
-    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+    if cache_seqlens is None:  # packed sequences (varlen): the offsets hold the lengths
+        pass
+    elif isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
         if not 0 <= int(cache_seqlens) <= capacity:
             raise ValueError(f"cache_seqlens={int(cache_seqlens)} is outside the cache's [0, {capacity}] keys")
         cache_seqlens = cupy.full(batch, int(cache_seqlens), dtype=cupy.int32)
@@ -253,12 +257,6 @@ def _spec(head_dim, dtype, cache_dtype, paged, rows, arch, varlen=False):
     return policy.decode_spec(head_dim, dtype, cache_dtype, paged, rows, arch, varlen)
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device_id: int) -> int:
-    import cupy
-    return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
-
-
 def choose_splits(spec: DecodeSpec, problem: KVCacheProblem, num_splits) -> int:
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) \
@@ -294,7 +292,7 @@ class KVCachePlan:
     addresses): the kernels, their grids, and the parameter block with all but the first seven
     pointers filled in. Append (with new keys), attend, merge the splits (more than one)."""
 
-    __slots__ = ("spec", "problem", "kernels", "splits", "template", "grid", "combine_grid", "buffers", "lse_scratch",
+    __slots__ = ("spec", "problem", "kernels", "splits", "template", "grid", "combine_grid", "buffers", "_lse_scratch",
                  "_driver", "_stream")
 
     def __init__(self, kernels, spec: DecodeSpec, problem: KVCacheProblem, *, page_table, cache_seqlens, splits,
@@ -341,11 +339,19 @@ class KVCachePlan:
         self.template = raw
         self.grid = (problem.batch * problem.heads_k, ceil_div(problem.rows, spec.block_m), splits)
         self.combine_grid = (ceil_div(rows, 4),)
-        # The LSE of calls that do not return it
-        self.lse_scratch = cupy.empty((problem.heads, problem.total_q) if problem.varlen else
-                                      (problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
+        self._lse_scratch = None
         self._stream = stream
         self._driver = _driver_launcher(kernels, stream)
+
+    @property
+    def lse_scratch(self):
+        """The LSE of calls that do not return it (made on first use, then reused)."""
+        if self._lse_scratch is None:
+            import cupy
+            p = self.problem
+            self._lse_scratch = cupy.empty((p.heads, p.total_q) if p.varlen else (p.batch, p.heads, p.seqlen_q),
+                                           dtype=cupy.float32)
+        return self._lse_scratch
 
     def launch(self, q, k_cache, v_cache, k_new, v_new, out, lse) -> None:
         """Launch on the current stream with these arrays (shaped and strided as the plan's; q,
