@@ -5,6 +5,7 @@ import functools
 
 from . import fp8 as _fp8
 from .core import compile as _compile
+from .core import modset as _modset
 from .core.launch import LaunchPlan, launch
 from .core.policy import FP8_WGMMA_MIN_HEAD_DIM, SHORT_SEQLEN, default_spec
 from .core.spec import KernelSpec
@@ -54,7 +55,8 @@ def _check_forced_spec(spec, problem: Problem, out_dtype: str | None = None, ret
 
 
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd", family=None, spec=None,
-              fp8_format=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+              fp8_format=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None, score_mod=None,
+              mask_mod=None):
     """Scaled dot-product attention, ``softmax(scale * q @ k^T) @ v``, without materializing the scores.
 
     Args:
@@ -84,6 +86,11 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             a float32 CuPy array shaped () or, one per (batch, head), (batch, heads) for q and
             (batch, heads_k) for k and v.
         out_dtype: FP8 output dtype, ``"bf16"`` (default) or ``"fp16"``.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, a Python function applied
+            to every scaled score before the softmax (:mod:`cuflash.mods`: traced once into the
+            kernel; the arrays it captures must be CuPy arrays on q's device).
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``: the pairs that attend (and-ed with
+            ``causal``). Mods run on fp16, bf16 and FP8 inputs.
 
     Returns:
         The output in q's dtype (FP8: ``out_dtype``) and layout (rows with no key to attend are
@@ -91,18 +98,18 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     """
     return _attention(q, k, v, None, causal=causal, scale=scale, return_lse=return_lse, layout=layout, family=family,
                       spec=spec, fp8_format=fp8_format, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                      out_dtype=out_dtype)
+                      out_dtype=out_dtype, score_mod=score_mod, mask_mod=mask_mod)
 
 
 def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, spec, fp8_format, q_descale,
-               k_descale, v_descale, out_dtype):
+               k_descale, v_descale, out_dtype, score_mod=None, mask_mod=None):
     """:func:`attention`, writing into ``outputs`` = (out, lse) when given: C-contiguous arrays of
     the output's shape and q's dtype, and float32 [batch, heads, seqlen_q] (the torch bridge's)."""
     import cupy
 
     key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec) \
         if fp8_format is None and q_descale is None and k_descale is None and v_descale is None \
-        and out_dtype is None else None
+        and out_dtype is None and score_mod is None and mask_mod is None else None
     if key is not None:
         plan = _plans.get(key)
         if plan is not None and not (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
@@ -136,9 +143,12 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
         scales = validate_fp8_scales(problem, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                                      out_dtype=out_dtype)
     out_tag = scales.out_dtype.tag if scales else None
+    mods = _modset.prepare(score_mod, mask_mod, problem.device_id)
     with _on_device(problem.device_id):
         spec = (select_spec(problem, family, out_tag, return_lse) if spec is None
                 else _check_forced_spec(spec, problem, out_tag, return_lse))
+        if mods is not None:
+            spec = _with_mods(spec, mods, problem, out_tag)
         if prepared_v is not None and not (spec.fp8 and spec.warp_specialized):
             raise ValueError(f"a prepared V is read by the Hopper FP8 kernel only (sm90a, head dims that are multiples "
                              f"of 16 from {FP8_WGMMA_MIN_HEAD_DIM}); "
@@ -174,8 +184,21 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
                     _plans.clear()
                 _plans[key] = plan
             else:
-                launch(kernel, spec, problem, q, k, v_operand, out, lse, _out_strides(out, layout), scales)
+                launch(kernel, spec, problem, q, k, v_operand, out, lse, _out_strides(out, layout), scales,
+                       mods.packed() if mods is not None else b"")
     return (out, lse) if return_lse else out
+
+
+def _with_mods(spec: KernelSpec, mods, problem: Problem, out_tag) -> KernelSpec:
+    """The spec with the call's mods: its own where its family takes them (the portable mma and
+    the warp-specialized wgmma kernels), else the portable kernel's for the problem."""
+    if not (spec.family == "mma" or spec.warp_specialized):
+        if problem.dtype.tag == "fp32":
+            raise ValueError("score_mod and mask_mod run on fp16, bf16 and FP8 inputs; this call has float32 "
+                             "(convert q, k and v, or apply the mod with cuflash.reference)")
+        spec = _default(problem.head_dim, problem.dtype.tag, problem.causal, problem.device_id, "mma", out_tag,
+                        SHORT_SEQLEN + 1, spec.lse)
+    return spec.replace(score_mod=mods.score_digest, mask_mod=mods.mask_digest)
 
 
 #: Launch plans by everything a call's validation and specialization depend on but the arrays'

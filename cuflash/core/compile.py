@@ -22,6 +22,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from . import mod_codegen
 from .render import generate, headers_digest, include_dir
 from .bwd_spec import BwdSpec
 from .decode_spec import DecodeSpec
@@ -229,9 +230,10 @@ def compile_offline(spec) -> OfflineReport:
 
 # -- warmup: fill the disk cache in parallel ----------------------------------------------------------
 
-def _warm_one(spec) -> str:
+def _warm_one(spec, mod_graphs=()) -> str:
     import cupy
 
+    mod_codegen.adopt(mod_graphs)
     get_kernel(spec, cupy.cuda.Device().id)
     return spec.name
 
@@ -258,7 +260,8 @@ def warmup(specs, processes: int | None = None, progress: bool = True) -> list[s
     done, names, errors = 0, [], []
     ctx = multiprocessing.get_context("spawn")  # a forked CUDA context is unusable
     with concurrent.futures.ProcessPoolExecutor(max_workers=processes, mp_context=ctx) as pool:
-        futures = {pool.submit(_warm_one, s): s for s in specs}
+        mod_graphs = mod_codegen.graphs_of(specs)  # the mods specs name, for the worker processes
+        futures = {pool.submit(_warm_one, s, mod_graphs): s for s in specs}
         for future in concurrent.futures.as_completed(futures):
             done += 1
             try:

@@ -181,10 +181,11 @@ def pack_params(problem: Problem, q, k, v, out, lse, out_strides, tile_counter: 
 
 
 def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides,
-           scales: Fp8Scales | None = None) -> None:
+           scales: Fp8Scales | None = None, mods: bytes = b"") -> None:
     """Launch on the current CuPy stream. FP8 (``spec.fp8``): ``scales`` holds the descales; for
-    the Hopper kernel v is V^T as fp8.v_operand lays it out, for the portable one V itself."""
-    LaunchPlan(kernel, spec, problem, q, k, v, out, lse, out_strides, scales).launch(q, k, v, out, lse)
+    the Hopper kernel v is V^T as fp8.v_operand lays it out, for the portable one V itself.
+    ``mods``: the packed arrays of the spec's mods (modset.ModSet.packed), its last argument."""
+    LaunchPlan(kernel, spec, problem, q, k, v, out, lse, out_strides, scales, mods).launch(q, k, v, out, lse)
 
 
 class LaunchPlan:
@@ -194,10 +195,10 @@ class LaunchPlan:
     which each call writes. It keeps the per-stream buffers its block points to alive."""
 
     __slots__ = ("spec", "problem", "kernel", "grid", "block", "smem", "template", "out_strides", "buffers",
-                 "maps", "out_map")
+                 "maps", "out_map", "mods")
 
     def __init__(self, kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides,
-                 scales: Fp8Scales | None = None):
+                 scales: Fp8Scales | None = None, mods: bytes = b""):
         self.spec, self.problem, self.kernel, self.out_strides = spec, problem, kernel, out_strides
         self.block, self.smem = (spec.threads, 1, 1), spec.smem_bytes
         plan, buffers, counter, split = None, (), 0, (0, 0)
@@ -219,6 +220,7 @@ class LaunchPlan:
         self.grid = grid(spec, problem, plan)
         # (pointers, encoded maps) of the last call, read and replaced as one object (threads share plans)
         self.maps = self.out_map = (None, None)
+        self.mods = (np.frombuffer(mods, dtype=np.dtype((np.void, len(mods)))),) if mods else ()
 
     def launch(self, q, k, v, out, lse) -> None:
         """Launch on the current CuPy stream with these arrays (shaped and strided as the plan's)."""
@@ -240,7 +242,7 @@ class LaunchPlan:
                     out_map = output_map(self.problem, out, self.out_strides, spec.out_dtype)
                     self.out_map = (out.data.ptr, out_map)
                 args += (out_map,)
-        self.kernel(self.grid, self.block, args, shared_mem=self.smem)
+        self.kernel(self.grid, self.block, args + self.mods, shared_mem=self.smem)
 
 
 #: The five array pointers that open the forward's parameter block (q, k, v, o, lse).

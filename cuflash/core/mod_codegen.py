@@ -1,10 +1,14 @@
 """CUDA for a traced mod: a graph (:mod:`cuflash.core.trace`) -> one ``__device__`` function.
 
 The function takes the mod's symbols (``float score`` for a score_mod, then ``int b, h, q_idx,
-kv_idx``) and a struct of the captured arrays (a pointer and four element strides each), and
-computes the graph's nodes in order, one ``const`` each, in float32 and int32 with Python's
-floor division and modulo. Its name carries the graph's digest, so one source holds the functions
-of several mods.
+kv_idx``) and a struct of the captured arrays (a pointer, four element strides and four extents
+each), and computes the graph's nodes in order, one ``const`` each, in float32 and int32 with
+Python's floor division and modulo. A load whose index lies outside the array reads nothing and
+gives NaN (float arrays), INT_MIN (integer arrays) or false (boolean arrays). Its name carries the
+graph's digest, so one source holds the functions of several mods.
+
+The kernels name mods by digest (``KernelSpec.score_mod``, ``mask_mod``): :func:`register` keeps
+each traced graph's structure (not its arrays) under its digest for the renderer.
 """
 from __future__ import annotations
 
@@ -13,6 +17,9 @@ import math
 from .trace import BOOL, FLOAT, INT, Graph
 
 _CTYPES = {FLOAT: "float", INT: "int", BOOL: "bool"}
+
+#: What a load outside its array gives, by the node's type.
+_OUTSIDE = {FLOAT: "__int_as_float(0x7fc00000)", INT: "(-2147483647 - 1)", BOOL: "false"}
 
 #: How each captured element type is read and turned into the node's type.
 _LOADS = {
@@ -31,7 +38,7 @@ _LOADS = {
 #: Helpers every generated source starts with (once; guarded).
 PRELUDE = r"""#ifndef CUFLASH_MOD_PRELUDE
 #define CUFLASH_MOD_PRELUDE
-struct CuflashModArray { const void* ptr; long long stride[4]; };
+struct CuflashModArray { const void* ptr; long long stride[4]; int extent[4]; };
 __device__ __forceinline__ int cuflash_mod_floordiv(int a, int b) {
     int q = a / b;
     return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
@@ -41,6 +48,10 @@ __device__ __forceinline__ int cuflash_mod_mod(int a, int b) {
     return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
 __device__ __forceinline__ float cuflash_mod_fmod(float a, float b) { return a - floorf(a / b) * b; }
+// tanh(x) = 1 - 2 / (exp(2x) + 1): two special-function ops, exact at both ends (exp2 -> 0, inf).
+__device__ __forceinline__ float cuflash_mod_tanh(float x) {
+    return 1.0f - __fdividef(2.0f, exp2f(x * 2.8853900817779268f) + 1.0f);
+}
 __device__ __forceinline__ float cuflash_mod_half(unsigned short h) {
     unsigned sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
     if (exponent == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));
@@ -100,15 +111,20 @@ def generate(graph: Graph) -> str:
             expr = node.args[0]
         elif op == "load":
             slot, *index = node.args
-            offset = " + ".join(f"static_cast<long long>({names[j]}) * mod.arrays[{slot}].stride[{d}]"
-                                for d, j in enumerate(index))
-            load = _LOADS[str(graph.arrays[slot].dtype)]
-            expr = f"[&]() {{ const void* p = mod.arrays[{slot}].ptr; const long long i = {offset}; return {load}; }}()"
+            a_ = f"mod.arrays[{slot}]"
+            offset = " + ".join(f"static_cast<long long>({names[j]}) * {a_}.stride[{d}]" for d, j in enumerate(index))
+            inside = " && ".join(f"static_cast<unsigned>({names[j]}) < static_cast<unsigned>({a_}.extent[{d}])"
+                                 for d, j in enumerate(index))
+            dtype = str(graph.arrays[slot].dtype)
+            load = _LOADS[dtype]
+            outside = _OUTSIDE[out]
+            expr = (f"[&]() -> {_CTYPES[out]} {{ if (!({inside})) return {outside}; const void* p = {a_}.ptr; "
+                    f"const long long i = {offset}; return {load}; }}()")
         elif op in ("add", "sub", "mul"):
             symbol = {"add": "+", "sub": "-", "mul": "*"}[op]
             expr = f"{_as(t[0], a[0], out)} {symbol} {_as(t[1], a[1], out)}"
         elif op == "div":
-            expr = f"{_as(t[0], a[0], FLOAT)} / {_as(t[1], a[1], FLOAT)}"
+            expr = f"__fdividef({_as(t[0], a[0], FLOAT)}, {_as(t[1], a[1], FLOAT)})"
         elif op == "floordiv":
             expr = f"cuflash_mod_floordiv({a[0]}, {a[1]})" if out == INT else \
                 f"floorf({_as(t[0], a[0], FLOAT)} / {_as(t[1], a[1], FLOAT)})"
@@ -139,13 +155,75 @@ def generate(graph: Graph) -> str:
         elif op == "floor":
             expr = f"floorf({a[0]})" if out == FLOAT else a[0]
         elif op == "sigmoid":
-            expr = f"1.0f / (1.0f + expf(-{_as(t[0], a[0], FLOAT)}))"
+            expr = f"__fdividef(1.0f, 1.0f + __expf(-{_as(t[0], a[0], FLOAT)}))"
         else:
-            function = {"exp": "expf", "exp2": "exp2f", "log": "logf", "log2": "log2f", "tanh": "tanhf",
-                        "sqrt": "sqrtf"}[op]
+            function = {"exp": "__expf", "exp2": "exp2f", "log": "__logf", "log2": "__log2f",
+                        "tanh": "cuflash_mod_tanh", "sqrt": "sqrtf"}[op]
             expr = f"{function}({_as(t[0], a[0], FLOAT)})"
         lines.append(f"    const {_CTYPES[out]} {name} = {expr};")
         names.append(name)
     lines.append(f"    return {names[graph.output]};")
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+class _ArrayStub:
+    """What the code of a captured array depends on: its element type and rank."""
+
+    def __init__(self, dtype, ndim):
+        self.dtype, self.ndim = dtype, ndim
+
+
+_registry: dict = {}
+
+
+def register(graph: Graph) -> str:
+    """Keep a traced graph's structure (its arrays' dtypes and ranks, not the arrays) under its
+    digest, which kernel specs name; returns the digest."""
+    digest = graph.digest
+    if digest not in _registry:
+        stub = Graph(graph.kind, graph.symbols)
+        stub.nodes, stub.output, stub.array_names = list(graph.nodes), graph.output, list(graph.array_names)
+        stub.arrays = [_ArrayStub(str(a.dtype), a.ndim) for a in graph.arrays]
+        _registry[digest] = stub
+    return digest
+
+
+def registered(digest: str, kind: str) -> Graph:
+    """The graph registered under ``digest``; ValueError when none was (a spec naming a mod must
+    be made after that mod was traced in this process)."""
+    graph = _registry.get(digest)
+    if graph is None or graph.kind != kind:
+        raise ValueError(f"no {kind}_mod with digest {digest!r} was traced in this process; trace it first "
+                         f"(cuflash.mods.trace_{kind}_mod) or call cuflash.attention with it")
+    return graph
+
+
+def graphs_of(specs) -> tuple:
+    """The registered graphs the specs name (score_mod, mask_mod digests), to hand to
+    :func:`adopt` in another process."""
+    digests = {d for s in specs for d in (getattr(s, "score_mod", ""), getattr(s, "mask_mod", "")) if d}
+    return tuple(_registry[d] for d in sorted(digests) if d in _registry)
+
+
+def adopt(graphs) -> None:
+    """Register graphs made by :func:`register` in another process."""
+    for graph in graphs:
+        _registry.setdefault(graph.digest, graph)
+
+
+#: Bytes of one CuflashModArray (pointer, four int64 strides, four int32 extents).
+ARRAY_BYTES = 56
+
+
+def pack_arrays(graph: Graph) -> bytes:
+    """The struct of a traced graph's captured arrays as the generated function reads it (at least
+    one slot, as the struct declares)."""
+    import struct
+
+    out = b""
+    for array in graph.arrays:
+        strides = [s // array.itemsize for s in array.strides] + [0] * (4 - array.ndim)
+        extents = list(array.shape) + [1] * (4 - array.ndim)
+        out += struct.pack("<Q4q4i", array.data.ptr, *strides, *extents)
+    return out or bytes(ARRAY_BYTES)

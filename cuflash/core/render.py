@@ -10,7 +10,7 @@ import functools
 import hashlib
 from pathlib import Path
 
-from . import dtypes
+from . import dtypes, mod_codegen
 from .bwd_spec import BwdSpec
 from .decode_spec import MAX_SPLITS, DecodeSpec
 from .params import BWD_PARAM_FIELDS, DECODE_PARAM_FIELDS, PARAM_FIELDS
@@ -93,4 +93,17 @@ def generate(spec: KernelSpec | BwdSpec | DecodeSpec) -> str:
         wgmma_ns=sorted({spec.block_n, spec.padded_head_dim} | ({8} if spec.sums_on_tensor_cores else set())
                          | ({spec.block_n // 2} if spec.warp_specialized else set())),
         elem_ctype=dtypes.from_tag(spec.dtype).ctype,
+        mods=mod_sources(spec.score_mod, spec.mask_mod),
     )
+
+
+def mod_sources(score_digest: str, mask_digest: str) -> dict:
+    """What a template needs of a spec's mods: the ``__device__`` functions (one source) and each
+    mod's function name, or "" where the spec has none."""
+    names, source = {"score": "", "mask": ""}, ""
+    for kind, digest in (("score", score_digest), ("mask", mask_digest)):
+        if digest:
+            graph = mod_codegen.registered(digest, kind)
+            names[kind] = mod_codegen.function_name(graph)
+            source += mod_codegen.generate(graph)
+    return {"source": source, "score": names["score"], "mask": names["mask"]}

@@ -90,6 +90,8 @@ class KernelSpec:
     half_first_tile: bool = False  # warp-specialized: a first key tile whose second half no row sees is computed half wide
     mask_in_loop: bool = False  # warp-specialized: the key loop checks every tile for a mask (else masked tiles loop apart)
     early_rescale: bool = False  # warp-specialized: O is rescaled before its P V product, under the next Q K^T
+    score_mod: str = ""       # digest of a traced score_mod (mod_codegen.register); "" for none
+    mask_mod: str = ""        # digest of a traced mask_mod; "" for none
 
     def __post_init__(self):
         if not self.family:
@@ -164,6 +166,9 @@ class KernelSpec:
         for field in WS_SCHEDULE_FIELDS:
             if getattr(self, field) and not self.warp_specialized:
                 problems.append(f"{field} applies to the warp-specialized schedule only")
+        if (self.score_mod or self.mask_mod) and not (self.family == "mma" or self.warp_specialized):
+            problems.append(f"score_mod and mask_mod run on the portable mma kernel and the warp-specialized wgmma "
+                            f"kernel (family={self.family!r}, warp_specialized={self.warp_specialized})")
         if self.half_first_tile and self.block_n % (2 * self.pv_k):
             problems.append(f"half_first_tile needs block_n={self.block_n} to be a multiple of 2 x {self.pv_k} "
                             f"(whole k-steps of P V in each half)")
@@ -186,8 +191,10 @@ class KernelSpec:
         half = "_half" if self.half_first_tile else ""
         mask_loop = "_maskloop" if self.mask_in_loop else ""
         early = "_early" if self.early_rescale else ""
+        mods = (f"_sm{self.score_mod}" if self.score_mod else "") + (f"_mm{self.mask_mod}" if self.mask_mod else "")
         return (f"fwd_{dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
-                f"w{self.num_warps}s{self.num_stages}{overlap}{family}{lazy}{half}{mask_loop}{early}{no_lse}_{self.arch}")
+                f"w{self.num_warps}s{self.num_stages}{overlap}{family}{lazy}{half}{mask_loop}{early}{no_lse}{mods}"
+                f"_{self.arch}")
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)

@@ -339,6 +339,10 @@ def add_arguments(parser):
     parser.add_argument("--overhead", action="store_true",
                         help="also measure warm host overhead per call on a tiny problem")
     parser.add_argument("--no-grid", action="store_true", help="skip the grid (with --overhead)")
+    parser.add_argument("--mods", action="store_true",
+                        help="time attention variants instead of the grid: softcap, ALiBi, sliding window and "
+                             "document mask, forward and backward, beside plain cuflash and FlexAttention (hd128 "
+                             "N=16384 unless --head-dims / --seqlens are given; TFLOP/s over attended pairs)")
 
 
 def parse_bench_dtype(text: str, mode: str = "fwd") -> str:
@@ -386,6 +390,9 @@ def run(args) -> int:
         return _run_fp8_errors(args)
     if args.mode in ("decode", "varlen"):
         return _run_decode(args)
+    if getattr(args, "mods", False):
+        from .mods import run_mods
+        return run_mods(args)
     try:
         dtype = parse_bench_dtype(args.dtype, args.mode)
         spec_override = parse_spec_override(args.spec_override)

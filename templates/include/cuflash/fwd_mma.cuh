@@ -26,11 +26,12 @@
 #include "cuflash/fp8_tiles.cuh"
 #include "cuflash/online_softmax.cuh"
 #include "cuflash/warp_mma.cuh"
+#include "cuflash/mods.cuh"
 
 namespace cuflash {
 
 template <class Cfg>
-__device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
+__device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p, const typename Cfg::Mods& mods) {
     constexpr int kD = Cfg::kHeadDim;
     constexpr int kBM = Cfg::kBlockM;
     constexpr int kBN = Cfg::kBlockN;
@@ -122,8 +123,13 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
                          p.q_descale[work.batch * p.q_descale_batch_stride + work.head * p.q_descale_head_stride];
         if (!(fp8_scale_log2 >= 0.f)) fp8_scale_log2 = __int_as_float(0x7fffffff);
     }
+    // With mods the scores are scaled (mod_scale) and modded before the softmax, which then takes
+    // them in natural units.
+    constexpr bool kMods = Cfg::kScoreMod || Cfg::kMaskMod;
+    const float mod_scale = (kFp8 ? fp8_scale_log2 : p.scale_log2) * 0.6931471805599453f;
     auto scale_log2 = [&]() {
-        if constexpr (kFp8) return fp8_scale_log2;
+        if constexpr (kMods) return 1.4426950408889634f;
+        else if constexpr (kFp8) return fp8_scale_log2;
         else return p.scale_log2;
     };
 
@@ -197,6 +203,7 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p) {
 
     // -- mask: only the causal diagonal and the sequence tail need it --
     auto apply_mask = [&](float (&acc_s)[kMTiles][kSTiles][4], int n0) {
+        if constexpr (kMods) apply_mods<Cfg>(acc_s, mods, mod_scale, work.batch, work.head, m0 + warp_row0, n0, lane);
         if (work.needs_mask(n0, p.seqlen_k))
             mask_scores<Cfg::kCausal>(acc_s, n0, m0 + warp_row0, lane, p.seqlen_k, causal_offset);
     };

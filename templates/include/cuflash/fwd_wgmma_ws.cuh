@@ -50,6 +50,7 @@
 #pragma once
 #include "cuflash/fwd_wgmma.cuh"
 #include "cuflash/tma.cuh"
+#include "cuflash/mods.cuh"
 
 namespace cuflash {
 
@@ -67,7 +68,7 @@ struct FwdTensorMaps {
 
 template <class Cfg>
 __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, const FwdTensorMaps& maps,
-                                             const TensorMap* out_map) {
+                                             const TensorMap* out_map, const typename Cfg::Mods& mods) {
     constexpr int kBM = Cfg::kBlockM;
     constexpr int kBN = Cfg::kBlockN;
     constexpr int kNT = kBN / 8;            // n=8 tiles of S per warp
@@ -317,6 +318,11 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             out_scale = p.v_descale[work.batch * p.kv_descale_batch_stride + work.head_k * p.kv_descale_head_stride];
             if (!(scale_log2 >= 0.f)) scale_log2 = __int_as_float(0x7fffffff);
         }
+        // With mods the scores are scaled (mod_scale) and modded before the softmax, which then
+        // takes them in natural units.
+        constexpr bool kMods = Cfg::kScoreMod || Cfg::kMaskMod;
+        const float mod_scale = scale_log2 * 0.6931471805599453f;
+        if constexpr (kMods) scale_log2 = 1.4426950408889634f;
         constexpr int kLog2Boost = Cfg::kFp8 ? 8 : 0;
         // kLazyRescale: the row max moves only when a tile's max exceeds it by more than the
         // slack (softmax_step), in raw-score units here; max() keeps it finite at a scale of 0.
@@ -329,6 +335,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             constexpr bool kHalf = sizeof(s) < sizeof(acc_s);
             fence_operands(s[0]);
             const int n0 = first_n0 - i * kBN;
+            if constexpr (kMods)
+                apply_mods<Cfg>(s, mods, mod_scale, work.batch, work.head, work.m0 + warp_row0, n0, lane);
             if (kHalf || (decltype(may_mask)::value && work.needs_mask(n0, p.seqlen_k)))
                 mask_scores<Cfg::kCausal>(s, n0, work.m0 + warp_row0, lane, p.seqlen_k, work.causal_offset);
             softmax_step<kLog2Boost, !kSums, kLazy>(s, row_max, row_sum, alphas, scale_log2, slack);

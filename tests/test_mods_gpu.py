@@ -1,0 +1,171 @@
+"""score_mod and mask_mod in the kernels, on the GPU, against the float64 reference running the
+same Python functions: the built-ins and user-written mods (a captured per-head array, a
+relative-position table, documents of random lengths, rows left fully masked, compositions),
+both tensor-core families, fp16 and bf16, both layouts, GQA, hypothesis-drawn shapes."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import mods, reference
+from cuflash.testing import assert_attention_close, assert_gradients_close, to_numpy
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+HEAD_DIMS = (64, 128)
+FAMILIES = (None, "mma")
+DTYPES = ("bf16", "fp16")
+
+
+def _doc_ids(rng, batch, seqlen, documents):
+    """int32 [batch, seqlen]: each row cut into `documents` runs of random lengths."""
+    ids = np.zeros((batch, seqlen), np.int32)
+    for b in range(batch):
+        cuts = np.sort(rng.choice(np.arange(1, max(seqlen, 2)), size=min(documents - 1, max(seqlen - 1, 0)),
+                                  replace=False)) if seqlen > 1 else []
+        ids[b] = np.searchsorted(cuts, np.arange(seqlen), side="right")
+    return ids
+
+
+def _case(name, rng, batch, heads, seqlen_q, seqlen_k):
+    """(score_mod, mask_mod, causal) of a named case for one shape; captured arrays on the GPU."""
+    longest = max(seqlen_q, seqlen_k)
+    if name == "softcap":
+        return mods.softcap(30.0), None, False
+    if name == "alibi":
+        slopes = cupy.asarray([2.0 ** -(i + 1) for i in range(heads)], dtype=cupy.float32)
+        return mods.alibi(slopes), None, True
+    if name == "window":
+        return None, mods.sliding_window(48), True
+    if name == "document":
+        return None, mods.document_mask(cupy.asarray(_doc_ids(rng, batch, longest, 3))), True
+    if name == "relative_bias":
+        table = cupy.asarray(rng.standard_normal((heads, seqlen_q + seqlen_k - 1)).astype(np.float16))
+        offset = seqlen_k - 1
+
+        def relative_bias(score, b, h, q_idx, kv_idx):
+            return score + table[h, q_idx - kv_idx + offset]
+        return relative_bias, None, False
+    if name == "holes":
+        def holes(b, h, q_idx, kv_idx):  # every fifth query row attends nothing
+            return (q_idx % 5 != 2) & (kv_idx % 3 != 1)
+        return None, holes, False
+    if name == "composed":
+        doc = cupy.asarray(_doc_ids(rng, batch, longest, 2))
+        return None, mods.and_masks(mods.sliding_window(64, causal=False), mods.document_mask(doc)), False
+    if name == "softcap_window":
+        return mods.softcap(20.0), mods.sliding_window(32), True
+    if name == "prefix":
+        prefix = cupy.asarray(rng.integers(0, seqlen_k + 1, size=batch).astype(np.int32))
+        return None, mods.prefix_lm(prefix), False
+    raise KeyError(name)
+
+
+CASES = ("softcap", "alibi", "window", "document", "relative_bias", "holes", "composed", "softcap_window", "prefix")
+
+
+@pytest.fixture(scope="module")
+def warm_mod_kernels():
+    """Compile every (case, family, dtype, head dim) specialization the tests run, in parallel."""
+    from cuflash.core import modset, policy
+    from cuflash.core.compile import device_arch
+    from cuflash.forward import _with_mods
+
+    arch = device_arch()
+    specs = []
+    rng = np.random.default_rng(0)
+    for name in CASES:
+        score_mod, mask_mod, causal = _case(name, rng, 2, 4, 40, 40)
+        prepared = modset.prepare(score_mod, mask_mod, cupy.cuda.Device().id)
+        for family in FAMILIES:
+            for dtype in DTYPES:
+                for head_dim in HEAD_DIMS:
+                    spec = policy.default_spec(head_dim, dtype, causal, arch, family=family, seqlen=512)
+                    problem = type("P", (), {"head_dim": head_dim, "causal": causal,
+                                             "dtype": type("D", (), {"tag": dtype})(), "device_id": 0})()
+                    specs.append(_with_mods(spec, prepared, problem, None))
+    cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
+
+
+def _np_dtype(tag):
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16) if tag == "bf16" else np.dtype(np.float16)
+
+
+shapes = st.tuples(st.integers(1, 2), st.sampled_from([(4, 4), (4, 2), (4, 1)]), st.integers(1, 300),
+                   st.integers(1, 300), st.sampled_from(["bhsd", "bshd"]), st.sampled_from(HEAD_DIMS))
+
+
+def _inputs(rng, dtype, batch, heads, heads_k, seqlen_q, seqlen_k, layout, head_dim):
+    npd = _np_dtype(dtype)
+
+    def make(h, s):
+        shape = (batch, h, s, head_dim) if layout == "bhsd" else (batch, s, h, head_dim)
+        return rng.standard_normal(shape).astype(npd)
+    return make(heads, seqlen_q), make(heads_k, seqlen_k), make(heads_k, seqlen_k)
+
+
+@pytest.mark.usefixtures("warm_mod_kernels")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", CASES)
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=shapes, seed=st.integers(0, 2**31))
+def test_forward_with_mods_matches_the_reference(name, family, dtype, shape, seed, poison):
+    batch, (heads, heads_k), seqlen_q, seqlen_k, layout, head_dim = shape
+    rng = np.random.default_rng(seed)
+    q, k, v = _inputs(rng, dtype, batch, heads, heads_k, seqlen_q, seqlen_k, layout, head_dim)
+    score_mod, mask_mod, causal = _case(name, rng, batch, heads, seqlen_q, seqlen_k)
+    args = dict(causal=causal, layout=layout, score_mod=score_mod, mask_mod=mask_mod)
+    poison(q.size * q.itemsize)
+    out, lse = cuflash.attention(*(cupy.asarray(x) for x in (q, k, v)), return_lse=True, family=family, **args)
+    ref, ref_lse = reference.attention_reference(q, k, v, **args)
+    naive, naive_lse = reference.attention_naive(q, k, v, **args)
+    assert out.dtype == cupy.asarray(q).dtype and lse.dtype == cupy.float32
+    assert_attention_close(out, ref, dtype, baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+    if name == "holes":  # the rows that attend nothing: O = 0, LSE = -inf
+        rows = np.arange(seqlen_q) % 5 == 2
+        lse_np = to_numpy(lse)
+        assert np.all(np.isneginf(lse_np[:, :, rows]))
+        out_np = to_numpy(out).astype(np.float32)
+        assert not np.any(out_np[:, :, rows] if layout == "bhsd" else out_np[:, rows])
+
+
+def test_the_same_mod_traced_twice_reuses_its_kernel(monkeypatch):
+    from cuflash.core import compile as _compile
+
+    q = cupy.asarray(np.random.default_rng(1).standard_normal((1, 2, 64, 64)).astype(np.float16))
+    first = cuflash.attention(q, q, q, score_mod=mods.softcap(25.0))
+    loads = []
+    real_load = _compile._load
+    monkeypatch.setattr(_compile, "_load", lambda spec: loads.append(spec) or real_load(spec))
+
+    def again(score, b, h, q_idx, kv_idx):  # the same expression, written again
+        return 25.0 * mods.tanh(score / 25.0)
+    second = cuflash.attention(q, q, q, score_mod=again)
+    assert not loads
+    assert cupy.array_equal(first, second)
+
+
+def test_mod_errors_name_the_array():
+    q = cupy.zeros((1, 2, 16, 64), dtype=cupy.float16)
+    host = np.ones(2, np.float32)
+    with pytest.raises(TypeError, match="slopes"):
+        cuflash.attention(q, q, q, score_mod=mods.alibi(host))
+    with pytest.raises(ValueError, match="float32"):
+        q32 = cupy.zeros((1, 2, 16, 64), dtype=cupy.float32)
+        cuflash.attention(q32, q32, q32, score_mod=mods.softcap(5.0))
+
+
+def test_an_index_past_a_captured_array_gives_nan_not_a_fault():
+    rng = np.random.default_rng(2)
+    q = cupy.asarray(rng.standard_normal((1, 2, 64, 64)).astype(np.float16))
+    short = cupy.ones(10, dtype=cupy.float32)
+
+    def past_the_end(score, b, h, q_idx, kv_idx):
+        return score + short[kv_idx]
+    out = to_numpy(cuflash.attention(q, q, q, score_mod=past_the_end)).astype(np.float32)
+    assert np.isnan(out).all()
+    cupy.cuda.Device().synchronize()
