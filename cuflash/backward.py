@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 
 from .core import compile as _compile
+from .core import mod_grad
+from .core import modset as _modset
 from .core.bwd_spec import BwdSpec
 from .core.launch import launch_backward, rows_padded
 from .core.policy import default_bwd_spec
@@ -29,12 +31,14 @@ def select_bwd_spec(bp) -> BwdSpec:
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, layout="bhsd", deterministic=False,
-                       spec=None):
+                       spec=None, score_mod=None, mask_mod=None):
     """Gradients ``(dq, dk, dv)`` of :func:`cuflash.attention` with respect to q, k and v.
 
     Args:
         dout: gradient of the loss with respect to the output; shaped like ``out``.
-        q, k, v, causal, scale, layout: exactly as passed to the forward.
+        q, k, v, causal, scale, layout, score_mod, mask_mod: exactly as passed to the forward
+            (a score_mod's derivative with respect to the score is traced with it; the arrays
+            mods capture are constants, with no gradient).
         out, lse: the forward's output and its ``return_lse`` log-sum-exp (float32).
         deterministic: compute dQ in a fixed reduction order (a separate kernel) instead of with
             float32 atomics, so that two runs give identical bits. float32 inputs are always
@@ -48,10 +52,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, lay
         attend nothing contribute no gradient (zeros, never NaN). Runs on the current CuPy stream.
     """
     return _attention_backward(dout, q, k, v, out, lse, None, causal=causal, scale=scale, layout=layout,
-                               deterministic=deterministic, spec=spec)
+                               deterministic=deterministic, spec=spec, score_mod=score_mod, mask_mod=mask_mod)
 
 
-def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout, deterministic, spec):
+def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout, deterministic, spec,
+                        score_mod=None, mask_mod=None):
     """:func:`attention_backward`, writing into ``grads`` = (dq, dk, dv) when given: C-contiguous
     arrays shaped and typed like q, k and v (the torch bridge's)."""
     import cupy
@@ -67,6 +72,9 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
                 x.fill(0)
             return dq, dk, dv
         spec = select_bwd_spec(bp) if spec is None else _check_forced_spec(spec, bp)
+        mods = _modset.prepare(score_mod, mask_mod, problem.device_id)
+        if mods is not None:
+            spec = _with_mods(spec, mods, bp)
         if spec.async_copies and not all(aligned_for_async_copy(x) for x in (q, k, v, dout)):
             # 16-byte copies need aligned rows; a misaligned view is copied once.
             q, k, v, dout = (x if aligned_for_async_copy(x) else aligned_copy(x) for x in (q, k, v, dout))
@@ -85,8 +93,21 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
                        o=bp.o_strides, do=bp.do_strides, dq=_out_strides(dq, layout), dk=_out_strides(dk, layout),
                        dv=_out_strides(dv, layout))
         kernels = _compile.get_kernel(spec, problem.device_id)
-        launch_backward(kernels, spec, bp, tensors, strides)
+        launch_backward(kernels, spec, bp, tensors, strides, mods.packed() if mods is not None else b"")
     return dq, dk, dv
+
+
+def _with_mods(spec: BwdSpec, mods, bp) -> BwdSpec:
+    """The spec with the call's mods. The Hopper backward that splits the head dim between its
+    warpgroups takes only score_mods whose derivative is 1; others run on the portable kernel."""
+    p = bp.forward
+    if spec.family == "simt":
+        raise ValueError("score_mod and mask_mod run on fp16 and bf16 inputs; this call has float32 (convert q, k "
+                         "and v, or apply the mod with cuflash.reference)")
+    if spec.family == "wgmma" and spec.split_head_dim and mods.score is not None and \
+            not mod_grad.is_constant_one(mod_grad.derivative(mods.score)):
+        spec = default_bwd_spec(p.head_dim, p.dtype.tag, p.causal, spec.arch, spec.deterministic, family="mma")
+    return spec.replace(score_mod=mods.score_digest, mask_mod=mods.mask_digest)
 
 
 def _check_forced_spec(spec, bp) -> BwdSpec:
@@ -102,7 +123,8 @@ def _check_forced_spec(spec, bp) -> BwdSpec:
     return spec
 
 
-def attention_with_grad(q, k, v, *, causal=False, scale=None, layout="bhsd", deterministic=False, family=None):
+def attention_with_grad(q, k, v, *, causal=False, scale=None, layout="bhsd", deterministic=False, family=None,
+                        score_mod=None, mask_mod=None):
     """The forward output and a function mapping ``dout`` to ``(dq, dk, dv)``, for training
     without a framework::
 
@@ -111,11 +133,15 @@ def attention_with_grad(q, k, v, *, causal=False, scale=None, layout="bhsd", det
 
     The function keeps q, k, v, the output and its LSE alive until it is dropped.
     """
-    out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, layout=layout, family=family)
+    out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, layout=layout, family=family,
+                         score_mod=score_mod, mask_mod=mask_mod)
+    traced = (_modset.prepare(score_mod, mask_mod, q.data.device_id)
+              if score_mod is not None or mask_mod is not None else None)  # traced once for both passes
 
     def backward(dout):
         return attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
-                                  deterministic=deterministic)
+                                  deterministic=deterministic, score_mod=traced and traced.score,
+                                  mask_mod=traced and traced.mask)
 
     return out, backward
 

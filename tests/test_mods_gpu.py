@@ -64,6 +64,7 @@ def _case(name, rng, batch, heads, seqlen_q, seqlen_k):
 
 
 CASES = ("softcap", "alibi", "window", "document", "relative_bias", "holes", "composed", "softcap_window", "prefix")
+DETERMINISTIC_CASES = ("softcap_window", "relative_bias", "holes")
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,17 @@ def warm_mod_kernels():
                     problem = type("P", (), {"head_dim": head_dim, "causal": causal,
                                              "dtype": type("D", (), {"tag": dtype})(), "device_id": 0})()
                     specs.append(_with_mods(spec, prepared, problem, None))
+                    for deterministic in (False, True) if name in DETERMINISTIC_CASES and family is None else (False,):
+                        bwd = policy.default_bwd_spec(head_dim, dtype, causal, arch, deterministic, family=family)
+                        specs.append(_bwd_with_mods(bwd, prepared, head_dim, dtype, causal))
     cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
+
+
+def _bwd_with_mods(spec, prepared, head_dim, dtype, causal):
+    from cuflash.backward import _with_mods
+
+    forward = type("P", (), {"head_dim": head_dim, "causal": causal, "dtype": type("D", (), {"tag": dtype})()})()
+    return _with_mods(spec, prepared, type("B", (), {"forward": forward})())
 
 
 def _np_dtype(tag):
@@ -169,3 +180,50 @@ def test_an_index_past_a_captured_array_gives_nan_not_a_fault():
     out = to_numpy(cuflash.attention(q, q, q, score_mod=past_the_end)).astype(np.float32)
     assert np.isnan(out).all()
     cupy.cuda.Device().synchronize()
+
+
+_BACKWARD_RUNS = [(name, family, dtype, False) for name in CASES for family in FAMILIES for dtype in DTYPES] + \
+    [(name, None, "bf16", True) for name in DETERMINISTIC_CASES]
+
+
+@pytest.mark.usefixtures("warm_mod_kernels")
+@pytest.mark.parametrize("name,family,dtype,deterministic", _BACKWARD_RUNS)
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=shapes, seed=st.integers(0, 2**31))
+def test_backward_with_mods_matches_the_reference(name, family, dtype, deterministic, shape, seed, poison):
+    from cuflash.core import policy
+    from cuflash.core.compile import device_arch
+
+    batch, (heads, heads_k), seqlen_q, seqlen_k, layout, head_dim = shape
+    rng = np.random.default_rng(seed)
+    q, k, v = _inputs(rng, dtype, batch, heads, heads_k, seqlen_q, seqlen_k, layout, head_dim)
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    score_mod, mask_mod, causal = _case(name, rng, batch, heads, seqlen_q, seqlen_k)
+    args = dict(causal=causal, layout=layout, score_mod=score_mod, mask_mod=mask_mod)
+    dq_, dk_, dv_ = (cupy.asarray(x) for x in (q, k, v))
+    out, lse = cuflash.attention(dq_, dk_, dv_, return_lse=True, family=family, **args)
+    spec = None if family is None else policy.default_bwd_spec(head_dim, dtype, causal, device_arch(), deterministic,
+                                                               family=family)
+    poison(q.size * q.itemsize, k.size * k.itemsize)
+    grads = cuflash.attention_backward(cupy.asarray(dout), dq_, dk_, dv_, out, lse, deterministic=deterministic,
+                                       spec=spec, **args)
+    ref = reference.attention_backward_reference(dout, q, k, v, **args)
+    naive = reference.attention_backward_naive(dout, q, k, v, **args)
+    assert_gradients_close(grads, ref, dtype, baselines=naive)
+    if name == "holes":  # rows that attend nothing have no gradient
+        rows = np.arange(seqlen_q) % 5 == 2
+        dq = to_numpy(grads[0]).astype(np.float32)
+        assert not np.any(dq[:, :, rows] if layout == "bhsd" else dq[:, rows])
+
+
+def test_attention_with_grad_takes_mods():
+    rng = np.random.default_rng(3)
+    q, k, v = (cupy.asarray(rng.standard_normal((1, 2, 96, 64)).astype(np.float16)) for _ in range(3))
+    dout = cupy.asarray(rng.standard_normal((1, 2, 96, 64)).astype(np.float16))
+    score_mod, mask_mod = mods.softcap(20.0), mods.sliding_window(32)
+    out, backward = cuflash.attention_with_grad(q, k, v, causal=True, score_mod=score_mod, mask_mod=mask_mod)
+    grads = backward(dout)
+    args = dict(causal=True, score_mod=score_mod, mask_mod=mask_mod)
+    host = [to_numpy(x) for x in (dout, q, k, v)]
+    assert_gradients_close(grads, reference.attention_backward_reference(*host, **args), "fp16",
+                           baselines=reference.attention_backward_naive(*host, **args))

@@ -43,6 +43,8 @@ class BwdSpec:
     arch: str
     deterministic: bool = False
     family: str = ""      # "mma" (fp16/bf16) or "simt" (fp32); "" picks by dtype
+    score_mod: str = ""   # digest of a traced score_mod (mod_codegen.register); "" for none
+    mask_mod: str = ""    # digest of a traced mask_mod; "" for none
 
     def __post_init__(self):
         if self.dtype in dtypes.DTYPES and not self.family:
@@ -52,6 +54,10 @@ class BwdSpec:
             raise ValueError("invalid backward spec: " + "; ".join(problems))
         if self.family not in FAMILIES or (self.family != "simt") != dtypes.DTYPES[self.dtype].tensor_core:
             problems.append(f"family={self.family!r} does not take dtype={self.dtype} (mma, wgmma: fp16/bf16; simt: fp32)")
+        if (self.score_mod or self.mask_mod) and self.family == "simt":
+            problems.append("score_mod and mask_mod run on the tensor-core backward kernels (fp16, bf16)")
+        if self.family == "simt":
+            pass
         elif self.family == "wgmma":
             if self.arch != "sm90a":
                 problems.append(f"the wgmma backward needs sm90a (got arch={self.arch})")
@@ -100,8 +106,9 @@ class BwdSpec:
         causal = "_causal" if self.causal else ""
         det = "_det" if self.deterministic and self.family != "simt" else ""
         family = "_wgmma" if self.family == "wgmma" else ""
+        mods = (f"_sm{self.score_mod}" if self.score_mod else "") + (f"_mm{self.mask_mod}" if self.mask_mod else "")
         return (f"bwd_{self.dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
-                f"w{self.num_warps}s{self.num_stages}{det}{family}_{self.arch}")
+                f"w{self.num_warps}s{self.num_stages}{det}{family}{mods}_{self.arch}")
 
     def replace(self, **changes) -> "BwdSpec":
         return dataclasses.replace(self, **changes)

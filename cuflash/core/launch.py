@@ -259,11 +259,12 @@ def rows_padded(spec: BwdSpec, seqlen_q: int) -> int:
     return ceil_div(max(seqlen_q, 1), unit) * unit
 
 
-def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict) -> None:
+def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mods: bytes = b"") -> None:
     """Preprocess, the K/V-outer kernel, then the dQ kernel (or the accumulator's conversion), on
     the current CuPy stream. ``tensors`` maps each pointer field of BWD_PARAM_FIELDS to an array
     (dq_accum may be a placeholder when dQ is not accumulated); ``strides`` maps q, k, v, o, do,
-    dq, dk, dv to (batch, head, row) element strides."""
+    dq, dk, dv to (batch, head, row) element strides; ``mods``: the packed arrays of the spec's
+    mods, the last argument of the kernels that recompute the scores."""
     problem = bp.forward
     padded = rows_padded(spec, problem.seqlen_q)
     pointers = [tensors[name].data.ptr for name in
@@ -276,11 +277,12 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict) ->
     )
     params = (np.frombuffer(raw, dtype=_BWD_PARAMS),)
     pre, dkdv, dq = kernels
+    scored = params + ((np.frombuffer(mods, dtype=np.dtype((np.void, len(mods)))),) if mods else ())
     pre((ceil_div(padded, 8), problem.heads, problem.batch), (_AUX_THREADS, 1, 1), params)
     dkdv((ceil_div(problem.seqlen_k, spec.block_n), problem.heads_k, problem.batch), (spec.threads, 1, 1),
-         params, shared_mem=spec.smem_bytes)
+         scored, shared_mem=spec.smem_bytes)
     if spec.atomic_dq:
         dq((ceil_div(problem.seqlen_q, 8), problem.heads, problem.batch), (_AUX_THREADS, 1, 1), params)
     else:
         dq((ceil_div(problem.seqlen_q, spec.dq_tiles[0]), problem.heads, problem.batch),
-           (32 * spec.dq_warps, 1, 1), params, shared_mem=spec.dq_smem_bytes)
+           (32 * spec.dq_warps, 1, 1), scored, shared_mem=spec.dq_smem_bytes)

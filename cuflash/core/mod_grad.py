@@ -81,4 +81,58 @@ def derivative(graph: Graph) -> Graph:
         out.output = grads[graph.output].id
     finally:
         _current.pop()
-    return canonical(out)
+    return canonical(_simplified(out))
+
+
+def is_constant_one(graph: Graph) -> bool:
+    """Whether a derivative graph is the constant 1 (the score_mod adds to the score only)."""
+    node = graph.nodes[graph.output]
+    return node.op == "const" and node.args[0] == 1.0
+
+
+def _simplified(graph: Graph) -> Graph:
+    """The graph with the chain rule's zeros and ones taken out (x * 0, x * 1, x + 0, x - 0, 0 / x,
+    x / 1, -0, where(c, a, a)), so that a score_mod that only adds to the score has the constant 1
+    as its derivative."""
+    out = Graph(graph.kind, graph.symbols)
+    out.arrays, out.array_names = graph.arrays, graph.array_names
+    zero = None
+    ids: list[int] = []
+
+    def constant(i):
+        node = out.nodes[i]
+        return node.args[0] if node.op == "const" and node.dtype == FLOAT else None
+
+    for node in graph.nodes:
+        if node.op in ("const", "sym"):
+            ids.append(out.add(node))
+            continue
+        if node.op == "load":
+            ids.append(out.add(Node("load", (node.args[0], *(ids[j] for j in node.args[1:])), node.dtype)))
+            continue
+        args = tuple(ids[j] for j in node.args)
+        c = [constant(i) for i in args]
+        keep = None  # the argument that is the result, or "zero"
+        if node.dtype == FLOAT:
+            if node.op == "mul":
+                keep = "zero" if 0.0 in c else args[1] if c[0] == 1.0 else args[0] if c[1] == 1.0 else None
+            elif node.op == "add":
+                keep = args[1] if c[0] == 0.0 else args[0] if c[1] == 0.0 else None
+            elif node.op == "sub":
+                keep = args[0] if c[1] == 0.0 else None
+            elif node.op == "div":
+                keep = "zero" if c[0] == 0.0 else args[0] if c[1] == 1.0 else None
+            elif node.op == "neg":
+                keep = "zero" if c[0] == 0.0 else None
+            elif node.op == "where" and args[1] == args[2]:
+                keep = args[1]
+        if keep == "zero":
+            if zero is None:
+                zero = out.add(Node("const", (0.0,), FLOAT))
+            ids.append(zero)
+        elif keep is not None and out.nodes[keep].dtype == node.dtype:
+            ids.append(keep)
+        else:
+            ids.append(out.add(Node(node.op, args, node.dtype)))
+    out.output = ids[graph.output]
+    return out

@@ -10,7 +10,7 @@ import functools
 import hashlib
 from pathlib import Path
 
-from . import dtypes, mod_codegen
+from . import dtypes, mod_codegen, mod_grad
 from .bwd_spec import BwdSpec
 from .decode_spec import MAX_SPLITS, DecodeSpec
 from .params import BWD_PARAM_FIELDS, DECODE_PARAM_FIELDS, PARAM_FIELDS
@@ -79,6 +79,7 @@ def generate(spec: KernelSpec | BwdSpec | DecodeSpec) -> str:
             include_dir=include_dir(),
             sorted_ns=sorted({spec.block_m, spec.padded_head_dim, spec.padded_head_dim // 2,
                               spec.padded_head_dim // 4} - {0}),
+            mods=mod_sources(spec.score_mod, spec.mask_mod, backward=True),
         )
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"generate() takes a cuflash.KernelSpec, BwdSpec or DecodeSpec, got {type(spec).__name__}")
@@ -97,13 +98,19 @@ def generate(spec: KernelSpec | BwdSpec | DecodeSpec) -> str:
     )
 
 
-def mod_sources(score_digest: str, mask_digest: str) -> dict:
+def mod_sources(score_digest: str, mask_digest: str, backward: bool = False) -> dict:
     """What a template needs of a spec's mods: the ``__device__`` functions (one source) and each
-    mod's function name, or "" where the spec has none."""
-    names, source = {"score": "", "mask": ""}, ""
+    mod's function name, or "" where the spec has none; ``backward``: also the score_mod's
+    derivative ("dscore"), unless it is the constant 1."""
+    names, source = {"score": "", "mask": "", "dscore": ""}, ""
     for kind, digest in (("score", score_digest), ("mask", mask_digest)):
         if digest:
             graph = mod_codegen.registered(digest, kind)
             names[kind] = mod_codegen.function_name(graph)
             source += mod_codegen.generate(graph)
-    return {"source": source, "score": names["score"], "mask": names["mask"]}
+            if backward and kind == "score":
+                derivative = mod_grad.derivative(graph)
+                if not mod_grad.is_constant_one(derivative):
+                    names["dscore"] = mod_codegen.function_name(derivative)
+                    source += mod_codegen.generate(derivative)
+    return {"source": source, **names}

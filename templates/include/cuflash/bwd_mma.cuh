@@ -19,6 +19,7 @@
 //
 // The generated kernel provides Cfg (K/V-outer kernel) and CfgDq (dQ kernel) with every constant.
 #pragma once
+#include "cuflash/mods.cuh"
 #include "cuflash/block.cuh"
 #include "cuflash/bwd_common.cuh"
 #include "cuflash/warp_mma.cuh"
@@ -95,7 +96,7 @@ __device__ __forceinline__ void recompute_dscores(float (&dp)[kNT][4], const u32
 //      added into the float32 accumulator.
 template <class Cfg, int kNC>
 __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const DkdvWork& w,
-                                          unsigned char* smem, int tid, int c0) {
+                                          unsigned char* smem, int tid, int c0, const typename Cfg::Mods& mods) {
     constexpr bool kBF16 = Cfg::kBF16;
     constexpr int kD = Cfg::kHeadDim;
     constexpr int kBM = Cfg::kBlockM;
@@ -107,6 +108,9 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
     constexpr int kSMT = kTM / 16, kSNT = kTN / 8;
     constexpr int kVK = Cfg::kKeysPerWarp;
     constexpr int kVMT = kVK / 16, kCT = kNC / 8;
+    constexpr bool kMods = Cfg::kScoreMod || Cfg::kMaskMod;  // scores modded: P from them with log2(e)
+    constexpr bool kGrad = Cfg::kScoreModGrad;
+    constexpr float kLog2e = 1.4426950408889634f;
     const int lane = tid % 32;
     const int warp = tid / 32;
     const int s_row0 = (warp / kWN) * kTM;           // phase 1: query rows ...
@@ -167,6 +171,7 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
 
         // -- phase 1: P and dS of this warp's tile --
         u32 fp[kSMT][kSNT][2];
+        float dmod[kGrad ? kSMT : 1][kGrad ? kSNT : 1][4];  // d score_mod / d score (kGrad)
         {
             float sc[kSMT][kSNT][4];
             zero_fragments(sc);
@@ -179,8 +184,15 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
             };
 #pragma unroll
             for (int mt = 0; mt < kSMT; ++mt) {
+                if constexpr (kMods)
+                    mod_scores_grad<Cfg, kGrad>(sc[mt], dmod[kGrad ? mt : 0], mods, p.scale, w.batch, head, lane,
+                                                [&](int row, int col, int& q_idx, int& kv_idx) {
+                                                    q_idx = query0 + mt * 16 + row;
+                                                    kv_idx = key0 + col;
+                                                });
                 auto allowed_mt = [&](int row, int col) { return allowed(mt * 16 + row, col); };
-                recompute_probs<true>(sc[mt], s_lse2 + mt * 16, p.scale_log2, lane, masked, allowed_mt);
+                recompute_probs<true>(sc[mt], s_lse2 + mt * 16, kMods ? kLog2e : p.scale_log2, lane, masked,
+                                      allowed_mt);
                 pack_fragments<kBF16>(fp[mt], sc[mt]);
             }
         }
@@ -193,6 +205,7 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
 #pragma unroll
             for (int mt = 0; mt < kSMT; ++mt) {
                 recompute_dscores<kBF16, true>(dp[mt], fp[mt], s_delta + mt * 16, lane);
+                if constexpr (kGrad) chain_score_mod(dp[mt], dmod[mt]);
                 pack_fragments<kBF16>(fds[mt], dp[mt]);
             }
             store_scores(sDS, fds);
@@ -264,7 +277,7 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
 }
 
 template <class Cfg>
-__device__ __forceinline__ void bwd_dkdv_mma(const typename Cfg::Params& p) {
+__device__ __forceinline__ void bwd_dkdv_mma(const typename Cfg::Params& p, const typename Cfg::Mods& mods) {
     extern __shared__ __align__(128) unsigned char smem[];
     constexpr int kBM = Cfg::kBlockM;
     constexpr int kBN = Cfg::kBlockN;
@@ -284,16 +297,18 @@ __device__ __forceinline__ void bwd_dkdv_mma(const typename Cfg::Params& p) {
     const int role = (tid / 32) % Cfg::kDSplit;
     if constexpr (Cfg::kHeadDim % (8 * Cfg::kDSplit) == 0) {
         constexpr int kNC = Cfg::kHeadDim / Cfg::kDSplit;
-        dkdv_warp<Cfg, kNC>(p, w, smem, tid, role * kNC);
+        dkdv_warp<Cfg, kNC>(p, w, smem, tid, role * kNC, mods);
     } else {
         static_assert(Cfg::kDSplit == 2, "uneven column ranges come in pairs");
-        if (role == 0) dkdv_warp<Cfg, Cfg::kSplitCol>(p, w, smem, tid, 0);
-        else dkdv_warp<Cfg, Cfg::kHeadDim - Cfg::kSplitCol>(p, w, smem, tid, Cfg::kSplitCol);
+        if (role == 0) dkdv_warp<Cfg, Cfg::kSplitCol>(p, w, smem, tid, 0, mods);
+        else dkdv_warp<Cfg, Cfg::kHeadDim - Cfg::kSplitCol>(p, w, smem, tid, Cfg::kSplitCol, mods);
     }
 }
 
 template <class Cfg>
-__device__ __forceinline__ void bwd_dq_mma(const typename Cfg::Params& p) {
+__device__ __forceinline__ void bwd_dq_mma(const typename Cfg::Params& p, const typename Cfg::Mods& mods) {
+    constexpr bool kMods = Cfg::kScoreMod || Cfg::kMaskMod;  // as in dkdv_warp
+    constexpr bool kGrad = Cfg::kScoreModGrad;
     extern __shared__ __align__(128) unsigned char smem[];
     constexpr bool kBF16 = Cfg::kBF16;
     constexpr int kD = Cfg::kHeadDim;
@@ -351,13 +366,21 @@ __device__ __forceinline__ void bwd_dq_mma(const typename Cfg::Params& p) {
             const int key = n0 + col;
             return key < p.seqlen_k && (!Cfg::kCausal || key <= m0 + row0 + row + causal_offset);
         };
-        recompute_probs<true>(s, s_lse2, p.scale_log2, lane, masked, allowed);
+        float dmod[kGrad ? kST : 1][4];
+        if constexpr (kMods)
+            mod_scores_grad<Cfg, kGrad>(s, dmod, mods, p.scale, batch, head, lane,
+                                        [&](int row, int col, int& q_idx, int& kv_idx) {
+                                            q_idx = m0 + row0 + row;
+                                            kv_idx = n0 + col;
+                                        });
+        recompute_probs<true>(s, s_lse2, kMods ? 1.4426950408889634f : p.scale_log2, lane, masked, allowed);
         u32 fp[kST][2];
         pack_fragments<kBF16>(fp, s);
         float dp[kST][4];
         zero_fragments(dp);
         warp_gemm_nt<kBF16, kD, kST, kP, kP>(dp, sDO + row0 * kP, sVs, lane);
         recompute_dscores<kBF16, true>(dp, fp, s_delta, lane);
+        if constexpr (kGrad) chain_score_mod(dp, dmod);
         u32 fds[kST][2];
         pack_fragments<kBF16>(fds, dp);
         warp_gemm_rn<kBF16, kST / 2, kD / 8, kP>(acc_dq, as_operand(fds), sKs, lane);

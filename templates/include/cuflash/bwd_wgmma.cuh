@@ -34,7 +34,10 @@
 namespace cuflash {
 
 template <class Cfg>
-__device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
+__device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, const typename Cfg::Mods& mods) {
+    constexpr bool kMods = Cfg::kScoreMod || Cfg::kMaskMod;  // scores modded: P from them with log2(e)
+    constexpr bool kGrad = Cfg::kScoreModGrad;
+    constexpr float kModScaleLog2 = 1.4426950408889634f;
     constexpr bool kBF16 = Cfg::kBF16;
     constexpr int kD = Cfg::kHeadDim;
     constexpr int kDStored = Cfg::kHeadDimStored;  // <= kD; dQ's accumulator rows are this wide
@@ -119,6 +122,10 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
             const int key = key0 + row;
             return key < p.seqlen_k && (!Cfg::kCausal || key <= m0 + col + w.causal_offset);
         };
+        auto mod_at = [&](int row, int col, int& q_idx, int& kv_idx) {  // S^T: rows are keys
+            q_idx = m0 + col;
+            kv_idx = key0 + row;
+        };
         // S^T (from K, Q) or dP^T (from V, dO) over the whole head dim, asynchronously.
         auto issue_scores = [&](float (&acc)[kQT][4], u32 a_rows, u32 b_tile) {
             const u64 a_desc = smem_desc(a_rows, 16, 1024), b_desc = smem_desc(b_tile, 16, 1024);
@@ -153,11 +160,14 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
             issue_scores(dpt, v_rows, sDOs);
             wgmma_wait<1>();
             fence_operands(st);
-            recompute_probs<false>(st, s_lse2, p.scale_log2, lane, masked, allowed);
+            float dmod[kGrad ? kQT : 1][4];  // d score_mod / d score (kGrad)
+            if constexpr (kMods) mod_scores_grad<Cfg, kGrad>(st, dmod, mods, p.scale, w.batch, head, lane, mod_at);
+            recompute_probs<false>(st, s_lse2, kMods ? kModScaleLog2 : p.scale_log2, lane, masked, allowed);
             pack_fragments<kBF16>(fp_tiles, st);
             wgmma_wait<0>();
             fence_operands(dpt);
             recompute_dscores<kBF16, false>(dpt, fp_tiles, s_delta, lane);
+            if constexpr (kGrad) chain_score_mod(dpt, dmod);
             pack_fragments<kBF16>(fds_tiles, dpt);
             if constexpr (!Cfg::kDeterministic) store_tile(Cfg::kSmemDS, fds_tiles);  // for dQ
         } else {
@@ -166,8 +176,11 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p) {
             issue_scores(sc, wg == 0 ? k_rows : v_rows, wg == 0 ? sQs : sDOs);
             wgmma_wait<0>();
             fence_operands(sc);
+            static_assert(!kGrad, "the split-head-dim backward takes score_mods whose derivative is 1 only");
             if (wg == 0) {
-                recompute_probs<false>(sc, s_lse2, p.scale_log2, lane, masked, allowed);
+                float none[1][4];
+                if constexpr (kMods) mod_scores_grad<Cfg, false>(sc, none, mods, p.scale, w.batch, head, lane, mod_at);
+                recompute_probs<false>(sc, s_lse2, kMods ? kModScaleLog2 : p.scale_log2, lane, masked, allowed);
                 pack_fragments<kBF16>(fp_tiles, sc);
                 store_tile(Cfg::kSmemP, fp_tiles);
             }

@@ -38,4 +38,37 @@ __device__ __forceinline__ void apply_mods(float (&s)[kMT][kNT][4], const typena
         });
 }
 
+// The backward's recomputed scores, in place on one warp's C fragments float[kN][4]: raw scores ->
+// score_mod(scale * score), -inf where mask_mod refuses the pair, so that the probabilities
+// follow from the LSE with a scale of log2(e). kGrad: dmod gets d score_mod / d score at each
+// element (Cfg::kScoreModGrad). at(row, col, q_idx, kv_idx) maps a fragment element (row
+// lane / 4 (+8), column 8 nt + 2 (lane % 4) (+1)) to its query and key positions.
+template <class Cfg, bool kGrad, int kN, int kG, class At>
+__device__ __forceinline__ void mod_scores_grad(float (&s)[kN][4], float (&dmod)[kG][4],
+                                                const typename Cfg::Mods& mods, float scale, int batch, int head,
+                                                int lane, At at) {
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int q_idx, kv_idx;
+            at(lane / 4 + (e >> 1) * 8, nt * 8 + 2 * (lane % 4) + (e & 1), q_idx, kv_idx);
+            float x = s[nt][e] * scale;
+            if constexpr (kGrad) dmod[nt][e] = Cfg::dscore_mod(x, batch, head, q_idx, kv_idx, mods);
+            if constexpr (Cfg::kScoreMod) x = Cfg::score_mod(x, batch, head, q_idx, kv_idx, mods);
+            if constexpr (Cfg::kMaskMod)
+                if (!Cfg::mask_mod(batch, head, q_idx, kv_idx, mods)) x = neg_inf();
+            s[nt][e] = x;
+        }
+}
+
+// dS (of the modded scores) times d score_mod / d score; a dS of 0 (P = 0: masked) stays 0.
+template <int kN>
+__device__ __forceinline__ void chain_score_mod(float (&ds)[kN][4], const float (&dmod)[kN][4]) {
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ds[nt][e] = ds[nt][e] == 0.f ? 0.f : ds[nt][e] * dmod[nt][e];
+}
+
 }  // namespace cuflash
