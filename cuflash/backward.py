@@ -31,7 +31,7 @@ def select_bwd_spec(bp) -> BwdSpec:
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, layout="bhsd", deterministic=False,
-                       spec=None, score_mod=None, mask_mod=None):
+                       spec=None, score_mod=None, mask_mod=None, block_mask=None):
     """Gradients ``(dq, dk, dv)`` of :func:`cuflash.attention` with respect to q, k and v.
 
     Args:
@@ -39,6 +39,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, lay
         q, k, v, causal, scale, layout, score_mod, mask_mod: exactly as passed to the forward
             (a score_mod's derivative with respect to the score is traced with it; the arrays
             mods capture are constants, with no gradient).
+        block_mask: the forward's :class:`cuflash.BlockMask`, whose mask_mod it carries.
         out, lse: the forward's output and its ``return_lse`` log-sum-exp (float32).
         deterministic: compute dQ in a fixed reduction order (a separate kernel) instead of with
             float32 atomics, so that two runs give identical bits. float32 inputs are always
@@ -52,11 +53,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, lay
         attend nothing contribute no gradient (zeros, never NaN). Runs on the current CuPy stream.
     """
     return _attention_backward(dout, q, k, v, out, lse, None, causal=causal, scale=scale, layout=layout,
-                               deterministic=deterministic, spec=spec, score_mod=score_mod, mask_mod=mask_mod)
+                               deterministic=deterministic, spec=spec, score_mod=score_mod, mask_mod=mask_mod,
+                               block_mask=block_mask)
 
 
 def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout, deterministic, spec,
-                        score_mod=None, mask_mod=None):
+                        score_mod=None, mask_mod=None, block_mask=None):
     """:func:`attention_backward`, writing into ``grads`` = (dq, dk, dv) when given: C-contiguous
     arrays shaped and typed like q, k and v (the torch bridge's)."""
     import cupy
@@ -72,7 +74,7 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
                 x.fill(0)
             return dq, dk, dv
         spec = select_bwd_spec(bp) if spec is None else _check_forced_spec(spec, bp)
-        mods = _modset.prepare(score_mod, mask_mod, problem.device_id)
+        mods = _modset.prepare(score_mod, _modset.block_mask_mod(block_mask, mask_mod, problem), problem.device_id)
         if mods is not None:
             spec = _with_mods(spec, mods, bp)
         if spec.async_copies and not all(aligned_for_async_copy(x) for x in (q, k, v, dout)):
@@ -124,7 +126,7 @@ def _check_forced_spec(spec, bp) -> BwdSpec:
 
 
 def attention_with_grad(q, k, v, *, causal=False, scale=None, layout="bhsd", deterministic=False, family=None,
-                        score_mod=None, mask_mod=None):
+                        score_mod=None, mask_mod=None, block_mask=None):
     """The forward output and a function mapping ``dout`` to ``(dq, dk, dv)``, for training
     without a framework::
 
@@ -134,7 +136,9 @@ def attention_with_grad(q, k, v, *, causal=False, scale=None, layout="bhsd", det
     The function keeps q, k, v, the output and its LSE alive until it is dropped.
     """
     out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, layout=layout, family=family,
-                         score_mod=score_mod, mask_mod=mask_mod)
+                         score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+    if block_mask is not None and mask_mod is None:
+        mask_mod = block_mask.graph
     traced = (_modset.prepare(score_mod, mask_mod, q.data.device_id)
               if score_mod is not None or mask_mod is not None else None)  # traced once for both passes
 

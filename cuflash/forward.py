@@ -5,6 +5,7 @@ import functools
 
 from . import fp8 as _fp8
 from .core import compile as _compile
+from . import sparsity as _sparsity
 from .core import modset as _modset
 from .core.launch import LaunchPlan, launch
 from .core.policy import FP8_WGMMA_MIN_HEAD_DIM, SHORT_SEQLEN, default_spec
@@ -56,7 +57,7 @@ def _check_forced_spec(spec, problem: Problem, out_dtype: str | None = None, ret
 
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd", family=None, spec=None,
               fp8_format=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None, score_mod=None,
-              mask_mod=None):
+              mask_mod=None, block_mask=None):
     """Scaled dot-product attention, ``softmax(scale * q @ k^T) @ v``, without materializing the scores.
 
     Args:
@@ -91,6 +92,10 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             kernel; the arrays it captures must be CuPy arrays on q's device).
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``: the pairs that attend (and-ed with
             ``causal``). Mods run on fp16, bf16 and FP8 inputs.
+        block_mask: a :class:`cuflash.BlockMask` of the mask_mod (:func:`cuflash.block_mask`, for
+            this batch, heads and lengths): the Hopper kernel skips its empty tiles and the
+            mask_mod's evaluation on its full ones. Its mask_mod is the call's when mask_mod is
+            not given.
 
     Returns:
         The output in q's dtype (FP8: ``out_dtype``) and layout (rows with no key to attend are
@@ -98,18 +103,18 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     """
     return _attention(q, k, v, None, causal=causal, scale=scale, return_lse=return_lse, layout=layout, family=family,
                       spec=spec, fp8_format=fp8_format, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                      out_dtype=out_dtype, score_mod=score_mod, mask_mod=mask_mod)
+                      out_dtype=out_dtype, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
 
 
 def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, spec, fp8_format, q_descale,
-               k_descale, v_descale, out_dtype, score_mod=None, mask_mod=None):
+               k_descale, v_descale, out_dtype, score_mod=None, mask_mod=None, block_mask=None):
     """:func:`attention`, writing into ``outputs`` = (out, lse) when given: C-contiguous arrays of
     the output's shape and q's dtype, and float32 [batch, heads, seqlen_q] (the torch bridge's)."""
     import cupy
 
     key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec) \
         if fp8_format is None and q_descale is None and k_descale is None and v_descale is None \
-        and out_dtype is None and score_mod is None and mask_mod is None else None
+        and out_dtype is None and score_mod is None and mask_mod is None and block_mask is None else None
     if key is not None:
         plan = _plans.get(key)
         if plan is not None and not (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
@@ -143,12 +148,17 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
         scales = validate_fp8_scales(problem, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                                      out_dtype=out_dtype)
     out_tag = scales.out_dtype.tag if scales else None
+    mask_mod = _modset.block_mask_mod(block_mask, mask_mod, problem)
     mods = _modset.prepare(score_mod, mask_mod, problem.device_id)
+    sparse = b""
     with _on_device(problem.device_id):
         spec = (select_spec(problem, family, out_tag, return_lse) if spec is None
                 else _check_forced_spec(spec, problem, out_tag, return_lse))
         if mods is not None:
             spec = _with_mods(spec, mods, problem, out_tag)
+            if block_mask is not None and spec.warp_specialized:  # the portable kernel masks every tile
+                spec = spec.replace(block_sparse=True)
+                sparse = _sparsity.kernel_tables(block_mask, spec.block_m, spec.block_n, problem.causal)[2]
         if prepared_v is not None and not (spec.fp8 and spec.warp_specialized):
             raise ValueError(f"a prepared V is read by the Hopper FP8 kernel only (sm90a, head dims that are multiples "
                              f"of 16 from {FP8_WGMMA_MIN_HEAD_DIM}); "
@@ -185,7 +195,7 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
                 _plans[key] = plan
             else:
                 launch(kernel, spec, problem, q, k, v_operand, out, lse, _out_strides(out, layout), scales,
-                       mods.packed() if mods is not None else b"")
+                       (mods.packed() if mods is not None else b"") + sparse)
     return (out, lse) if return_lse else out
 
 

@@ -12,7 +12,8 @@ captures are copied to the host once).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,6 +39,8 @@ class BlockMask:
     q_counts: np.ndarray
     q_indices: np.ndarray
     digest: str
+    graph: object = None      # the traced mask_mod, which the kernels run on partial tiles
+    _tables: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def sparsity(self) -> float:
@@ -48,6 +51,57 @@ class BlockMask:
         """The tile kinds broadcast to [batch, heads, q_tiles, k_tiles]."""
         batch, heads = self.shape[:2]
         return np.broadcast_to(self.kind, (batch, heads) + self.kind.shape[2:])
+
+
+def kernel_kinds(mask: BlockMask, block_m: int, block_n: int, causal: bool) -> np.ndarray:
+    """The tile kinds at a kernel's tiles (block_m x block_n), from the mask's own: a kernel tile is
+    empty (full) where every mask tile it overlaps is, partial otherwise; with ``causal``, tiles
+    whose first key lies past every row's diagonal (bottom-right aligned) are empty."""
+    seqlen_q, seqlen_k = mask.shape[2:]
+    q_tiles, k_tiles = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+    rows0 = np.arange(q_tiles) * block_m // mask.block_m
+    rows1 = -(-np.minimum((np.arange(q_tiles) + 1) * block_m, seqlen_q) // mask.block_m)
+    cols0 = np.arange(k_tiles) * block_n // mask.block_n
+    cols1 = -(-np.minimum((np.arange(k_tiles) + 1) * block_n, seqlen_k) // mask.block_n)
+
+    def counts(flags):  # flags summed over each kernel tile's mask tiles (2-d prefix sums)
+        prefix = np.zeros(flags.shape[:2] + (flags.shape[2] + 1, flags.shape[3] + 1), np.int64)
+        prefix[:, :, 1:, 1:] = flags.cumsum(2).cumsum(3)
+        r0, r1, c0, c1 = rows0[:, None], rows1[:, None], cols0[None, :], cols1[None, :]
+        return prefix[:, :, r1, c1] - prefix[:, :, r0, c1] - prefix[:, :, r1, c0] + prefix[:, :, r0, c0]
+
+    total = (rows1 - rows0)[:, None] * (cols1 - cols0)[None, :]
+    kind = np.where(counts(mask.kind == EMPTY) == total, EMPTY,
+                    np.where(counts(mask.kind == FULL) == total, FULL, PARTIAL)).astype(np.int8)
+    if causal:
+        last_row = np.minimum((np.arange(q_tiles) + 1) * block_m, seqlen_q) - 1
+        past = np.arange(k_tiles)[None, :] * block_n > last_row[:, None] + seqlen_k - seqlen_q
+        kind[:, :, past] = EMPTY
+    return kind
+
+
+def kernel_tables(mask: BlockMask, block_m: int, block_n: int, causal: bool):
+    """(counts, entries, packed) for a kernel with tiles block_m x block_n, made once per tile
+    shape and device and kept with the mask: per query tile the count of key tiles to visit and
+    the entries key tile << 1 | full, ascending (CuPy int32 [b, h, q_tiles] and [b, h, q_tiles,
+    k_tiles]); packed: the kernel's BlockSparse struct (cuflash/mods.cuh)."""
+    import cupy
+
+    key = (block_m, block_n, causal, cupy.cuda.Device().id)
+    found = mask._tables.get(key)
+    if found is not None:
+        return found
+    kind = kernel_kinds(mask, block_m, block_n, causal)
+    counts, order = _lists(kind)
+    entries = np.where(order >= 0, np.maximum(order, 0) * 2 + (np.take_along_axis(kind, np.maximum(order, 0), -1)
+                                                               == FULL), 0).astype(np.int32)
+    counts_d, entries_d = cupy.asarray(counts), cupy.asarray(entries)
+    b, h, q_tiles, k_tiles = entries.shape
+    packed = struct.pack("<QQ4qii", counts_d.data.ptr, entries_d.data.ptr, h * q_tiles if b > 1 else 0,
+                         q_tiles if h > 1 else 0, h * q_tiles * k_tiles if b > 1 else 0,
+                         q_tiles * k_tiles if h > 1 else 0, k_tiles, 0)
+    found = mask._tables[key] = (counts_d, entries_d, packed)
+    return found
 
 
 def _reads(graph: _trace.Graph, symbol: str) -> bool:
@@ -124,7 +178,7 @@ def block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *
     kv_counts, kv_indices = _lists(kind)
     q_counts, q_indices = _lists(np.swapaxes(kind, 2, 3))
     return BlockMask((batch, heads, seqlen_q, seqlen_k), block_m, block_n, kind, kv_counts, kv_indices, q_counts,
-                     q_indices, graph.digest)
+                     q_indices, graph.digest, graph)
 
 
 __all__ = ["BlockMask", "block_mask", "EMPTY", "PARTIAL", "FULL"]

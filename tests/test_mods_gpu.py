@@ -87,6 +87,8 @@ def warm_mod_kernels():
                     problem = type("P", (), {"head_dim": head_dim, "causal": causal,
                                              "dtype": type("D", (), {"tag": dtype})(), "device_id": 0})()
                     specs.append(_with_mods(spec, prepared, problem, None))
+                    if family is None and mask_mod is not None and spec.warp_specialized:
+                        specs.append(_with_mods(spec, prepared, problem, None).replace(block_sparse=True))
                     for deterministic in (False, True) if name in DETERMINISTIC_CASES and family is None else (False,):
                         bwd = policy.default_bwd_spec(head_dim, dtype, causal, arch, deterministic, family=family)
                         specs.append(_bwd_with_mods(bwd, prepared, head_dim, dtype, causal))
@@ -227,3 +229,34 @@ def test_attention_with_grad_takes_mods():
     host = [to_numpy(x) for x in (dout, q, k, v)]
     assert_gradients_close(grads, reference.attention_backward_reference(*host, **args), "fp16",
                            baselines=reference.attention_backward_naive(*host, **args))
+
+
+MASK_CASES = ("window", "document", "holes", "composed", "softcap_window", "prefix")
+
+
+@pytest.mark.usefixtures("warm_mod_kernels")
+@pytest.mark.parametrize("tiles", [(128, 128), (64, 32)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", MASK_CASES)
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=shapes, seed=st.integers(0, 2**31))
+def test_a_block_mask_skips_tiles_and_changes_nothing(name, dtype, tiles, shape, seed, poison):
+    batch, (heads, heads_k), seqlen_q, seqlen_k, layout, head_dim = shape
+    rng = np.random.default_rng(seed)
+    q, k, v = _inputs(rng, dtype, batch, heads, heads_k, seqlen_q, seqlen_k, layout, head_dim)
+    score_mod, mask_mod, causal = _case(name, rng, batch, heads, seqlen_q, seqlen_k)
+    block = cuflash.block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, block_m=tiles[0], block_n=tiles[1])
+    poison(q.size * q.itemsize)
+    out, lse = cuflash.attention(*(cupy.asarray(x) for x in (q, k, v)), causal=causal, layout=layout,
+                                 score_mod=score_mod, block_mask=block, return_lse=True)
+    args = dict(causal=causal, layout=layout, score_mod=score_mod, mask_mod=mask_mod)
+    ref, ref_lse = reference.attention_reference(q, k, v, **args)
+    naive, naive_lse = reference.attention_naive(q, k, v, **args)
+    assert_attention_close(out, ref, dtype, baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+
+
+def test_a_block_mask_of_another_shape_is_refused():
+    q = cupy.zeros((1, 2, 64, 64), dtype=cupy.float16)
+    block = cuflash.block_mask(mods.sliding_window(8), 1, 2, 32, 64)
+    with pytest.raises(ValueError, match="seqlen_q"):
+        cuflash.attention(q, q, q, block_mask=block)

@@ -94,7 +94,7 @@ def generate(spec: KernelSpec | BwdSpec | DecodeSpec) -> str:
         wgmma_ns=sorted({spec.block_n, spec.padded_head_dim} | ({8} if spec.sums_on_tensor_cores else set())
                          | ({spec.block_n // 2} if spec.warp_specialized else set())),
         elem_ctype=dtypes.from_tag(spec.dtype).ctype,
-        mods=mod_sources(spec.score_mod, spec.mask_mod),
+        mods=dict(mod_sources(spec.score_mod, spec.mask_mod), block_sparse=spec.block_sparse),
     )
 
 

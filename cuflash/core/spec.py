@@ -92,6 +92,7 @@ class KernelSpec:
     early_rescale: bool = False  # warp-specialized: O is rescaled before its P V product, under the next Q K^T
     score_mod: str = ""       # digest of a traced score_mod (mod_codegen.register); "" for none
     mask_mod: str = ""        # digest of a traced mask_mod; "" for none
+    block_sparse: bool = False  # warp-specialized with a mask_mod: key tiles from a block mask's visit lists
 
     def __post_init__(self):
         if not self.family:
@@ -169,6 +170,8 @@ class KernelSpec:
         if (self.score_mod or self.mask_mod) and not (self.family == "mma" or self.warp_specialized):
             problems.append(f"score_mod and mask_mod run on the portable mma kernel and the warp-specialized wgmma "
                             f"kernel (family={self.family!r}, warp_specialized={self.warp_specialized})")
+        if self.block_sparse and not (self.warp_specialized and self.mask_mod):
+            problems.append("block_sparse applies to the warp-specialized kernel with a mask_mod")
         if self.half_first_tile and self.block_n % (2 * self.pv_k):
             problems.append(f"half_first_tile needs block_n={self.block_n} to be a multiple of 2 x {self.pv_k} "
                             f"(whole k-steps of P V in each half)")
@@ -192,6 +195,7 @@ class KernelSpec:
         mask_loop = "_maskloop" if self.mask_in_loop else ""
         early = "_early" if self.early_rescale else ""
         mods = (f"_sm{self.score_mod}" if self.score_mod else "") + (f"_mm{self.mask_mod}" if self.mask_mod else "")
+        mods += "_bs" if self.block_sparse else ""
         return (f"fwd_{dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
                 f"w{self.num_warps}s{self.num_stages}{overlap}{family}{lazy}{half}{mask_loop}{early}{no_lse}{mods}"
                 f"_{self.arch}")
@@ -331,7 +335,7 @@ class KernelSpec:
         """The warp-specialized kernel can deal its last tiles out by keys (launch.split_plan):
         without a causal mask and with two consumer warpgroups. With three (head dim 64), the
         merge made ptxas spill 4 bytes."""
-        return self.warp_specialized and not self.causal and self.compute_warpgroups == 2
+        return self.warp_specialized and not self.causal and self.compute_warpgroups == 2 and not self.block_sparse
 
     @property
     def sums_on_tensor_cores(self) -> bool:

@@ -138,6 +138,26 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
 
     // Ring positions run on across work tiles: the block's c-th K (V) tile goes to slot
     // c % kStages, in phase (c / kStages) & 1 of that slot's barriers.
+    // The key tiles a work tile visits, last first: those below the causal bound, or
+    // (kBlockSparse) its row of the block mask's visit lists (entries: key tile << 1 | full).
+    constexpr bool kSparse = Cfg::kBlockSparse;
+    struct KeyTiles {
+        int count;
+        const int* row;
+    };
+    auto key_tiles_of = [&](const Work& work) -> KeyTiles {
+        if constexpr (kSparse) {
+            const int q_tile = work.m0 / kBM;
+            return {mods.sparse.count(work.batch, work.head, q_tile), mods.sparse.row(work.batch, work.head, q_tile)};
+        } else {
+            return {work.n_tiles, nullptr};
+        }
+    };
+    // The entry of the t-th tile visited (t < count) and its first key.
+    auto visit_entry = [](const KeyTiles& kt, int t) { return kSparse ? kt.row[kt.count - 1 - t] : 0; };
+    auto visit_n0 = [&](const KeyTiles& kt, int t) {
+        return kSparse ? (visit_entry(kt, t) >> 1) * kBN : (kt.count - 1 - t) * kBN;
+    };
     auto slot_of = [](int c) { return c % kStages; };
     auto phase_of = [](int c) { return static_cast<u32>((c / kStages) & 1); };
 
@@ -177,7 +197,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             for (int g = 0; g < kConsumers; ++g) named_barrier_arrive(kTileFull + g, 32 + 128);
             if (done) break;
             const Work work(p, item.tile, q_tiles);
-            const int n_tiles = work.n_tiles;
+            const KeyTiles kt = key_tiles_of(work);
+            const int n_tiles = kt.count;
             const int t_begin = item.t_begin, t_end = min(item.t_end, n_tiles);
             if (leader) {
                 mbar_arrive_expect_tx(q_full, kQBytes);
@@ -195,7 +216,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 if (!leader) return;
                 const u32 dst = ring_base + slot * Cfg::kKVTileBytes;
                 mbar_arrive_expect_tx(full + 8 * slot, kTileBytes);
-                const int n0 = (n_tiles - 1 - t) * kBN;
+                const int n0 = visit_n0(kt, t);
                 if constexpr (Cfg::kFp8) {
                     if (is_v) {  // V^T: boxes of kVBoxKeys keys (bytes) by kHeadDim rows
 #pragma unroll
@@ -263,8 +284,13 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         named_barrier_arrive(kTileEmpty, kTileThreads);
         mbar_wait(q_full, q_count & 1);
         const Work work(p, tile, q_tiles);
-        const int n_tiles = min(t_end, work.n_tiles) - t_begin;  // key tiles this item visits
-        const int first_n0 = (work.n_tiles - 1 - t_begin) * kBN;  // the first one's keys
+        const KeyTiles kt = key_tiles_of(work);
+        const int n_tiles = min(t_end, kt.count) - t_begin;  // key tiles this item visits
+        const int first_n0 = kSparse ? (n_tiles > 0 ? visit_n0(kt, t_begin) : 0)
+                                     : (kt.count - 1 - t_begin) * kBN;  // the first one's keys
+        // Visit i's first key; kSparse: `entry` holds its list entry, read ahead of its scores.
+        int entry = kSparse && n_tiles > 0 ? visit_entry(kt, t_begin) : 0;
+        auto n0_at = [&](int i) { return kSparse ? (entry >> 1) * kBN : first_n0 - i * kBN; };
         // No row of this consumer exists. Taken from lane 0, so that the compiler sees a
         // warp-uniform branch: otherwise the key loop's descriptor arithmetic leaves the uniform
         // datapath (24 more instructions per key tile at hd128).
@@ -334,9 +360,10 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         auto scores_ready = [&](auto& s, int i, auto may_mask) {
             constexpr bool kHalf = sizeof(s) < sizeof(acc_s);
             fence_operands(s[0]);
-            const int n0 = first_n0 - i * kBN;
+            const int n0 = n0_at(i);
             if constexpr (kMods)
-                apply_mods<Cfg>(s, mods, mod_scale, work.batch, work.head, work.m0 + warp_row0, n0, lane);
+                apply_mods<Cfg>(s, mods, mod_scale, work.batch, work.head, work.m0 + warp_row0, n0, lane,
+                                !kSparse || !(entry & 1));
             if (kHalf || (decltype(may_mask)::value && work.needs_mask(n0, p.seqlen_k)))
                 mask_scores<Cfg::kCausal>(s, n0, work.m0 + warp_row0, lane, p.seqlen_k, work.causal_offset);
             softmax_step<kLog2Boost, !kSums, kLazy>(s, row_max, row_sum, alphas, scale_log2, slack);
@@ -379,6 +406,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             // than this tile's once that product is done.
             auto key_step = [&](int i, auto may_mask) {
                 const int c = ring + i;
+                if constexpr (kSparse) entry = visit_entry(kt, t_begin + i);
                 mbar_wait(full_k(slot_of(c)), phase_of(c));
                 take_turn();
                 issue_scores<Cfg>(acc_s[0], q_rows, sK + slot_of(c) * Cfg::kKVTileBytes);
@@ -410,7 +438,9 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             // the softmax's max and first exponentials run before the wait.
             int i = 1;
             if constexpr (Cfg::kCausal && !Cfg::kMaskInLoop)
-                for (; i < n_tiles && work.needs_mask(first_n0 - i * kBN, p.seqlen_k); ++i) key_step(i, Flag<true>());
+                for (; i < n_tiles && work.needs_mask(kSparse ? visit_n0(kt, t_begin + i) : first_n0 - i * kBN,
+                                                      p.seqlen_k); ++i)
+                    key_step(i, Flag<true>());
             for (; i < n_tiles; ++i) key_step(i, Flag<Cfg::kMaskInLoop>());
             const int c = ring + n_tiles - 1;
             if constexpr (Cfg::kEarlyRescale) {

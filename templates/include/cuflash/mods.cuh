@@ -6,11 +6,28 @@
 
 namespace cuflash {
 
+// A block mask's visit lists at the kernel's tiles (cuflash.sparsity): per (batch, head, query
+// tile) a count and that many entries, key tile << 1 | full, ascending; strides in elements (0
+// for a broadcast batch or head).
+struct BlockSparse {
+    const int* counts;
+    const int* entries;
+    long long count_batch, count_head, entry_batch, entry_head;
+    int max_entries, unused;
+
+    __device__ __forceinline__ int count(int batch, int head, int q_tile) const {
+        return counts[batch * count_batch + head * count_head + q_tile];
+    }
+    __device__ __forceinline__ const int* row(int batch, int head, int q_tile) const {
+        return entries + batch * entry_batch + head * entry_head + static_cast<long long>(q_tile) * max_entries;
+    }
+};
+
 // Raw scores of C fragments float[kN][4] -> scale * score, through score_mod, -inf where mask_mod
 // refuses the pair. at(nt, e, q_idx, kv_idx) gives element (nt, e)'s query and key positions.
 template <class Cfg, int kN, class At>
 __device__ __forceinline__ void mod_fragments(float (&s)[kN][4], const typename Cfg::Mods& mods, float scale,
-                                              int batch, int head, At at) {
+                                              int batch, int head, bool mask_elements, At at) {
 #pragma unroll
     for (int nt = 0; nt < kN; ++nt)
 #pragma unroll
@@ -20,19 +37,21 @@ __device__ __forceinline__ void mod_fragments(float (&s)[kN][4], const typename 
             float x = s[nt][e] * scale;
             if constexpr (Cfg::kScoreMod) x = Cfg::score_mod(x, batch, head, q_idx, kv_idx, mods);
             if constexpr (Cfg::kMaskMod)
-                if (!Cfg::mask_mod(batch, head, q_idx, kv_idx, mods)) x = neg_inf();
+                if (mask_elements && !Cfg::mask_mod(batch, head, q_idx, kv_idx, mods)) x = neg_inf();
             s[nt][e] = x;
         }
 }
 
 // The forward's scores, rows = queries: fragment (mt, nt) holds rows row0 + 16 mt + lane / 4 (+8)
 // and columns n0 + 8 nt + 2 (lane % 4) (+1), as mask_scores (online_softmax.cuh) reads them.
+// mask_elements: false on a tile the block mask found full (every pair allowed).
 template <class Cfg, int kMT, int kNT>
 __device__ __forceinline__ void apply_mods(float (&s)[kMT][kNT][4], const typename Cfg::Mods& mods, float scale,
-                                           int batch, int head, int row0, int n0, int lane) {
+                                           int batch, int head, int row0, int n0, int lane,
+                                           bool mask_elements = true) {
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
-        mod_fragments<Cfg>(s[mt], mods, scale, batch, head, [&](int nt, int e, int& q_idx, int& kv_idx) {
+        mod_fragments<Cfg>(s[mt], mods, scale, batch, head, mask_elements, [&](int nt, int e, int& q_idx, int& kv_idx) {
             q_idx = row0 + mt * 16 + lane / 4 + (e >> 1) * 8;
             kv_idx = n0 + nt * 8 + 2 * (lane % 4) + (e & 1);
         });
