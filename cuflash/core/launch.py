@@ -84,13 +84,14 @@ def grid(spec: KernelSpec, problem: Problem, plan: SplitPlan | None = None) -> t
 
     The warp-specialized kernel takes a 1-d grid and its blocks take work tiles, numbered the
     same way (with a causal mask, in bands: band_heads), from a counter at run time: one block
-    per tile, or (persistent, up to policy.PERSISTENT_MAX_SEQLEN_K keys) one block per multiprocessor,
-    so that a tile's loads overlap the previous tile's epilogue."""
+    per tile, or (persistent, up to policy.PERSISTENT_MAX_SEQLEN_K keys, and with a block mask,
+    whose tiles visit few keys) one block per multiprocessor, so that a tile's loads overlap the
+    previous tile's epilogue."""
     tiles = (ceil_div(problem.seqlen_q, spec.block_m), problem.heads, problem.batch)
     if spec.warp_specialized:
         plan = plan or split_plan(spec, problem)
         count = plan.dp_tiles + plan.shares
-        if problem.seqlen_k <= policy.PERSISTENT_MAX_SEQLEN_K:
+        if problem.seqlen_k <= policy.PERSISTENT_MAX_SEQLEN_K or spec.block_sparse:
             count = min(count, _multiprocessors(problem.device_id))
         return (count, 1, 1)
     return tiles

@@ -75,8 +75,7 @@ __device__ __forceinline__ void mod_scores_grad(float (&s)[kN][4], float (&dmod)
             float x = s[nt][e] * scale;
             if constexpr (kGrad) dmod[nt][e] = Cfg::dscore_mod(x, batch, head, q_idx, kv_idx, mods);
             if constexpr (Cfg::kScoreMod) x = Cfg::score_mod(x, batch, head, q_idx, kv_idx, mods);
-            if constexpr (Cfg::kMaskMod)
-                if (!Cfg::mask_mod(batch, head, q_idx, kv_idx, mods)) x = neg_inf();
+            if constexpr (Cfg::kMaskMod) x = Cfg::mask_mod(batch, head, q_idx, kv_idx, mods) ? x : neg_inf();
             s[nt][e] = x;
         }
 }
