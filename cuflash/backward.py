@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 
+from . import sparsity as _sparsity
 from .core import compile as _compile
 from .core import mod_grad
 from .core import modset as _modset
@@ -75,8 +76,15 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
             return dq, dk, dv
         spec = select_bwd_spec(bp) if spec is None else _check_forced_spec(spec, bp)
         mods = _modset.prepare(score_mod, _modset.block_mask_mod(block_mask, mask_mod, problem), problem.device_id)
+        sparse = b""
         if mods is not None:
             spec = _with_mods(spec, mods, bp)
+            # The Hopper kernel walks each key tile's query tiles from the mask when one list
+            # serves every head (a mask that does not read h); other kernels mask every tile.
+            if block_mask is not None and spec.family == "wgmma" and block_mask.kind.shape[1] == 1:
+                spec = spec.replace(block_sparse=True)
+                sparse = _sparsity.kernel_tables(block_mask, spec.block_m, spec.block_n, problem.causal,
+                                                 by_key=True)[2]
         if spec.async_copies and not all(aligned_for_async_copy(x) for x in (q, k, v, dout)):
             # 16-byte copies need aligned rows; a misaligned view is copied once.
             q, k, v, dout = (x if aligned_for_async_copy(x) else aligned_copy(x) for x in (q, k, v, dout))
@@ -95,7 +103,7 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
                        o=bp.o_strides, do=bp.do_strides, dq=_out_strides(dq, layout), dk=_out_strides(dk, layout),
                        dv=_out_strides(dv, layout))
         kernels = _compile.get_kernel(spec, problem.device_id)
-        launch_backward(kernels, spec, bp, tensors, strides, mods.packed() if mods is not None else b"")
+        launch_backward(kernels, spec, bp, tensors, strides, (mods.packed() if mods is not None else b"") + sparse)
     return dq, dk, dv
 
 

@@ -80,18 +80,21 @@ def kernel_kinds(mask: BlockMask, block_m: int, block_n: int, causal: bool) -> n
     return kind
 
 
-def kernel_tables(mask: BlockMask, block_m: int, block_n: int, causal: bool):
+def kernel_tables(mask: BlockMask, block_m: int, block_n: int, causal: bool, by_key: bool = False):
     """(counts, entries, packed) for a kernel with tiles block_m x block_n, made once per tile
     shape and device and kept with the mask: per query tile the count of key tiles to visit and
     the entries key tile << 1 | full, ascending (CuPy int32 [b, h, q_tiles] and [b, h, q_tiles,
-    k_tiles]); packed: the kernel's BlockSparse struct (cuflash/mods.cuh)."""
+    k_tiles]); ``by_key``: per key tile its query tiles, for a key-outer backward. packed: the
+    kernel's BlockSparse struct (cuflash/mods.cuh)."""
     import cupy
 
-    key = (block_m, block_n, causal, cupy.cuda.Device().id)
+    key = (block_m, block_n, causal, by_key, cupy.cuda.Device().id)
     found = mask._tables.get(key)
     if found is not None:
         return found
     kind = kernel_kinds(mask, block_m, block_n, causal)
+    if by_key:
+        kind = np.ascontiguousarray(np.swapaxes(kind, 2, 3))
     counts, order = _lists(kind)
     entries = np.where(order >= 0, np.maximum(order, 0) * 2 + (np.take_along_axis(kind, np.maximum(order, 0), -1)
                                                                == FULL), 0).astype(np.int32)

@@ -92,6 +92,10 @@ def warm_mod_kernels():
                     specs.append(_with_mods(spec, prepared, problem, None))
                     if family is None and mask_mod is not None and spec.warp_specialized:
                         specs.append(_with_mods(spec, prepared, problem, None).replace(block_sparse=True))
+                    if family is None and mask_mod is not None:
+                        bwd = policy.default_bwd_spec(head_dim, dtype, causal, arch, False)
+                        bwd = _bwd_with_mods(bwd, prepared, head_dim, dtype, causal)
+                        specs.append(bwd.replace(block_sparse=True) if bwd.family == "wgmma" else bwd)
                     for deterministic in (False, True) if name in DETERMINISTIC_CASES and family is None else (False,):
                         bwd = policy.default_bwd_spec(head_dim, dtype, causal, arch, deterministic, family=family)
                         specs.append(_bwd_with_mods(bwd, prepared, head_dim, dtype, causal))
@@ -256,6 +260,11 @@ def test_a_block_mask_skips_tiles_and_changes_nothing(name, dtype, tiles, shape,
     ref, ref_lse = reference.attention_reference(q, k, v, **args)
     naive, naive_lse = reference.attention_naive(q, k, v, **args)
     assert_attention_close(out, ref, dtype, baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    grads = cuflash.attention_backward(cupy.asarray(dout), *(cupy.asarray(x) for x in (q, k, v)), out, lse,
+                                       causal=causal, layout=layout, score_mod=score_mod, block_mask=block)
+    assert_gradients_close(grads, reference.attention_backward_reference(dout, q, k, v, **args), dtype,
+                           baselines=reference.attention_backward_naive(dout, q, k, v, **args))
 
 
 def test_a_block_mask_of_another_shape_is_refused():

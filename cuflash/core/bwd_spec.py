@@ -45,6 +45,7 @@ class BwdSpec:
     family: str = ""      # "mma" (fp16/bf16) or "simt" (fp32); "" picks by dtype
     score_mod: str = ""   # digest of a traced score_mod (mod_codegen.register); "" for none
     mask_mod: str = ""    # digest of a traced mask_mod; "" for none
+    block_sparse: bool = False  # wgmma with a mask_mod: each key tile's query tiles from a block mask
 
     def __post_init__(self):
         if self.dtype in dtypes.DTYPES and not self.family:
@@ -56,6 +57,8 @@ class BwdSpec:
             problems.append(f"family={self.family!r} does not take dtype={self.dtype} (mma, wgmma: fp16/bf16; simt: fp32)")
         if (self.score_mod or self.mask_mod) and self.family == "simt":
             problems.append("score_mod and mask_mod run on the tensor-core backward kernels (fp16, bf16)")
+        if self.block_sparse and not (self.family == "wgmma" and self.mask_mod):
+            problems.append("block_sparse applies to the wgmma backward with a mask_mod")
         if self.family == "simt":
             pass
         elif self.family == "wgmma":
@@ -107,6 +110,7 @@ class BwdSpec:
         det = "_det" if self.deterministic and self.family != "simt" else ""
         family = "_wgmma" if self.family == "wgmma" else ""
         mods = (f"_sm{self.score_mod}" if self.score_mod else "") + (f"_mm{self.mask_mod}" if self.mask_mod else "")
+        mods += "_bs" if self.block_sparse else ""
         return (f"bwd_{self.dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
                 f"w{self.num_warps}s{self.num_stages}{det}{family}{mods}_{self.arch}")
 

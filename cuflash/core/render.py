@@ -79,7 +79,7 @@ def generate(spec: KernelSpec | BwdSpec | DecodeSpec) -> str:
             include_dir=include_dir(),
             sorted_ns=sorted({spec.block_m, spec.padded_head_dim, spec.padded_head_dim // 2,
                               spec.padded_head_dim // 4} - {0}),
-            mods=mod_sources(spec.score_mod, spec.mask_mod, backward=True),
+            mods=dict(mod_sources(spec.score_mod, spec.mask_mod, backward=True), block_sparse=spec.block_sparse),
         )
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"generate() takes a cuflash.KernelSpec, BwdSpec or DecodeSpec, got {type(spec).__name__}")

@@ -65,7 +65,20 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
     const int wg = warp / 4;
     const int key_row0 = (kSplitD ? 0 : wg * 64) + (warp % 4) * 16;  // first key row (in the tile) of this warp
     const int grad_col0 = kSplitD ? wg * kGradCols : 0;             // first dK / dV column of this warpgroup
-    const DkdvWork w = dkdv_work<kBM, kBN, Cfg::kCausal>(p);
+    DkdvWork w = dkdv_work<kBM, kBN, Cfg::kCausal>(p);
+    // kBlockSparse: the key tile's query tiles from the block mask's lists (one list for every
+    // head: cuflash.sparsity), last first; entries are query tile << 1 | full.
+    const int* visits = nullptr;
+    if constexpr (Cfg::kBlockSparse) {
+        const int key_tile = w.n0 / kBN;
+        w.m_tiles = mods.sparse.count(w.batch, 0, key_tile);
+        w.steps = w.m_tiles * p.group;
+        visits = mods.sparse.row(w.batch, 0, key_tile);
+    }
+    auto step_m0 = [&](int t) {
+        if constexpr (Cfg::kBlockSparse) return (visits[w.m_tiles - 1 - t % w.m_tiles] >> 1) * kBM;
+        else return w.step_m0<kBM>(t);
+    };
 
     auto q_layout = [](int row, int chunk) { return swizzled_offset(row, chunk, kBM); };
     auto kv_layout = [](int row, int chunk) { return swizzled_offset(row, chunk, kBN); };
@@ -82,7 +95,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
 
     // Step t's query tile (DkdvWork::step_head / step_m0) into ring slot `slot`.
     auto load_step = [&](int t, int slot) {
-        const int m0 = w.step_m0<kBM>(t);
+        const int m0 = step_m0(t);
         const QueryRows rows = query_rows(p, w.batch, w.step_head(p.group, t), m0);
         copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads, false, kValid>(
             q_layout, sQ + slot * Cfg::kQTileBytes, rows.q, p.q_row_stride, p.seqlen_q - m0, tid);
@@ -111,7 +124,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         cp_async_commit();
 
         const int slot = t % Cfg::kStages;
-        const int head = w.step_head(p.group, t), m0 = w.step_m0<kBM>(t);
+        const int head = w.step_head(p.group, t), m0 = step_m0(t);
         const u32 sQs = sQ + slot * Cfg::kQTileBytes, sDOs = sDO + slot * Cfg::kQTileBytes;
         const float* s_lse2 = s_lse2_all + slot * kBM;
         const float* s_delta = s_delta_all + slot * kBM;
