@@ -7,8 +7,9 @@ ascending order, and the transpose (per key tile, the query tiles) that a key-ou
 walks. It is reusable across calls and steps with the same shape and tiles. Batch and head
 dimensions of 1 broadcast: a mask_mod that reads neither ``b`` nor ``h`` is classified once.
 
-The classification runs on the host in NumPy, one row of query tiles at a time (arrays the mask
-captures are copied to the host once).
+The classification runs on the GPU (a kernel generated from the mask, one block per tile) when
+the arrays the mask captures are CuPy arrays, else on the host in NumPy, one row of query tiles
+at a time.
 """
 from __future__ import annotations
 
@@ -137,14 +138,17 @@ def _lists(kind: np.ndarray):
 
 
 def block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *, block_m: int = 128,
-               block_n: int = 128) -> BlockMask:
+               block_n: int = 128, device: str | None = None) -> BlockMask:
     """Classify every (query tile, key tile) of a mask_mod (a function or its traced graph).
 
     Args:
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (see :mod:`cuflash.mods`).
         batch, heads, seqlen_q, seqlen_k: the problem it masks (heads: query heads).
-        block_m, block_n: the tiles (positive multiples of 16); a kernel with smaller tiles that
-            divide these visits every tile of a visited block.
+        block_m, block_n: the tiles (positive multiples of 16); the kernels convert them to
+            their own.
+        device: ``"gpu"`` (a generated kernel, one block per tile; the arrays the mask captures
+            must be CuPy arrays), ``"cpu"`` (NumPy), or None: the GPU when every captured array
+            is a CuPy array and a device is there, else the host.
 
     Returns:
         A :class:`BlockMask`.
@@ -158,9 +162,66 @@ def block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 16 or value % 16:
             raise ValueError(f"{name}={value!r} must be a positive multiple of 16")
     graph = _graph(mask_mod, "mask")
-    arrays = [np.asarray(a.get() if hasattr(a, "get") else a) for a in graph.arrays]
     b_count = batch if _reads(graph, "b") else min(batch, 1)
     h_count = heads if _reads(graph, "h") else min(heads, 1)
+    q_tiles, k_tiles = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+    if device not in (None, "gpu", "cpu"):
+        raise ValueError(f"device={device!r} must be None, 'gpu' or 'cpu'")
+    on_gpu = _on_gpu(graph) if device is None else device == "gpu"
+    if on_gpu:
+        kind = _kinds_on_gpu(graph, b_count, h_count, seqlen_q, seqlen_k, block_m, block_n)
+    else:
+        kind = _kinds_on_host(graph, b_count, h_count, seqlen_q, seqlen_k, block_m, block_n)
+    kv_counts, kv_indices = _lists(kind)
+    q_counts, q_indices = _lists(np.swapaxes(kind, 2, 3))
+    return BlockMask((batch, heads, seqlen_q, seqlen_k), block_m, block_n, kind, kv_counts, kv_indices, q_counts,
+                     q_indices, graph.digest, graph)
+
+
+def _on_gpu(graph) -> bool:
+    """Whether a mask is classified on the GPU: its captured arrays are all CuPy arrays (none
+    captured: when CuPy sees a device)."""
+    kinds = {type(a).__module__.split(".")[0] for a in graph.arrays}
+    if kinds - {"cupy"}:
+        return False
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no CuPy, no driver or no device: the host classifies
+        return False
+
+
+_builders: dict = {}
+
+
+def _kinds_on_gpu(graph, b_count, h_count, seqlen_q, seqlen_k, block_m, block_n) -> np.ndarray:
+    import cupy
+
+    from .core import compile as _compile
+    from .core import mod_codegen
+
+    for name, array in zip(graph.array_names, graph.arrays):
+        if not isinstance(array, cupy.ndarray):
+            raise TypeError(f"device='gpu': the mask captures {name!r}, a {type(array).__name__}; the GPU "
+                            f"classifies masks whose arrays are CuPy arrays")
+    q_tiles, k_tiles = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+    kind = cupy.zeros((b_count, h_count, q_tiles, k_tiles), dtype=cupy.int8)
+    if kind.size:
+        device = cupy.cuda.Device().id
+        kernel = _builders.get((graph.digest, device))
+        if kernel is None:
+            source, name = mod_codegen.block_mask_source(graph)
+            options = _compile.arch_options(_compile.device_arch(device))
+            kernel = _builders[(graph.digest, device)] = cupy.RawModule(code=source, options=options).get_function(name)
+        arrays = np.frombuffer(mod_codegen.pack_arrays(graph), dtype=np.dtype((np.void, max(len(graph.arrays), 1) * 56)))
+        kernel((k_tiles, q_tiles, b_count * h_count), (256, 1, 1),
+               (arrays, kind, np.int32(h_count), np.int32(seqlen_q), np.int32(seqlen_k), np.int32(block_m),
+                np.int32(block_n)))
+    return kind.get()
+
+
+def _kinds_on_host(graph, b_count, h_count, seqlen_q, seqlen_k, block_m, block_n) -> np.ndarray:
+    arrays = [np.asarray(a.get() if hasattr(a, "get") else a) for a in graph.arrays]
     q_tiles, k_tiles = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
     kind = np.zeros((b_count, h_count, q_tiles, k_tiles), dtype=np.int8)
     b = np.arange(b_count)[:, None, None, None]
@@ -178,10 +239,7 @@ def block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *
         any_ = any_.reshape(b_count, h_count, rows.size, k_tiles, block_n).any(axis=(2, 4))
         all_ = all_.reshape(b_count, h_count, rows.size, k_tiles, block_n).all(axis=(2, 4))
         kind[:, :, qt] = np.where(all_ & any_, FULL, np.where(any_, PARTIAL, EMPTY))
-    kv_counts, kv_indices = _lists(kind)
-    q_counts, q_indices = _lists(np.swapaxes(kind, 2, 3))
-    return BlockMask((batch, heads, seqlen_q, seqlen_k), block_m, block_n, kind, kv_counts, kv_indices, q_counts,
-                     q_indices, graph.digest, graph)
+    return kind
 
 
 __all__ = ["BlockMask", "block_mask", "EMPTY", "PARTIAL", "FULL"]

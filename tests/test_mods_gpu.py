@@ -272,3 +272,17 @@ def test_a_block_mask_of_another_shape_is_refused():
     block = cuflash.block_mask(mods.sliding_window(8), 1, 2, 32, 64)
     with pytest.raises(ValueError, match="seqlen_q"):
         cuflash.attention(q, q, q, block_mask=block)
+
+
+@pytest.mark.parametrize("name", MASK_CASES)
+@pytest.mark.parametrize("tiles", [(128, 128), (64, 32)])
+def test_block_masks_on_the_gpu_match_the_host(name, tiles):
+    rng = np.random.default_rng(len(name))
+    batch, heads, seqlen_q, seqlen_k = 2, 4, 301, 517
+    _, mask_mod, _ = _case(name, rng, batch, heads, seqlen_q, seqlen_k)
+    on_gpu = cuflash.block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, block_m=tiles[0], block_n=tiles[1],
+                                device="gpu")
+    on_host = cuflash.block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, block_m=tiles[0], block_n=tiles[1],
+                                 device="cpu")
+    assert np.array_equal(on_gpu.kind, on_host.kind)
+    assert np.array_equal(on_gpu.kv_indices, on_host.kv_indices)

@@ -235,3 +235,32 @@ def pack_arrays(graph: Graph) -> bytes:
         extents = list(array.shape) + [1] * (4 - array.ndim)
         out += struct.pack("<Q4q4i", array.data.ptr, *strides, *extents)
     return out or bytes(ARRAY_BYTES)
+
+
+def block_mask_source(graph: Graph) -> tuple[str, str]:
+    """(source, kernel name) of the kernel that classifies a mask_mod's tiles on the GPU: one block
+    of 256 threads per (key tile, query tile, batch x head), writing EMPTY (0), PARTIAL (1) or
+    FULL (2) as cuflash.sparsity defines them (positions past the lengths count as allowed for
+    "full" and not for "any")."""
+    name = f"cuflash_block_mask_{graph.digest}"
+    fn = function_name(graph)
+    source = generate(graph) + f"""
+extern "C" __global__ void __launch_bounds__(256) {name}(const {fn}_arrays mod, signed char* kind, int heads,
+        int seqlen_q, int seqlen_k, int block_m, int block_n) {{
+    const int kt = blockIdx.x, qt = blockIdx.y, bh = blockIdx.z;
+    const int b = bh / heads, h = bh % heads;
+    bool any = false, all = true;
+    for (int i = threadIdx.x; i < block_m * block_n; i += blockDim.x) {{
+        const int q_idx = qt * block_m + i / block_n, kv_idx = kt * block_n + i % block_n;
+        if (q_idx >= seqlen_q || kv_idx >= seqlen_k) continue;
+        const bool allowed = {fn}(b, h, q_idx, kv_idx, mod);
+        any |= allowed;
+        all &= allowed;
+    }}
+    any = __syncthreads_or(any);
+    all = __syncthreads_and(all);
+    if (threadIdx.x == 0)
+        kind[(static_cast<long long>(bh) * gridDim.y + qt) * gridDim.x + kt] = all && any ? 2 : any ? 1 : 0;
+}}
+"""
+    return source, name
