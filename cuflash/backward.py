@@ -75,7 +75,7 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
                 x.fill(0)
             return dq, dk, dv
         spec = select_bwd_spec(bp) if spec is None else _check_forced_spec(spec, bp)
-        mods = _modset.prepare(score_mod, _modset.block_mask_mod(block_mask, mask_mod, problem), problem.device_id)
+        mods = _modset.prepare(score_mod, _sparsity.mask_mod_of(block_mask, mask_mod, problem), problem.device_id)
         sparse = b""
         if mods is not None:
             spec = _with_mods(spec, mods, bp)

@@ -148,7 +148,7 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
         scales = validate_fp8_scales(problem, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                                      out_dtype=out_dtype)
     out_tag = scales.out_dtype.tag if scales else None
-    mask_mod = _modset.block_mask_mod(block_mask, mask_mod, problem)
+    mask_mod = _sparsity.mask_mod_of(block_mask, mask_mod, problem)
     mods = _modset.prepare(score_mod, mask_mod, problem.device_id)
     sparse = b""
     with _on_device(problem.device_id):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .core import modset as _modset
 from .core import trace as _trace
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -52,6 +53,24 @@ class BlockMask:
         """The tile kinds broadcast to [batch, heads, q_tiles, k_tiles]."""
         batch, heads = self.shape[:2]
         return np.broadcast_to(self.kind, (batch, heads) + self.kind.shape[2:])
+
+
+def mask_mod_of(block_mask, mask_mod, problem):
+    """The mask_mod of a call with a block mask: the mask's own, or the call's when it traces to
+    the same graph; the mask must have been made for the call's batch, heads and lengths."""
+    if block_mask is None:
+        return mask_mod
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a cuflash.BlockMask (cuflash.block_mask), got {type(block_mask).__name__}")
+    shape = (problem.batch, problem.heads, problem.seqlen_q, problem.seqlen_k)
+    if tuple(block_mask.shape) != shape:
+        raise ValueError(f"block_mask was made for (batch, heads, seqlen_q, seqlen_k)={tuple(block_mask.shape)}; "
+                         f"this call has {shape}")
+    if mask_mod is None:
+        return block_mask.graph
+    if _modset.traced(mask_mod, "mask").digest != block_mask.digest:
+        raise ValueError("mask_mod differs from the mask_mod block_mask was made from; pass one of them")
+    return mask_mod
 
 
 def kernel_kinds(mask: BlockMask, block_m: int, block_n: int, causal: bool) -> np.ndarray:

@@ -59,9 +59,7 @@ class BwdSpec:
             problems.append("score_mod and mask_mod run on the tensor-core backward kernels (fp16, bf16)")
         if self.block_sparse and not (self.family == "wgmma" and self.mask_mod):
             problems.append("block_sparse applies to the wgmma backward with a mask_mod")
-        if self.family == "simt":
-            pass
-        elif self.family == "wgmma":
+        if self.family == "wgmma":
             if self.arch != "sm90a":
                 problems.append(f"the wgmma backward needs sm90a (got arch={self.arch})")
             block_n = 64 if self.padded_head_dim > 128 else 128

@@ -19,7 +19,7 @@ class ModSet(NamedTuple):
         return b"".join(mod_codegen.pack_arrays(g) for g in (self.score, self.mask) if g is not None)
 
 
-def _traced(mod, kind: str) -> Graph | None:
+def traced(mod, kind: str) -> Graph | None:
     if mod is None:
         return None
     if isinstance(mod, Graph):
@@ -38,7 +38,7 @@ def prepare(score_mod, mask_mod, device_id: int) -> ModSet | None:
         return None
     import cupy
 
-    graphs = {"score": _traced(score_mod, "score"), "mask": _traced(mask_mod, "mask")}
+    graphs = {"score": traced(score_mod, "score"), "mask": traced(mask_mod, "mask")}
     for kind, graph in graphs.items():
         if graph is None:
             continue
@@ -56,22 +56,3 @@ def prepare(score_mod, mask_mod, device_id: int) -> ModSet | None:
                   mod_codegen.register(graphs["score"]) if graphs["score"] is not None else "",
                   mod_codegen.register(graphs["mask"]) if graphs["mask"] is not None else "")
 
-
-def block_mask_mod(block_mask, mask_mod, problem):
-    """The mask_mod of a call with a block mask: the mask's own, or the call's when it traces to
-    the same graph; the mask must have been made for the call's batch, heads and lengths."""
-    if block_mask is None:
-        return mask_mod
-    from ..sparsity import BlockMask
-
-    if not isinstance(block_mask, BlockMask):
-        raise TypeError(f"block_mask must be a cuflash.BlockMask (cuflash.block_mask), got {type(block_mask).__name__}")
-    shape = (problem.batch, problem.heads, problem.seqlen_q, problem.seqlen_k)
-    if tuple(block_mask.shape) != shape:
-        raise ValueError(f"block_mask was made for (batch, heads, seqlen_q, seqlen_k)={tuple(block_mask.shape)}; "
-                         f"this call has {shape}")
-    if mask_mod is None:
-        return block_mask.graph
-    if _traced(mask_mod, "mask").digest != block_mask.digest:
-        raise ValueError("mask_mod differs from the mask_mod block_mask was made from; pass one of them")
-    return mask_mod

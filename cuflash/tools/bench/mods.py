@@ -18,7 +18,7 @@ from functools import partial
 
 from .config import _MODE_FLOPS, DEFAULT_HEAD_DIMS, DEFAULT_SEQLENS, FP8, paper_grid
 from .peers import _peer_entry, _raising, _time_interleaved, _torch_output, import_torch, to_torch
-from .runner import _free_device_memory, _record_ours, parse_bench_dtype, random_inputs
+from .inputs import _free_device_memory, _record_ours, parse_bench_dtype, random_inputs
 
 MODS_HEAD_DIM, MODS_SEQLEN = 128, 16384
 SOFTCAP, WINDOW, DOCUMENTS, DOCUMENT_SEED = 30.0, 1024, 8, 0

@@ -26,16 +26,7 @@ from .fp8_errors import _run_fp8_errors
 from .peers import _peer_entry, _record_torch_peers, _time_interleaved, _torch_calls, import_torch, to_torch
 from .report import format_line, markdown_tables, write_plot
 from . import timing
-
-
-def random_inputs(shape, dtype_tag: str, seed: int = 0):
-    """q, k, v: standard normal CuPy arrays of ``shape`` in the dtype of ``dtype_tag``."""
-    import cupy
-
-    from cuflash.core import dtypes
-    element = dtypes.from_tag(dtype_tag).numpy
-    rng = cupy.random.default_rng(seed)
-    return tuple(rng.standard_normal(shape, dtype=cupy.float32).astype(element) for _ in range(3))
+from .inputs import _free_device_memory, _record_ours, parse_bench_dtype, random_inputs
 
 
 class _PeakMemory:
@@ -75,14 +66,6 @@ def backward_extra_bytes(q, k, v, out, lse, dout, causal) -> int:
     del grads
     cupy.get_default_memory_pool().free_all_blocks()
     return peak.peak - outputs
-
-
-def _free_device_memory():
-    import gc
-
-    import cupy
-    gc.collect()   # an exception recorded by the timing holds its frames (and their arrays) in a cycle
-    cupy.get_default_memory_pool().free_all_blocks()
 
 
 def _spec_for(config: BenchConfig, arch: str, overrides: dict):
@@ -156,19 +139,6 @@ def _time_config(result, config, forced, overrides, reps, torch, flush_l2):
     timed = _time_interleaved({_OURS: ours_call}, torch_calls, reps, flush_l2)
     ours = _record_ours(result, timed[_OURS], output)
     _record_torch_peers(result, torch_calls, timed, ours)
-
-
-def _record_ours(result, outcome, output):
-    """Put cuflash's timing ``outcome`` (ms, or the exception its call raised) into ``result`` and
-    return ``output()`` (the output the peers are checked against); None after an error."""
-    try:
-        if isinstance(outcome, Exception):
-            raise outcome
-        result.update(ms=outcome, tflops=result["flops"] / outcome / 1e9)
-        return output()
-    except Exception as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        return None
 
 
 def bench_fp8_config(config: BenchConfig, *, arch: str, reps: int = 30, torch=None, overrides: dict | None = None,
@@ -343,20 +313,6 @@ def add_arguments(parser):
                         help="time attention variants instead of the grid: softcap, ALiBi, sliding window and "
                              "document mask, forward and backward, beside plain cuflash and FlexAttention (hd128 "
                              "N=16384 unless --head-dims / --seqlens are given; TFLOP/s over attended pairs)")
-
-
-def parse_bench_dtype(text: str, mode: str = "fwd") -> str:
-    """``--dtype`` -> the tag timed: fp16, bf16, fp32 (or an alias of one), or fp8 (forward only)."""
-    if text == FP8:
-        if mode != "fwd":
-            raise ValueError(f"--dtype fp8 times the forward only (got --mode {mode})")
-        return FP8
-    from cuflash.core import dtypes
-    tag = dtypes.from_tag(text).tag
-    if tag not in BENCH_DTYPES:
-        raise ValueError(f"--dtype {text!r}: choose one of {', '.join(BENCH_DTYPES)} "
-                         f"(FP8 formats through --dtype fp8 --fp8-format)")
-    return tag
 
 
 def _run_decode(args) -> int:
