@@ -115,7 +115,7 @@ def _with_mods(spec: BwdSpec, mods, bp) -> BwdSpec:
         raise ValueError("score_mod and mask_mod run on fp16 and bf16 inputs; this call has float32 (convert q, k "
                          "and v, or apply the mod with cuflash.reference)")
     if spec.family == "wgmma" and spec.split_head_dim and mods.score is not None and \
-            not mod_grad.is_constant_one(mod_grad.derivative(mods.score)):
+            not mod_grad.adds_only(mods.score):
         spec = default_bwd_spec(p.head_dim, p.dtype.tag, p.causal, spec.arch, spec.deterministic, family="mma")
     return spec.replace(score_mod=mods.score_digest, mask_mod=mods.mask_digest)
 

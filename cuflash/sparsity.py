@@ -183,7 +183,6 @@ def block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *
     graph = _graph(mask_mod, "mask")
     b_count = batch if _reads(graph, "b") else min(batch, 1)
     h_count = heads if _reads(graph, "h") else min(heads, 1)
-    q_tiles, k_tiles = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
     if device not in (None, "gpu", "cpu"):
         raise ValueError(f"device={device!r} must be None, 'gpu' or 'cpu'")
     on_gpu = _on_gpu(graph) if device is None else device == "gpu"

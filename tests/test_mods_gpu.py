@@ -127,6 +127,14 @@ def _inputs(rng, dtype, batch, heads, heads_k, seqlen_q, seqlen_k, layout, head_
     return make(heads, seqlen_q), make(heads_k, seqlen_k), make(heads_k, seqlen_k)
 
 
+def _drawn(name, dtype, shape, seed):
+    """(rng, (q, k, v) on the host, score_mod, mask_mod, causal, layout) of a drawn shape and case."""
+    batch, (heads, heads_k), seqlen_q, seqlen_k, layout, head_dim = shape
+    rng = np.random.default_rng(seed)
+    q, k, v = _inputs(rng, dtype, batch, heads, heads_k, seqlen_q, seqlen_k, layout, head_dim)
+    return (rng, (q, k, v), *_case(name, rng, batch, heads, seqlen_q, seqlen_k), layout)
+
+
 @pytest.mark.usefixtures("warm_mod_kernels")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", FAMILIES)
@@ -134,10 +142,8 @@ def _inputs(rng, dtype, batch, heads, heads_k, seqlen_q, seqlen_k, layout, head_
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(shape=shapes, seed=st.integers(0, 2**31))
 def test_forward_with_mods_matches_the_reference(name, family, dtype, shape, seed, poison):
-    batch, (heads, heads_k), seqlen_q, seqlen_k, layout, head_dim = shape
-    rng = np.random.default_rng(seed)
-    q, k, v = _inputs(rng, dtype, batch, heads, heads_k, seqlen_q, seqlen_k, layout, head_dim)
-    score_mod, mask_mod, causal = _case(name, rng, batch, heads, seqlen_q, seqlen_k)
+    seqlen_q = shape[2]
+    rng, (q, k, v), score_mod, mask_mod, causal, layout = _drawn(name, dtype, shape, seed)
     args = dict(causal=causal, layout=layout, score_mod=score_mod, mask_mod=mask_mod)
     poison(q.size * q.itemsize)
     out, lse = cuflash.attention(*(cupy.asarray(x) for x in (q, k, v)), return_lse=True, family=family, **args)
@@ -203,11 +209,9 @@ def test_backward_with_mods_matches_the_reference(name, family, dtype, determini
     from cuflash.core import policy
     from cuflash.core.compile import device_arch
 
-    batch, (heads, heads_k), seqlen_q, seqlen_k, layout, head_dim = shape
-    rng = np.random.default_rng(seed)
-    q, k, v = _inputs(rng, dtype, batch, heads, heads_k, seqlen_q, seqlen_k, layout, head_dim)
+    seqlen_q, head_dim = shape[2], shape[5]
+    rng, (q, k, v), score_mod, mask_mod, causal, layout = _drawn(name, dtype, shape, seed)
     dout = rng.standard_normal(q.shape).astype(q.dtype)
-    score_mod, mask_mod, causal = _case(name, rng, batch, heads, seqlen_q, seqlen_k)
     args = dict(causal=causal, layout=layout, score_mod=score_mod, mask_mod=mask_mod)
     dq_, dk_, dv_ = (cupy.asarray(x) for x in (q, k, v))
     out, lse = cuflash.attention(dq_, dk_, dv_, return_lse=True, family=family, **args)
@@ -248,10 +252,8 @@ MASK_CASES = ("window", "document", "holes", "composed", "softcap_window", "pref
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(shape=shapes, seed=st.integers(0, 2**31))
 def test_a_block_mask_skips_tiles_and_changes_nothing(name, dtype, tiles, shape, seed, poison):
-    batch, (heads, heads_k), seqlen_q, seqlen_k, layout, head_dim = shape
-    rng = np.random.default_rng(seed)
-    q, k, v = _inputs(rng, dtype, batch, heads, heads_k, seqlen_q, seqlen_k, layout, head_dim)
-    score_mod, mask_mod, causal = _case(name, rng, batch, heads, seqlen_q, seqlen_k)
+    batch, (heads, _), seqlen_q, seqlen_k = shape[:4]
+    rng, (q, k, v), score_mod, mask_mod, causal, layout = _drawn(name, dtype, shape, seed)
     block = cuflash.block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, block_m=tiles[0], block_n=tiles[1])
     poison(q.size * q.itemsize)
     out, lse = cuflash.attention(*(cupy.asarray(x) for x in (q, k, v)), causal=causal, layout=layout,

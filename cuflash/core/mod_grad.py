@@ -90,6 +90,17 @@ def is_constant_one(graph: Graph) -> bool:
     return node.op == "const" and node.args[0] == 1.0
 
 
+_adds_only: dict[str, bool] = {}
+
+
+def adds_only(graph: Graph) -> bool:
+    """Whether a score_mod's derivative is the constant 1, derived once per digest."""
+    found = _adds_only.get(graph.digest)
+    if found is None:
+        found = _adds_only[graph.digest] = is_constant_one(derivative(graph))
+    return found
+
+
 def _simplified(graph: Graph) -> Graph:
     """The graph with the chain rule's zeros and ones taken out (x * 0, x * 1, x + 0, x - 0, 0 / x,
     x / 1, -0, where(c, a, a)), so that a score_mod that only adds to the score has the constant 1

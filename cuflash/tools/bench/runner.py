@@ -20,7 +20,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from .config import (_BOOL_OVERRIDES, _MODE_FLOPS, _OURS, BENCH_DTYPES, BF16_PEER, DEFAULT_HEAD_DIMS, DEFAULT_SEQLENS,
+from .config import (_BOOL_OVERRIDES, _MODE_FLOPS, _OURS, BF16_PEER, DEFAULT_HEAD_DIMS, DEFAULT_SEQLENS,
                      FP8, MODES, OVERHEAD_PROBLEM, PREPARED_V_PEER, BenchConfig, paper_grid, parse_spec_override)
 from .fp8_errors import _run_fp8_errors
 from .peers import _peer_entry, _record_torch_peers, _time_interleaved, _torch_calls, import_torch, to_torch
