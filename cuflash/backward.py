@@ -79,9 +79,8 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
         sparse = b""
         if mods is not None:
             spec = _with_mods(spec, mods, bp)
-            # The Hopper kernel walks each key tile's query tiles from the mask when one list
-            # serves every batch and head (a mask that reads neither b nor h); others mask every tile.
-            if block_mask is not None and spec.family == "wgmma" and block_mask.kind.shape[:2] == (1, 1):
+            # The Hopper kernel walks each key tile's non-empty query tiles; others mask every tile.
+            if spec.family == "wgmma" and _sparsity.visit_lists(block_mask, by_key=True):
                 spec = spec.replace(block_sparse=True)
                 sparse = _sparsity.kernel_tables(block_mask, spec.block_m, spec.block_n, problem.causal,
                                                  by_key=True)[2]

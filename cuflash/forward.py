@@ -156,9 +156,8 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
                 else _check_forced_spec(spec, problem, out_tag, return_lse))
         if mods is not None:
             spec = _with_mods(spec, mods, problem, out_tag)
-            # The portable kernel, and masks that read b, mask every tile (sparse visits of
-            # batch-dependent masks gave wrong rows at batch 2: docs/mods.md)
-            if block_mask is not None and spec.warp_specialized and block_mask.kind.shape[0] == 1:
+            # The Hopper kernel visits only the mask's non-empty tiles; the portable one masks every tile.
+            if spec.warp_specialized and _sparsity.visit_lists(block_mask):
                 spec = spec.replace(block_sparse=True)
                 sparse = _sparsity.kernel_tables(block_mask, spec.block_m, spec.block_n, problem.causal)[2]
         if prepared_v is not None and not (spec.fp8 and spec.warp_specialized):

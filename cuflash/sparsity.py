@@ -73,6 +73,13 @@ def mask_mod_of(block_mask, mask_mod, problem):
     return mask_mod
 
 
+def visit_lists(mask: BlockMask | None, by_key: bool = False) -> bool:
+    """Whether a kernel walks a block mask's visit lists (else it runs the element mask on every
+    tile): for masks that read neither b nor h (one list serves every batch and head); per-batch
+    lists gave zero rows at batch 2 in the forward (docs/mods.md)."""
+    return mask is not None and mask.kind.shape[:2] == (1, 1)
+
+
 def kernel_kinds(mask: BlockMask, block_m: int, block_n: int, causal: bool) -> np.ndarray:
     """The tile kinds at a kernel's tiles (block_m x block_n), from the mask's own: a kernel tile is
     empty (full) where every mask tile it overlaps is, partial otherwise; with ``causal``, tiles
