@@ -79,8 +79,9 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
         sparse = b""
         if mods is not None:
             spec = _with_mods(spec, mods, bp)
-            # The Hopper kernel walks each key tile's non-empty query tiles; others mask every tile.
-            if spec.family == "wgmma" and _sparsity.visit_lists(block_mask, by_key=True):
+            # The Hopper kernel walks each key tile's non-empty query tiles, one list for the query
+            # heads of a kv head (a mask that does not read h); others mask every tile.
+            if block_mask is not None and spec.family == "wgmma" and block_mask.kind.shape[1] == 1:
                 spec = spec.replace(block_sparse=True)
                 sparse = _sparsity.kernel_tables(block_mask, spec.block_m, spec.block_n, problem.causal,
                                                  by_key=True)[2]

@@ -157,7 +157,7 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
         if mods is not None:
             spec = _with_mods(spec, mods, problem, out_tag)
             # The Hopper kernel visits only the mask's non-empty tiles; the portable one masks every tile.
-            if spec.warp_specialized and _sparsity.visit_lists(block_mask):
+            if block_mask is not None and spec.warp_specialized:
                 spec = spec.replace(block_sparse=True)
                 sparse = _sparsity.kernel_tables(block_mask, spec.block_m, spec.block_n, problem.causal)[2]
         if prepared_v is not None and not (spec.fp8 and spec.warp_specialized):

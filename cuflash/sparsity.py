@@ -73,13 +73,6 @@ def mask_mod_of(block_mask, mask_mod, problem):
     return mask_mod
 
 
-def visit_lists(mask: BlockMask | None, by_key: bool = False) -> bool:
-    """Whether a kernel walks a block mask's visit lists (else it runs the element mask on every
-    tile): for masks that read neither b nor h (one list serves every batch and head); per-batch
-    lists gave zero rows at batch 2 in the forward (docs/mods.md)."""
-    return mask is not None and mask.kind.shape[:2] == (1, 1)
-
-
 def kernel_kinds(mask: BlockMask, block_m: int, block_n: int, causal: bool) -> np.ndarray:
     """The tile kinds at a kernel's tiles (block_m x block_n), from the mask's own: a kernel tile is
     empty (full) where every mask tile it overlaps is, partial otherwise; with ``causal``, tiles
@@ -98,8 +91,8 @@ def kernel_kinds(mask: BlockMask, block_m: int, block_n: int, causal: bool) -> n
         return prefix[:, :, r1, c1] - prefix[:, :, r0, c1] - prefix[:, :, r1, c0] + prefix[:, :, r0, c0]
 
     total = (rows1 - rows0)[:, None] * (cols1 - cols0)[None, :]
-    kind = np.where(counts(mask.kind == EMPTY) == total, EMPTY,
-                    np.where(counts(mask.kind == FULL) == total, FULL, PARTIAL)).astype(np.int8)
+    kind = np.ascontiguousarray(np.where(counts(mask.kind == EMPTY) == total, EMPTY,
+                                         np.where(counts(mask.kind == FULL) == total, FULL, PARTIAL)), np.int8)
     if causal:
         last_row = np.minimum((np.arange(q_tiles) + 1) * block_m, seqlen_q) - 1
         past = np.arange(k_tiles)[None, :] * block_n > last_row[:, None] + seqlen_k - seqlen_q
@@ -119,12 +112,7 @@ def kernel_tables(mask: BlockMask, block_m: int, block_n: int, causal: bool, by_
     found = mask._tables.get(key)
     if found is not None:
         return found
-    kind = kernel_kinds(mask, block_m, block_n, causal)
-    if by_key:
-        kind = np.ascontiguousarray(np.swapaxes(kind, 2, 3))
-    counts, order = _lists(kind)
-    entries = np.where(order >= 0, np.maximum(order, 0) * 2 + (np.take_along_axis(kind, np.maximum(order, 0), -1)
-                                                               == FULL), 0).astype(np.int32)
+    counts, entries = host_tables(mask, block_m, block_n, causal, by_key)
     counts_d, entries_d = cupy.asarray(counts), cupy.asarray(entries)
     b, h, q_tiles, k_tiles = entries.shape
     packed = struct.pack("<QQ4qii", counts_d.data.ptr, entries_d.data.ptr, h * q_tiles if b > 1 else 0,
@@ -132,6 +120,18 @@ def kernel_tables(mask: BlockMask, block_m: int, block_n: int, causal: bool, by_
                          q_tiles * k_tiles if h > 1 else 0, k_tiles, 0)
     found = mask._tables[key] = (counts_d, entries_d, packed)
     return found
+
+
+def host_tables(mask: BlockMask, block_m: int, block_n: int, causal: bool, by_key: bool = False):
+    """The (counts, entries) of kernel_tables on the host, in C order as the kernel reads them (the
+    kinds come out of fancy indexing in another order, which cupy.asarray would keep)."""
+    kind = kernel_kinds(mask, block_m, block_n, causal)
+    if by_key:
+        kind = np.swapaxes(kind, 2, 3)
+    counts, order = _lists(np.ascontiguousarray(kind))
+    full = np.take_along_axis(kind, np.maximum(order, 0), -1) == FULL
+    entries = np.where(order >= 0, np.maximum(order, 0) * 2 + full, 0)
+    return np.ascontiguousarray(counts, np.int32), np.ascontiguousarray(entries, np.int32)
 
 
 def _reads(graph: _trace.Graph, symbol: str) -> bool:

@@ -106,3 +106,25 @@ def test_combinators_capture_the_arrays_of_the_masks_they_combine():
     again = mods.trace_mask_mod(mods.and_masks(mods.document_mask(DOC), mods.prefix_lm(np.array([5, 6], np.int32))))
     assert again.digest == graph.digest  # contents are not part of the specialization
     assert "cuflash_mask_mod_" in mods.cuda_source(graph)
+
+
+@pytest.mark.parametrize("by_key", [False, True])
+@pytest.mark.parametrize("name", ["document", "per_head", "and"])
+def test_kernel_tables_list_the_kernel_tiles_in_c_order(name, by_key):
+    from cuflash.sparsity import host_tables, kernel_kinds
+
+    bm = cuflash.block_mask(MASKS[name], 2, 4, 300, 300, block_m=64, block_n=32)
+    for tiles, causal in (((128, 128), True), ((192, 128), False), ((64, 128), True)):
+        kind = kernel_kinds(bm, *tiles, causal)
+        if by_key:
+            kind = np.swapaxes(kind, 2, 3)
+        counts, entries = host_tables(bm, *tiles, causal, by_key)
+        # the kernel reads both with C-order strides
+        assert counts.flags.c_contiguous and entries.flags.c_contiguous
+        assert counts.dtype == entries.dtype == np.int32
+        for index in np.ndindex(kind.shape[:3]):
+            visit = np.flatnonzero(kind[index] != EMPTY)
+            n = counts[index]
+            assert n == visit.size
+            assert list(entries[index][:n] >> 1) == list(visit)
+            assert list(entries[index][:n] & 1) == list((kind[index][visit] == FULL).astype(int))

@@ -60,13 +60,18 @@ def _case(name, rng, batch, heads, seqlen_q, seqlen_k):
         return None, mods.and_masks(mods.sliding_window(64, causal=False), mods.document_mask(doc)), False
     if name == "softcap_window":
         return mods.softcap(20.0), mods.sliding_window(32), True
+    if name == "per_head":  # a window that widens with the head: a visit list per head
+        def per_head(b, h, q_idx, kv_idx):
+            return (q_idx - kv_idx) < 24 * (h + 1)
+        return None, per_head, True
     if name == "prefix":
         prefix = cupy.asarray(rng.integers(0, seqlen_k + 1, size=batch).astype(np.int32))
         return None, mods.prefix_lm(prefix), False
     raise KeyError(name)
 
 
-CASES = ("softcap", "alibi", "window", "document", "relative_bias", "holes", "composed", "softcap_window", "prefix")
+CASES = ("softcap", "alibi", "window", "document", "relative_bias", "holes", "composed", "softcap_window", "prefix",
+         "per_head")
 DETERMINISTIC_CASES = ("softcap_window", "relative_bias", "holes")
 
 
@@ -242,7 +247,7 @@ def test_attention_with_grad_takes_mods():
                            baselines=reference.attention_backward_naive(*host, **args))
 
 
-MASK_CASES = ("window", "document", "holes", "composed", "softcap_window", "prefix")
+MASK_CASES = ("window", "document", "holes", "composed", "softcap_window", "prefix", "per_head")
 
 
 @pytest.mark.usefixtures("warm_mod_kernels")
