@@ -1,8 +1,11 @@
 """Attention over packed sequences of their own lengths (variable-length batches): the forward on
-the KV-cache kernel's varlen specialization, the backward sequence by sequence."""
+the Hopper warp-specialized kernel's varlen specialization (elsewhere, and with a window or a
+softcap, on the KV-cache kernel's), the backward sequence by sequence."""
 from __future__ import annotations
 
+import dataclasses
 import math
+import struct
 
 import numpy as np
 
@@ -88,7 +91,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     with _on_device(device):
         out = cupy.full(q.shape, np.nan, dtype=q.dtype)
         lse = cupy.full((heads, total_q), np.nan, dtype=cupy.float32)
-        if batch and max_seqlen_q and out.size:
+        if batch and max_seqlen_q and out.size and _hopper(q, k, v, cu_q, cu_k, out, lse, int(max_seqlen_q), problem):
+            pass
+        elif batch and max_seqlen_q and out.size:
             spec = _kv.select_spec(problem, _arch(device))
             kernels = _compile.get_kernel(spec, device)
             plan = _kv.KVCachePlan(kernels, spec, problem, page_table=None, cache_seqlens=None, splits=1,
@@ -96,6 +101,49 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                                    stream=cupy.cuda.get_current_stream().ptr, cu_seqlens=(cu_q, cu_k))
             plan.launch(q4, k4, v4, None, None, out, lse)
     return (out, lse) if return_lse else out
+
+
+def hopper_spec(head_dim: int, dtype: str, causal: bool, max_seqlen_q: int, arch: str):
+    """The warp-specialized varlen specialization for packed sequences of up to max_seqlen_q
+    queries (the tiles of the dense kernel at that length), or None where the default kernel is
+    not the warp-specialized one."""
+    from .core.policy import SHORT_SEQLEN, default_spec
+
+    spec = default_spec(head_dim, dtype, causal, arch, seqlen=min(max_seqlen_q, SHORT_SEQLEN + 1))
+    return spec.replace(varlen=True) if spec.warp_specialized else None
+
+
+def _hopper(q, k, v, cu_q, cu_k, out, lse, max_seqlen_q, problem) -> bool:
+    """Run the forward on the Hopper warp-specialized kernel's varlen specialization where it
+    applies (sm90a, fp16/bf16, a positive scale, no window or softcap, rows TMA can read, a head
+    dim the kernel takes); False where it does not."""
+    from .core.launch import LaunchPlan
+    from .core.validate import readable_by_tma, validate
+    from .forward import _arch
+
+    plain = problem.window == ((-1, 0) if problem.causal else (-1, -1))  # no window beyond the causal bound
+    if _arch(problem.device_id) != "sm90a" or problem.softcap or not plain:
+        return False
+    if problem.scale <= 0 or not all(readable_by_tma(x[None]) for x in (q, k, v)):
+        return False
+    # the maps' view: every packed row as one sequence of batch 1; the kernel's: batch sequences of
+    # up to max_seqlen_q queries, their rows found from the offsets (batch strides unused; its
+    # seqlen_k, which only picks tiles and bands, taken as max_seqlen_q)
+    rows = validate(q[None], k[None], v[None], causal=problem.causal, scale=problem.scale, layout="bshd")
+    if rows.dtype.tag not in ("fp16", "bf16"):
+        return False
+    kernel_problem = dataclasses.replace(rows, batch=cu_q.size - 1, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_q,
+                                         q_strides=(0, *rows.q_strides[1:]), k_strides=(0, *rows.k_strides[1:]),
+                                         v_strides=(0, *rows.v_strides[1:]))
+    spec = hopper_spec(rows.head_dim, rows.dtype.tag, rows.causal, max_seqlen_q, _arch(problem.device_id))
+    if spec is None:
+        return False
+    kernel = _compile.get_kernel(spec, problem.device_id)
+    varlen = struct.pack("<QQii", cu_q.data.ptr, cu_k.data.ptr, q.shape[0], k.shape[0])
+    out_strides = (0, out.strides[1] // out.itemsize, out.strides[0] // out.itemsize)
+    LaunchPlan(kernel, spec, kernel_problem, q, k, v, out, lse, out_strides, mods=varlen,
+               map_problem=rows).launch(q, k, v, out, lse)
+    return True
 
 
 def _host_offsets(name, x, total):

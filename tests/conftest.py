@@ -72,6 +72,10 @@ def warm_kvcache_kernels():
               for paged in (False, True) for rows in (16, 32)]
     specs += [decode_spec(d, t, t, False, rows, arch, varlen=True) for d in (64, 72, 128, 256)
               for t in ("bf16", "fp16") for rows in (16, 32, 64)]
+    if arch == "sm90a":  # the Hopper varlen forward, at both length classes
+        from cuflash.varlen import hopper_spec
+        specs += [hopper_spec(d, t, c, n, arch) for d in (64, 72, 128, 256) for t in ("bf16", "fp16")
+                  for c in (False, True) for n in (700, 4096)]
     cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
 
 

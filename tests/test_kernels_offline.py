@@ -58,6 +58,8 @@ _WS = dict(head_dim=128, dtype="bf16", causal=False, block_m=128, block_n=128, n
     (dict(warp_specialized=False, num_warps=8, overlap=False), "pingpong applies to the warp-specialized"),
     (dict(family="mma", block_m=128, num_warps=8, pingpong=False), "warp_specialized applies to the wgmma family"),
     (dict(block_n=176, num_stages=3), "shared memory"),
+    (dict(varlen=True, mask_mod="0123456789ab"), "varlen applies to the warp-specialized kernel on fp16 or bf16"),
+    (dict(varlen=True, warp_specialized=False, pingpong=False, num_warps=8), "varlen applies"),
 ])
 def test_invalid_warp_specialized_specs_are_named(kwargs, match):
     with pytest.raises(ValueError, match=re.escape(match)):
@@ -125,6 +127,20 @@ def test_wgmma_specs_compile_without_spills(spec):
     report = compile_offline(spec)
     assert not report.spills, f"{spec.name}: {report.log}"
     assert_wgmma_not_serialized(report)
+
+
+@pytest.mark.parametrize("head_dim,causal,max_seqlen", [(64, False, 4096), (128, True, 700), (256, True, 4096),
+                                                       (72, False, 700)])
+def test_varlen_specs_compile_without_spills(head_dim, causal, max_seqlen):
+    pytest.importorskip("cupy")
+    from cuflash.varlen import hopper_spec
+
+    spec = hopper_spec(head_dim, "bf16", causal, max_seqlen, "sm90a")
+    assert spec.varlen and not spec.tma_store and not spec.split_keys and spec.name.endswith("_varlen_sm90a")
+    report = compile_offline(spec)
+    assert not report.spills, f"{spec.name}: {report.log}"
+    assert_wgmma_not_serialized(report)
+    assert hopper_spec(head_dim, "bf16", causal, max_seqlen, "sm80") is None
 
 
 def _compile_report(spec):

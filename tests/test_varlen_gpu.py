@@ -136,3 +136,18 @@ def test_varlen_backward_matches_per_sequence_gradients(causal):
         want = reference.attention_backward_reference(*args, causal=causal, layout="bshd")
         naive = reference.attention_backward_naive(*args, causal=causal, layout="bshd")
         assert_gradients_close((dq[None, qs], dk[None, ks], dv[None, ks]), want, "bf16", baselines=naive)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_of_many_random_lengths(causal):
+    rng = np.random.default_rng(7 + causal)
+    lens_q = rng.integers(0, 1500, size=12)
+    lens_k = np.maximum(lens_q + rng.integers(-200, 300, size=12), 0)
+    lens_q[3], lens_k[5] = 0, 0
+    q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k, 8, 2, 128, "bf16")
+    # a max_seqlen_q above the longest sequence only sizes the work
+    out, lse = cuflash.attention_varlen(*(cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)), causal=causal,
+                                        max_seqlen_q=int(lens_q.max()) + 300, return_lse=True)
+    ref, ref_lse = _reference(q, k, v, cu_q, cu_k, causal=causal)
+    naive, naive_lse = _reference(q, k, v, cu_q, cu_k, naive=True, causal=causal)
+    assert_attention_close(out, ref, "bf16", baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)

@@ -84,14 +84,15 @@ def grid(spec: KernelSpec, problem: Problem, plan: SplitPlan | None = None) -> t
 
     The warp-specialized kernel takes a 1-d grid and its blocks take work tiles, numbered the
     same way (with a causal mask, in bands: band_heads), from a counter at run time: one block
-    per tile, or (persistent, up to policy.PERSISTENT_MAX_SEQLEN_K keys, and with a block mask,
-    whose tiles visit few keys) one block per multiprocessor, so that a tile's loads overlap the
+    per tile, or (persistent, up to policy.PERSISTENT_MAX_SEQLEN_K keys, with a block mask, whose
+    tiles visit few keys, and for packed sequences, whose tiles past a sequence's end are
+    skipped) one block per multiprocessor, so that a tile's loads overlap the
     previous tile's epilogue."""
     tiles = (ceil_div(problem.seqlen_q, spec.block_m), problem.heads, problem.batch)
     if spec.warp_specialized:
         plan = plan or split_plan(spec, problem)
         count = plan.dp_tiles + plan.shares
-        if problem.seqlen_k <= policy.PERSISTENT_MAX_SEQLEN_K or spec.block_sparse:
+        if problem.seqlen_k <= policy.PERSISTENT_MAX_SEQLEN_K or spec.block_sparse or spec.varlen:
             count = min(count, _multiprocessors(problem.device_id))
         return (count, 1, 1)
     return tiles
@@ -196,11 +197,14 @@ class LaunchPlan:
     which each call writes. It keeps the per-stream buffers its block points to alive."""
 
     __slots__ = ("spec", "problem", "kernel", "grid", "block", "smem", "template", "out_strides", "buffers",
-                 "maps", "out_map", "mods")
+                 "maps", "out_map", "mods", "map_problem")
 
     def __init__(self, kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides,
-                 scales: Fp8Scales | None = None, mods: bytes = b""):
+                 scales: Fp8Scales | None = None, mods: bytes = b"", map_problem: Problem | None = None):
+        """``map_problem``: the problem the tensor maps describe, when not ``problem`` (packed
+        sequences: all rows as one sequence of batch 1; ``mods`` then holds the VarlenArgs)."""
         self.spec, self.problem, self.kernel, self.out_strides = spec, problem, kernel, out_strides
+        self.map_problem = map_problem or problem
         self.block, self.smem = (spec.threads, 1, 1), spec.smem_bytes
         plan, buffers, counter, split = None, (), 0, (0, 0)
         if spec.warp_specialized:
@@ -233,7 +237,7 @@ class LaunchPlan:
             ptrs, maps = self.maps
             if ptrs != (q.data.ptr, k.data.ptr, v.data.ptr):
                 from .tma import forward_maps
-                maps = forward_maps(spec, self.problem, q, k, v)
+                maps = forward_maps(spec, self.map_problem, q, k, v)
                 self.maps = ((q.data.ptr, k.data.ptr, v.data.ptr), maps)
             args += (maps,)
             if spec.tma_store:

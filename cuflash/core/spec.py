@@ -93,6 +93,7 @@ class KernelSpec:
     score_mod: str = ""       # digest of a traced score_mod (mod_codegen.register); "" for none
     mask_mod: str = ""        # digest of a traced mask_mod; "" for none
     block_sparse: bool = False  # warp-specialized with a mask_mod: key tiles from a block mask's visit lists
+    varlen: bool = False      # warp-specialized: packed sequences of their own lengths (cu_seqlens offsets)
 
     def __post_init__(self):
         if not self.family:
@@ -172,6 +173,8 @@ class KernelSpec:
                             f"kernel (family={self.family!r}, warp_specialized={self.warp_specialized})")
         if self.block_sparse and not (self.warp_specialized and self.mask_mod):
             problems.append("block_sparse applies to the warp-specialized kernel with a mask_mod")
+        if self.varlen and (not self.warp_specialized or self.fp8 or self.score_mod or self.mask_mod):
+            problems.append("varlen applies to the warp-specialized kernel on fp16 or bf16, without mods")
         if self.half_first_tile and self.block_n % (2 * self.pv_k):
             problems.append(f"half_first_tile needs block_n={self.block_n} to be a multiple of 2 x {self.pv_k} "
                             f"(whole k-steps of P V in each half)")
@@ -196,9 +199,10 @@ class KernelSpec:
         early = "_early" if self.early_rescale else ""
         mods = (f"_sm{self.score_mod}" if self.score_mod else "") + (f"_mm{self.mask_mod}" if self.mask_mod else "")
         mods += "_bs" if self.block_sparse else ""
+        varlen = "_varlen" if self.varlen else ""
         return (f"fwd_{dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
                 f"w{self.num_warps}s{self.num_stages}{overlap}{family}{lazy}{half}{mask_loop}{early}{no_lse}{mods}"
-                f"_{self.arch}")
+                f"{varlen}_{self.arch}")
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)
@@ -324,7 +328,7 @@ class KernelSpec:
         wider rows are untested); elsewhere each thread stores its fragments."""
         if not self.warp_specialized or self.arch not in SMEM_LIMIT:
             return False
-        if self.compute_warpgroups == 3 and self.causal:
+        if self.compute_warpgroups == 3 and self.causal or self.varlen:  # varlen: a box would cross sequences
             return False
         if self.compute_warpgroups not in (2, 3) or self.padded_head_dim > 128:
             return False
@@ -335,7 +339,8 @@ class KernelSpec:
         """The warp-specialized kernel can deal its last tiles out by keys (launch.split_plan):
         without a causal mask and with two consumer warpgroups. With three (head dim 64), the
         merge made ptxas spill 4 bytes."""
-        return self.warp_specialized and not self.causal and self.compute_warpgroups == 2 and not self.block_sparse
+        return (self.warp_specialized and not self.causal and self.compute_warpgroups == 2 and not self.block_sparse
+                and not self.varlen)
 
     @property
     def sums_on_tensor_cores(self) -> bool:

@@ -5,12 +5,23 @@
 
 namespace cuflash {
 
+// The offsets of packed sequences (cuflash.attention_varlen), int32 [batch + 1] each, and the
+// packed row counts: the warp-specialized forward's kernel argument when kVarlen.
+struct VarlenArgs {
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
+    int total_q, total_k;
+};
+
 template <class T, int kBlockM, int kBlockN, bool kCausal>
 struct BlockWork {
     int head, batch, bh, head_k;
     int m0;             // first query row of the tile
     int causal_offset;  // seqlen_k - seqlen_q: causal masks align bottom-right
     int n_tiles;        // key tiles with at least one visible key
+    // Packed sequences (set_sequence; the warp-specialized kernel's kVarlen): this sequence's
+    // lengths and its first rows in the packed q and k/v
+    int seqlen_q, seqlen_k, q_start, k_start;
     const T* q;         // row m0 of this head's queries
     const T* k;         // row 0 of this head's keys / values (grouped-query: its kv head)
     const T* v;
@@ -59,6 +70,27 @@ struct BlockWork {
         q = static_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride + m0 * p.q_row_stride;
         k = static_cast<const T*>(p.k) + batch * p.k_batch_stride + head_k * p.k_head_stride;
         v = static_cast<const T*>(p.v) + batch * p.v_batch_stride + head_k * p.v_head_stride;
+    }
+
+    // The tile of packed sequence `batch` (varlen): its lengths from the offsets. A sequence whose
+    // offsets fall outside the packed rows or decrease, or with more than p.seqlen_q queries (the
+    // longest, which sized the work), has no rows: its tiles are skipped and its rows left as they are.
+    // kReread: the offsets are loaded anew (ld_global_reread), not taken from an earlier load.
+    template <bool kReread = false, class Params>
+    __device__ __forceinline__ void set_sequence(const Params& p, const VarlenArgs& va) {
+        auto ld = [](const int* x) { return kReread ? ld_global_reread(x) : *x; };
+        const int q0 = ld(va.cu_seqlens_q + batch), q1 = ld(va.cu_seqlens_q + batch + 1);
+        const int k0 = ld(va.cu_seqlens_k + batch), k1 = ld(va.cu_seqlens_k + batch + 1);
+        const bool valid = 0 <= q0 && q0 <= q1 && q1 <= va.total_q && q1 - q0 <= p.seqlen_q && 0 <= k0 && k0 <= k1 &&
+                           k1 <= va.total_k;
+        q_start = q0;
+        k_start = k0;
+        seqlen_q = valid ? q1 - q0 : 0;
+        seqlen_k = valid ? k1 - k0 : 0;
+        causal_offset = seqlen_k - seqlen_q;
+        int n_end = seqlen_k;
+        if constexpr (kCausal) n_end = min(n_end, m0 + kBlockM + causal_offset);
+        n_tiles = n_end > 0 ? (n_end + kBlockN - 1) / kBlockN : 0;
     }
 
     // Does key tile starting at n0 need masking (the sequence tail, or the causal diagonal)?

@@ -68,7 +68,8 @@ struct FwdTensorMaps {
 
 template <class Cfg>
 __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, const FwdTensorMaps& maps,
-                                             const TensorMap* out_map, const typename Cfg::Mods& mods) {
+                                             const TensorMap* out_map, const typename Cfg::Mods& mods,
+                                             const VarlenArgs& varlen = VarlenArgs{}) {
     constexpr int kBM = Cfg::kBlockM;
     constexpr int kBN = Cfg::kBlockN;
     constexpr int kNT = kBN / 8;            // n=8 tiles of S per warp
@@ -115,6 +116,18 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     const int warp = tid / 32;
     const int warpgroup = warp / 4;
     const int q_tiles = (p.seqlen_q + kBM - 1) / kBM;
+    // kVarlen: packed sequences (block.cuh set_sequence). The maps see q and k/v as one sequence
+    // of all packed rows (batch 1): a tile's rows start at its sequence's first row, and rows
+    // past its end (the next sequence's) are masked as keys and not stored as queries.
+    constexpr bool kVarlen = Cfg::kVarlen;
+    static_assert(!(kVarlen && (Cfg::kTmaStore || kSplitKeys || Cfg::kFp8)), "varlen: stores per thread, whole tiles, 16-bit");
+    auto work_of = [&](int tile) {
+        Work w(p, tile, q_tiles);
+        if constexpr (kVarlen) w.set_sequence(p, varlen);
+        return w;
+    };
+    auto seqlen_q_of = [&](const Work& w) { return kVarlen ? w.seqlen_q : p.seqlen_q; };
+    auto seqlen_k_of = [&](const Work& w) { return kVarlen ? w.seqlen_k : p.seqlen_k; };
 
     if (tid == 0) {
         prefetch_tensor_map(&maps.q);
@@ -187,6 +200,11 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                     item = WorkItem::whole(value < p.dp_tiles ? value : -1);
                 }
             }
+            if constexpr (kVarlen)  // a tile past its sequence's queries: the next one
+                if (item.tile >= 0) {
+                    const Work w = work_of(item.tile);
+                    if (w.m0 >= w.seqlen_q) continue;
+                }
             if (q_count > 0) {
                 mbar_wait(q_empty, (q_count - 1) & 1);              // the consumers are done with Q
                 named_barrier_sync(kTileEmpty, kTileThreads);      // and have read its work item
@@ -196,7 +214,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             item_at = 2 * item_slots + 16 - item_at;
             for (int g = 0; g < kConsumers; ++g) named_barrier_arrive(kTileFull + g, 32 + 128);
             if (done) break;
-            const Work work(p, item.tile, q_tiles);
+            const Work work = work_of(item.tile);
             const KeyTiles kt = key_tiles_of(work);
             const int n_tiles = kt.count;
             const int t_begin = item.t_begin, t_end = min(item.t_end, n_tiles);
@@ -204,8 +222,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 mbar_arrive_expect_tx(q_full, kQBytes);
 #pragma unroll
                 for (int cb = 0; cb < kColBlocks; ++cb)
-                    tma_load_4d(sQ + cb * kBM * Cfg::kColBlockBytes, &maps.q, q_full, cb * Cfg::kBoxCols, work.m0,
-                                work.head, work.batch);
+                    tma_load_4d(sQ + cb * kBM * Cfg::kColBlockBytes, &maps.q, q_full, cb * Cfg::kBoxCols,
+                                kVarlen ? work.q_start + work.m0 : work.m0, work.head, kVarlen ? 0 : work.batch);
             }
             ++q_count;
             // Key tile t (diagonal, masked tiles first) once tile c - kStages of the same ring
@@ -228,8 +246,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 }
 #pragma unroll
                 for (int cb = 0; cb < kColBlocks; ++cb)
-                    tma_load_4d(dst + cb * kBN * Cfg::kColBlockBytes, map, full + 8 * slot, cb * Cfg::kBoxCols, n0,
-                                work.head_k, work.batch);
+                    tma_load_4d(dst + cb * kBN * Cfg::kColBlockBytes, map, full + 8 * slot, cb * Cfg::kBoxCols,
+                                kVarlen ? work.k_start + n0 : n0, work.head_k, kVarlen ? 0 : work.batch);
             };
             if (t_begin < t_end) load(&maps.k, sK, full_k(0), empty_k(0), t_begin, false);
             for (int t = t_begin; t < t_end; ++t) {
@@ -283,7 +301,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         const int kind_slot = ld_shared(item_at + 12);  // kind | slot << 2
         named_barrier_arrive(kTileEmpty, kTileThreads);
         mbar_wait(q_full, q_count & 1);
-        const Work work(p, tile, q_tiles);
+        const Work work = work_of(tile);
         const KeyTiles kt = key_tiles_of(work);
         const int n_tiles = min(t_end, kt.count) - t_begin;  // key tiles this item visits
         const int first_n0 = kSparse ? (n_tiles > 0 ? visit_n0(kt, t_begin) : 0)
@@ -294,7 +312,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         // No row of this consumer exists. Taken from lane 0, so that the compiler sees a
         // warp-uniform branch: otherwise the key loop's descriptor arithmetic leaves the uniform
         // datapath (24 more instructions per key tile at hd128).
-        const bool idle = __shfl_sync(0xffffffffu, work.m0 + group * 64 >= p.seqlen_q, 0);
+        const bool idle = __shfl_sync(0xffffffffu, work.m0 + group * 64 >= seqlen_q_of(work), 0);
         if (idle) {
             if (n_tiles == 0) release(q_empty);
             // The same waits, turns and releases as below, without the products: tile i's turn
@@ -364,8 +382,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             if constexpr (kMods)
                 apply_mods<Cfg>(s, mods, mod_scale, work.batch, work.head, work.m0 + warp_row0, n0, lane,
                                 !kSparse || !(entry & 1));
-            if (kHalf || (decltype(may_mask)::value && work.needs_mask(n0, p.seqlen_k)))
-                mask_scores<Cfg::kCausal>(s, n0, work.m0 + warp_row0, lane, p.seqlen_k, work.causal_offset);
+            if (kHalf || (decltype(may_mask)::value && work.needs_mask(n0, seqlen_k_of(work))))
+                mask_scores<Cfg::kCausal>(s, n0, work.m0 + warp_row0, lane, seqlen_k_of(work), work.causal_offset);
             softmax_step<kLog2Boost, !kSums, kLazy>(s, row_max, row_sum, alphas, scale_log2, slack);
         };
 
@@ -376,7 +394,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         float (&half_s)[1][kNT / 2][4] = reinterpret_cast<float (&)[1][kNT / 2][4]>(acc_s);
         bool half_first = false;
         if constexpr (Cfg::kHalfFirstTile) {
-            int last_key = p.seqlen_k - 1;  // the last key any row of the warpgroup sees
+            int last_key = seqlen_k_of(work) - 1;  // the last key any row of the warpgroup sees
             if constexpr (Cfg::kCausal) last_key = min(last_key, work.m0 + group * 64 + 63 + work.causal_offset);
             half_first = __shfl_sync(0xffffffffu, last_key < first_n0 + kBN / 2, 0);
         }
@@ -439,7 +457,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             int i = 1;
             if constexpr (Cfg::kCausal && !Cfg::kMaskInLoop)
                 for (; i < n_tiles && work.needs_mask(kSparse ? visit_n0(kt, t_begin + i) : first_n0 - i * kBN,
-                                                      p.seqlen_k); ++i)
+                                                      seqlen_k_of(work)); ++i)
                     key_step(i, Flag<true>());
             for (; i < n_tiles; ++i) key_step(i, Flag<Cfg::kMaskInLoop>());
             const int c = ring + n_tiles - 1;
@@ -468,8 +486,20 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         // up the quad's partial sums) expects them.
         if constexpr (kSums)
             for (int r = 0; r < 2; ++r) row_sum[0][r] = 0.25f * acc_sum[0][0][2 * r];
-        float* lse_rows = p.lse + static_cast<long long>(work.bh) * p.seqlen_q;
+        // kVarlen: the LSE is [heads, total_q] and O's rows are the packed rows. The sequence's
+        // offsets are read again here rather than held across the key loop.
+        int epi_q_start = 0, epi_rows = 0;  // kVarlen: the sequence's first row and its queries
+        if constexpr (kVarlen) {
+            Work w = work;
+            w.template set_sequence<true>(p, varlen);
+            epi_q_start = w.q_start;
+            epi_rows = w.seqlen_q;
+        }
+        auto epi_seqlen_q = [&]() { return kVarlen ? epi_rows : p.seqlen_q; };
+        float* lse_rows = kVarlen ? p.lse + static_cast<long long>(work.head) * varlen.total_q + epi_q_start
+                                  : p.lse + static_cast<long long>(work.bh) * p.seqlen_q;
         unsigned short* o = static_cast<unsigned short*>(p.o) + work.batch * p.o_batch_stride + work.head * p.o_head_stride;
+        if constexpr (kVarlen) o += epi_q_start * p.o_row_stride;
         const int kind = kind_slot & 3;
         if (kSplitKeys && kind != kWholeTile) {
             // A piece of a tile dealt out by keys (block.cuh): the piece that ends a share leaves
@@ -492,7 +522,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             }
             named_barrier_sync(4 + group, 128);
             merge_store<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost, kOT>(
-                state, own, 128, o, p.o_row_stride, lse_rows, work.m0 + epi_row0, p.seqlen_q, epi_lane, scale_log2,
+                state, own, 128, o, p.o_row_stride, lse_rows, work.m0 + epi_row0, epi_seqlen_q(), epi_lane, scale_log2,
                 out_scale);
             continue;
         }
@@ -508,7 +538,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             if (store_leader) bulk_wait_group_read<0>();
             named_barrier_sync(store_barrier, 128);
             finish_output<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost>(
-                acc_o, row_max, row_sum, lse_rows, work.m0 + epi_row0, p.seqlen_q, epi_lane, scale_log2, out_scale,
+                acc_o, row_max, row_sum, lse_rows, work.m0 + epi_row0, epi_seqlen_q(), epi_lane, scale_log2, out_scale,
                 [&](int row, int nt, u32 packed) {
                     st_shared(sO + swizzled_offset(epi_row0 + row, nt, kBM) + (epi_lane % 4) * 4, static_cast<int>(packed));
                 });
@@ -523,7 +553,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             }
         } else {
             store_output_wide<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost>(
-                acc_o, row_max, row_sum, o, p.o_row_stride, lse_rows, work.m0 + epi_row0, p.seqlen_q, epi_lane,
+                acc_o, row_max, row_sum, o, p.o_row_stride, lse_rows, work.m0 + epi_row0, epi_seqlen_q(), epi_lane,
                 scale_log2, out_scale);
         }
     }

@@ -22,6 +22,14 @@ __device__ __forceinline__ int thread_index_reread() {
     return t;
 }
 
+// A global int read that the compiler cannot merge with an earlier read of it, so that a value
+// needed before and after a long loop is loaded twice instead of held (or spilled) across it.
+__device__ __forceinline__ int ld_global_reread(const int* p) {
+    int v;
+    asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
 // 2^x with the special-function unit; ex2.approx(-inf) is +0, which the masking relies on.
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
