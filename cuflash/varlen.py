@@ -89,8 +89,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     if math.ceil(problem.rows / 64) > 65535:
         raise ValueError(f"max_seqlen_q x heads / heads_k = {problem.rows} query rows per kv head is too many")
     with _on_device(device):
-        out = cupy.full(q.shape, np.nan, dtype=q.dtype)
-        lse = cupy.full((heads, total_q), np.nan, dtype=cupy.float32)
+        # NaN until written: all-ones bytes are NaN in fp16, bf16 and float32 (a byte memset runs at
+        # full bandwidth, unlike a 16-bit fill)
+        out = cupy.empty(q.shape, dtype=q.dtype)
+        lse = cupy.empty((heads, total_q), dtype=cupy.float32)
+        for x in (out, lse):
+            x.data.memset_async(0xFF, x.nbytes)
         if batch and max_seqlen_q and out.size and _hopper(q, k, v, cu_q, cu_k, out, lse, int(max_seqlen_q), problem):
             pass
         elif batch and max_seqlen_q and out.size:

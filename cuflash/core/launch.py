@@ -61,12 +61,9 @@ def band_heads(spec: KernelSpec, problem: Problem) -> int:
     next heaviest, so that a launch ends on its lightest tiles instead of on some pair's
     heaviest. The band is the largest divisor of batch x heads whose K and V fit
     policy.BAND_BYTES (policy.BAND_SHORT_BYTES up to policy.BAND_SHORT_SEQLEN keys); without a
-    causal mask (tiles of equal work), one pair. Packed sequences of their own lengths take one
-    band: the heaviest tiles of every sequence first, not sequence after sequence."""
+    causal mask (tiles of equal work), one pair."""
     if not (spec.warp_specialized and spec.causal):
         return 1
-    if spec.varlen:
-        return max(problem.batch * problem.heads, 1)
     kv_bytes = 2 * problem.seqlen_k * problem.head_dim * spec.elem_bytes
     budget = policy.BAND_SHORT_BYTES if problem.seqlen_k <= policy.BAND_SHORT_SEQLEN else policy.BAND_BYTES
     return _largest_divisor(problem.batch * problem.heads, max(1, budget // max(kv_bytes, 1)))
