@@ -114,7 +114,13 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
 
     key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec) \
         if fp8_format is None and q_descale is None and k_descale is None and v_descale is None \
-        and out_dtype is None and score_mod is None and mask_mod is None and block_mask is None else None
+        and out_dtype is None else None
+    if key is not None and (score_mod is not None or mask_mod is not None or block_mask is not None):
+        # A call with mods has a plan when its mods trace to graphs kept for their function and
+        # captured values (the same graphs, arrays and block mask: the same kernel argument).
+        score_mod, score_kept = _modset.traced_kept(score_mod, "score")
+        mask_mod, mask_kept = _modset.traced_kept(mask_mod, "mask")
+        key = key + (_Same(score_mod), _Same(mask_mod), _Same(block_mask)) if score_kept and mask_kept else None
     if key is not None:
         plan = _plans.get(key)
         if plan is not None and not (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
@@ -189,7 +195,8 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
             else:
                 v_operand = _fp8.v_operand(v, layout) if spec.fp8 and spec.warp_specialized else v
             if key is not None and problem.scale > 0 and not spec.fp8:
-                plan = LaunchPlan(kernel, spec, problem, q, k, v, out, lse, _out_strides(out, layout))
+                plan = LaunchPlan(kernel, spec, problem, q, k, v, out, lse, _out_strides(out, layout), None,
+                                  (mods.packed() if mods is not None else b"") + sparse)
                 plan.launch(q, k, v, out, lse)
                 if len(_plans) >= _MAX_PLANS:
                     _plans.clear()
@@ -216,6 +223,22 @@ def _with_mods(spec: KernelSpec, mods, problem: Problem, out_tag) -> KernelSpec:
 #: addresses (:func:`_plan_key`): a repeated call skips straight to its launch.
 _plans: dict = {}
 _MAX_PLANS = 256
+
+
+class _Same:
+    """A plan key's part that matches the very same object (a graph, a block mask) and keeps it
+    alive while the plan is kept."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __eq__(self, other):
+        return isinstance(other, _Same) and other.obj is self.obj
 
 
 def _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec):

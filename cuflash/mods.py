@@ -22,6 +22,7 @@ import numpy as np
 
 from .core import mod_codegen
 from .core import mod_grad
+from .core import modset as _modset
 from .core import trace as _trace
 from .core.trace import Graph
 
@@ -162,7 +163,7 @@ def _graph(mod, kind: str) -> Graph:
         if mod.kind != kind:
             raise ValueError(f"a {mod.kind} graph was given as the {kind}_mod")
         return mod
-    return _trace.trace(mod, kind)
+    return _modset.trace_cached(mod, kind)
 
 
 def _grids(shape) -> dict:

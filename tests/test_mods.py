@@ -59,6 +59,52 @@ def test_the_same_expression_gives_the_same_graph():
     assert one.array_signature == (("float32", 1),)
 
 
+SHIFT = 3
+TABLE = np.arange(8, dtype=np.float32)
+
+
+def test_a_mod_is_traced_once_per_function_and_captured_values():
+    global SHIFT, TABLE
+    from cuflash.core import modset
+    traced = modset.trace_cached
+    cap = mods.softcap(30.0)
+    graph = traced(cap, "score")
+    assert traced(cap, "score") is graph
+    assert traced(mods.softcap(30.0), "score") is graph          # a new closure of the same values
+    assert traced(mods.softcap(20.0), "score") is not graph      # a number is baked in
+
+    def scaled(x):
+        return lambda score, b, h, q_idx, kv_idx: score + x * q_idx
+
+    assert traced(scaled(-0.0), "score") is not traced(scaled(0.0), "score")  # -0.0 == 0.0 in Python
+
+    def shifted(score, b, h, q_idx, kv_idx):
+        return score + TABLE[q_idx % 8] * SHIFT
+
+    first = traced(shifted, "score")
+    assert traced(shifted, "score") is first and first.arrays[0] is TABLE
+    SHIFT = 4                                  # a global number the mod reads: traced anew
+    second = traced(shifted, "score")
+    assert second is not first and second.digest != first.digest
+    TABLE = np.arange(8, dtype=np.float32)     # a global array rebound: traced anew, with the new array
+    third = traced(shifted, "score")
+    assert third is not second and third.arrays[0] is TABLE and third.digest == second.digest
+
+    box = [2.0]                                # a closure of a kind the key cannot read: traced every time
+
+    def boxed(score, b, h, q_idx, kv_idx):
+        return score * box[0]
+
+    assert modset.trace_key(boxed) is None
+    assert traced(boxed, "score") is not traced(boxed, "score")
+    box[0] = 3.0
+    assert traced(boxed, "score").digest != traced(mods.softcap(30.0), "score").digest
+    # errors are raised on every call, never cached
+    for _ in range(2):
+        with pytest.raises(TypeError, match="Python.s if"):
+            traced(lambda score, b, h, q_idx, kv_idx: score if q_idx > 0 else 0.0, "score")
+
+
 def test_numbers_fold_and_types_follow_python():
     graph = mods.trace_score_mod(lambda s, b, h, q, k: s * (2 * 3 - 1.5))
     assert [n.args for n in graph.nodes if n.op == "const"] == [(4.5,)]

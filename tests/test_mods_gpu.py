@@ -180,6 +180,32 @@ def test_the_same_mod_traced_twice_reuses_its_kernel(monkeypatch):
     assert cupy.array_equal(first, second)
 
 
+def test_calls_with_the_same_mods_reuse_a_plan_and_other_arrays_do_not():
+    from cuflash import forward
+
+    rng = np.random.default_rng(3)
+    q, k, v = (cupy.asarray(x) for x in _inputs(rng, "bf16", 2, 4, 2, 200, 200, "bshd", 64))
+    doc1, doc2 = (cupy.asarray(_doc_ids(rng, 2, 200, 3)) for _ in range(2))
+
+    def run(doc, block=False):
+        mask_mod = mods.document_mask(doc)  # a new closure on every call
+        bm = cuflash.block_mask(mask_mod, 2, 4, 200, 200) if block else None
+        return cuflash.attention(q, k, v, causal=True, layout="bshd", mask_mod=mask_mod, block_mask=bm)
+
+    first = run(doc1)
+    plans = len(forward._plans)
+    assert cupy.array_equal(run(doc1), first) and len(forward._plans) == plans  # the same graph: its plan
+    second = run(doc2)
+    assert len(forward._plans) == plans + 1
+    host = [to_numpy(x) for x in (q, k, v)]
+    args = dict(causal=True, layout="bshd", mask_mod=mods.document_mask(to_numpy(doc2)))
+    assert_attention_close(second, reference.attention_reference(*host, **args)[0], "bf16",
+                           baseline=reference.attention_naive(*host, **args)[0])
+    doc2[...] = doc1  # contents are read when the kernel runs
+    assert cupy.array_equal(run(doc2), first)
+    assert cupy.allclose(run(doc1, block=True).astype(cupy.float32), first.astype(cupy.float32), atol=2e-2)
+
+
 def test_mod_errors_name_the_array():
     q = cupy.zeros((1, 2, 16, 64), dtype=cupy.float16)
     host = np.ones(2, np.float32)

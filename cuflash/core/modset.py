@@ -2,7 +2,11 @@
 specialization) and the packed struct of the arrays they capture (which the kernel takes)."""
 from __future__ import annotations
 
+import functools
+import types
 from typing import NamedTuple
+
+import numpy as np
 
 from . import mod_codegen, trace
 from .trace import Graph
@@ -28,7 +32,7 @@ def traced(mod, kind: str) -> Graph | None:
         return mod
     if not callable(mod):
         raise TypeError(f"{kind}_mod must be a Python function, got {type(mod).__name__}")
-    return trace.trace(mod, kind)
+    return trace_cached(mod, kind)
 
 
 def prepare(score_mod, mask_mod, device_id: int) -> ModSet | None:
@@ -56,3 +60,110 @@ def prepare(score_mod, mask_mod, device_id: int) -> ModSet | None:
                   mod_codegen.register(graphs["score"]) if graphs["score"] is not None else "",
                   mod_codegen.register(graphs["mask"]) if graphs["mask"] is not None else "")
 
+
+#: Graphs of functions traced before, by trace_key; a graph holds the arrays its function captures,
+#: so the cache keeps at most this many.
+TRACE_CACHE_SIZE = 32
+_traced: dict = {}
+
+# Modules whose attributes a mod may read without stopping its trace from being reused.
+_STABLE_MODULES = ("cuflash", "math", "numpy")
+
+
+def trace_key(fn, _depth: int = 0):
+    """A key under which ``fn`` always traces to the same graph, or None when that cannot be told:
+    its code and, by value, everything the trace reads besides the symbols (the numbers, strings
+    and functions in its closure, defaults and the globals its code names; arrays by identity,
+    shape, dtype and strides, since the graph holds the arrays themselves). A closure or global
+    of any other kind (a list, an object) gives None: such a mod is traced on every call."""
+    if not isinstance(fn, types.FunctionType) or _depth > 8:
+        return None
+    parts = [fn.__code__]
+    for cell in fn.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            parts.append(("empty",))
+            continue
+        part = ("self",) if value is fn else _value_key(value, _depth)
+        if part is None:
+            return None
+        parts.append(part)
+    for value in (fn.__defaults__ or ()) + tuple((fn.__kwdefaults__ or {}).items()):
+        part = _value_key(value, _depth)
+        if part is None:
+            return None
+        parts.append(part)
+    scope = fn.__globals__
+    for name in _code_names(fn.__code__):
+        if name in scope:
+            value = scope[name]
+            part = ("self",) if value is fn else _value_key(value, _depth)
+            if part is None:
+                return None
+            parts.append((name, part))
+    return tuple(parts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _code_names(code) -> tuple:
+    """The names a code object (and the code objects nested in it) reads as globals or
+    attributes, sorted."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= set(_code_names(const))
+    return tuple(sorted(names))
+
+
+def _value_key(value, depth: int):
+    """trace_key's part for one value a mod reads, or None where it cannot tell."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return (type(value), value)
+    if isinstance(value, (float, complex, np.generic)):
+        return (type(value), repr(value))  # repr: -0.0 and 0.0 differ
+    if trace._is_array(value):
+        return ("array", id(value), value.shape, value.dtype.str, value.strides)
+    if isinstance(value, types.FunctionType):
+        if value.__closure__ is None and value.__module__.split(".")[0] in _STABLE_MODULES:
+            return ("function", id(value))  # a module-level function of cuflash, math or numpy
+        inner = trace_key(value, depth + 1)
+        return None if inner is None else ("function", inner)
+    if isinstance(value, types.BuiltinFunctionType):
+        return ("builtin", id(value))
+    if isinstance(value, types.ModuleType):
+        return ("module", value.__name__) if value.__name__.split(".")[0] in _STABLE_MODULES else None
+    if isinstance(value, tuple):
+        parts = tuple(_value_key(v, depth) for v in value)
+        return None if any(p is None for p in parts) else ("tuple", parts)
+    return None
+
+
+def traced_kept(mod, kind: str):
+    """(graph or None, kept): the mod's graph, and whether the same graph object comes back for
+    the same function and captured values (a graph passed in, or one kept under its trace_key),
+    so that a launch plan may key on it."""
+    if mod is None or isinstance(mod, Graph) or not callable(mod):
+        return traced(mod, kind), True
+    return _trace_kept(mod, kind)
+
+
+def trace_cached(fn, kind: str) -> Graph:
+    """The graph of a mod: traced once per trace_key (the same function with the same captured
+    values), anew where it has none."""
+    return _trace_kept(fn, kind)[0]
+
+
+def _trace_kept(fn, kind: str):
+    key = trace_key(fn)
+    if key is not None:
+        found = _traced.get((kind, key))
+        if found is not None:
+            return found, True
+    graph = trace.trace(fn, kind)
+    if key is None:
+        return graph, False
+    if len(_traced) >= TRACE_CACHE_SIZE:
+        _traced.pop(next(iter(_traced)))
+    _traced[(kind, key)] = graph
+    return graph, True

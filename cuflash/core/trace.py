@@ -69,10 +69,17 @@ class Graph:
 
     @property
     def digest(self) -> str:
-        """A short hash of the canonical graph and its arrays' signature."""
+        """A short hash of the canonical graph and its arrays' signature (kept once computed for
+        the graph as it stands)."""
+        state = (len(self.nodes), self.output, len(self.arrays))
+        cached = getattr(self, "_digest", None)
+        if cached is not None and cached[0] == state:
+            return cached[1]
         text = repr((self.kind, self.symbols, [(n.op, n.args, n.dtype) for n in self.nodes], self.output,
                      self.array_signature))
-        return hashlib.sha256(text.encode()).hexdigest()[:12]
+        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+        self._digest = (state, digest)
+        return digest
 
 
 class Expr:
@@ -460,7 +467,8 @@ def _at_traceback_line(message: str, tb, code) -> str:
 
 
 def trace(fn, kind: str) -> Graph:
-    """The graph of a score_mod (``kind="score"``) or mask_mod (``kind="mask"``)."""
+    """The graph of a score_mod (``kind="score"``) or mask_mod (``kind="mask"``), traced anew
+    (modset.traced reuses graphs)."""
     symbols = SCORE_SYMBOLS if kind == "score" else MASK_SYMBOLS
     graph = Graph(kind, symbols)
     traced = _with_captured(fn, graph)
