@@ -162,7 +162,7 @@ def _host_offsets(name, x, total):
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
-                              deterministic=False):
+                              deterministic=False, family=None):
     """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen` (without a window or softcap).
 
     Args:
@@ -170,6 +170,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale: as passed to the forward.
         out, lse: the forward's output and LSE ([heads, total_q], ``return_lse=True``).
         deterministic: dQ in a fixed order (bit-identical runs).
+        family: ``"wgmma"``: every sequence in one launch of the Hopper K/V-outer kernel's varlen
+            specialization (sm90a, fp16/bf16, CuPy arrays, not deterministic); None: each
+            sequence on :func:`cuflash.attention_backward`.
 
     Each sequence runs :func:`cuflash.attention_backward` on its rows, writing straight into the
     packed gradients, so the host reads the offsets once (a synchronization for CuPy offsets;
@@ -187,6 +190,12 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     for name, x, want in (("dout", dout, q.shape), ("out", out, q.shape), ("lse", lse, (q.shape[1], total_q))):
         if tuple(x.shape) != tuple(want):
             raise ValueError(f"{name} has shape {tuple(x.shape)}; it must be {tuple(want)}")
+    if family is not None:
+        if family != "wgmma" or deterministic:
+            raise ValueError(f"family={family!r}, deterministic={deterministic}: the one-launch varlen backward is "
+                             f"family='wgmma' and not deterministic")
+        return _hopper_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, offsets_q, offsets_k, causal,
+                                scale)
     dq, dk, dv = (xp.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
     for b in range(offsets_q.size - 1):
         qs, ks = slice(int(offsets_q[b]), int(offsets_q[b + 1])), slice(int(offsets_k[b]), int(offsets_k[b + 1]))
@@ -198,6 +207,59 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         _attention_backward(dout[qs][None], q[qs][None], k[ks][None], v[ks][None], out[qs][None],
                             xp.ascontiguousarray(lse[:, qs])[None], grads, causal=causal, scale=scale, layout="bshd",
                             deterministic=deterministic, spec=None)
+    return dq, dk, dv
+
+
+def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, causal, scale):
+    """attention_varlen_backward on the Hopper K/V-outer kernel's varlen specialization: one launch
+    of blocks (key tile, kv head, sequence); the preprocess and the dQ conversion run over all
+    packed rows as one sequence."""
+    import cupy
+
+    from .core.launch import launch_backward, rows_padded
+    from .core.policy import default_bwd_spec
+    from .core.validate import aligned_copy, aligned_for_async_copy, validate_backward
+    from .forward import _arch, _on_device
+
+    for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+        if not isinstance(x, cupy.ndarray):
+            raise TypeError(f"family='wgmma' takes CuPy arrays; {name} is a {type(x).__name__}")
+    bp = validate_backward(dout[None], q[None], k[None], v[None], out[None], lse[None], causal=causal, scale=scale,
+                           layout="bshd", deterministic=False)
+    problem = bp.forward
+    arch = _arch(problem.device_id)
+    if arch != "sm90a" or problem.dtype.tag not in ("fp16", "bf16"):
+        raise ValueError(f"family='wgmma' runs on sm90a with fp16 or bf16 inputs (device {problem.device_id} is "
+                         f"{arch}, dtype {problem.dtype.tag})")
+    spec = default_bwd_spec(problem.head_dim, problem.dtype.tag, causal, arch, False, family="wgmma").replace(
+        varlen=True)
+    total_q, heads, head_dim = q.shape
+    total_k, heads_k = k.shape[:2]
+    sequences = offsets_q.size - 1
+    max_seqlen_k = int(np.max(np.diff(offsets_k), initial=0))
+    with _on_device(problem.device_id):
+        dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        if not total_q or not total_k or not sequences or not max_seqlen_k or not heads_k:
+            for x in (dq, dk, dv):
+                x.fill(0)
+            return dq, dk, dv
+        # 16-byte copies need aligned rows; a misaligned view is copied once
+        q, k, v, dout = (x if aligned_for_async_copy(x[None]) else aligned_copy(x) for x in (q, k, v, dout))
+        out, lse = cupy.ascontiguousarray(out), cupy.ascontiguousarray(lse)
+        offsets = [x if isinstance(x, cupy.ndarray) else cupy.asarray(h) for x, h in ((cu_q, offsets_q), (cu_k, offsets_k))]
+        offsets = [_offsets(cupy, name, x, problem.device_id) for name, x in zip(("cu_seqlens_q", "cu_seqlens_k"), offsets)]
+        # one query tile more than the packed rows need: a sequence's last tile reads past its end
+        padded = rows_padded(spec, total_q) + max(spec.block_m, spec.dq_tiles[0])
+        stats = cupy.empty((2, heads * padded), dtype=cupy.float32)
+        accum = cupy.empty((1, heads, padded, head_dim), dtype=cupy.float32)
+        tensors = dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv, dq_accum=accum,
+                       lse2=stats[0], delta=stats[1])
+        strides = {name: (0, x.strides[1] // x.itemsize, x.strides[0] // x.itemsize)
+                   for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk),
+                                   ("dv", dv))}
+        args = struct.pack("<QQii", offsets[0].data.ptr, offsets[1].data.ptr, total_q, total_k)
+        launch_backward(_compile.get_kernel(spec, problem.device_id), spec, bp, tensors, strides, padded=padded,
+                        varlen=(args, sequences, max_seqlen_k))
     return dq, dk, dv
 
 

@@ -74,8 +74,11 @@ def warm_kvcache_kernels():
               for t in ("bf16", "fp16") for rows in (16, 32, 64)]
     if arch == "sm90a":  # the Hopper varlen forward, at both length classes
         from cuflash.varlen import hopper_spec
-        specs += [hopper_spec(d, t, c, n, arch) for d in (64, 72, 128, 256) for t in ("bf16", "fp16")
+        specs += [hopper_spec(d, t, c, n, arch) for d in (64, 72, 96, 128, 256) for t in ("bf16", "fp16")
                   for c in (False, True) for n in (700, 4096)]
+        from cuflash.core.policy import default_bwd_spec  # the one-launch varlen backward
+        specs += [default_bwd_spec(d, t, c, arch, False, family="wgmma").replace(varlen=True)
+                  for d in (64, 96, 128, 256) for t in ("bf16", "fp16") for c in (False, True)]
     cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
 
 

@@ -84,6 +84,7 @@ def test_warps_split_the_head_dim_of_dk_and_dv():
     (dict(block_m=128, num_warps=4, block_n=64), "num_warps=4 must be a multiple of block_m/16=8"),
     (dict(block_n=24), "block_n=24"),
     (dict(head_dim=256, block_m=128, num_stages=4), "shared memory"),
+    (dict(varlen=True), "varlen applies to the wgmma backward"),
 ])
 def test_invalid_backward_specs_are_named(kwargs, match):
     base = dict(head_dim=128, dtype="bf16", causal=False, block_m=64, block_n=128, num_warps=8,
@@ -118,6 +119,18 @@ def test_hopper_backward_compiles_without_spills(head_dim, dtype, causal, determ
     assert not report.spills, f"{spec.name}: {report.log}"
     # ptxas says so when it serializes every wgmma of a kernel (an accumulator touched in flight)
     assert "Potential Performance Loss" not in report.log, f"{spec.name}: {report.log}"
+
+
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False), (128, True), (256, True), (96, False)])
+def test_hopper_varlen_backward_compiles_without_spills(head_dim, causal):
+    pytest.importorskip("cupy")
+    spec = default_bwd_spec(head_dim, "bf16", causal, "sm90a", False).replace(varlen=True)
+    assert spec.name.endswith("_varlen_sm90a")
+    report = compile_offline(spec)
+    assert not report.spills, f"{spec.name}: {report.log}"
+    assert "Potential Performance Loss" not in report.log, f"{spec.name}: {report.log}"
+    with pytest.raises(ValueError, match="varlen applies"):
+        default_bwd_spec(head_dim, "bf16", causal, "sm90a", True).replace(varlen=True)
 
 
 def _problem(rng, dtype, b=1, h=2, hk=1, sq=37, sk=50, d=16):
@@ -207,3 +220,13 @@ def test_launch_backward_packs_every_field_and_launches_three_kernels():
         assert params["scale"] == np.float32(0.125)
         assert params["scale_log2"] == np.float32(0.125 * 1.4426950408889634)
     assert calls[1][1] == (-(-500 // spec.block_n), 2, 3) and calls[1][4] == spec.smem_bytes
+    # packed sequences: the K/V-outer grid covers (key tiles of the longest, kv heads, sequences)
+    # and takes the offsets as its second argument; the rows per head are the caller's
+    calls.clear()
+    varlen = bytes(range(24))
+    spec = default_bwd_spec(64, "bf16", True, "sm90a").replace(varlen=True)
+    launch_backward((kernel("pre"), kernel("dkdv"), kernel("dq")), spec, SimpleNamespace(forward=problem), tensors,
+                    strides, padded=448, varlen=(varlen, 7, 260))
+    assert calls[0][1] == (448 // 8, 8, 3) and calls[1][1] == (-(-260 // spec.block_n), 2, 7)
+    assert len(calls[1][3]) == 2 and calls[1][3][1].tobytes() == varlen
+    assert all(np.frombuffer(c[3][0].tobytes(), dtype=fields)[0]["rows_padded"] == 448 for c in calls)

@@ -60,3 +60,15 @@ def test_offsets_are_checked(monkeypatch):
         cuflash.attention_varlen_backward(q, q, q, q, q, lse, good.astype(np.int64), good)
     with pytest.raises(ValueError, match="lse has shape"):
         cuflash.attention_varlen_backward(q, q, q, q, q, lse.T, good, good)
+
+
+def test_the_one_launch_backward_refuses_what_it_does_not_run():
+    q = np.zeros((10, 4, 64), dtype=np.float16)
+    lse = np.zeros((4, 10), dtype=np.float32)
+    cu = np.array([0, 4, 10], dtype=np.int32)
+    with pytest.raises(ValueError, match="not deterministic"):
+        cuflash.attention_varlen_backward(q, q, q, q, q, lse, cu, cu, family="wgmma", deterministic=True)
+    with pytest.raises(ValueError, match="family='mma'"):
+        cuflash.attention_varlen_backward(q, q, q, q, q, lse, cu, cu, family="mma")
+    with pytest.raises(TypeError, match="CuPy arrays"):
+        cuflash.attention_varlen_backward(q, q, q, q, q, lse, cu, cu, family="wgmma")

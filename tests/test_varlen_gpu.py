@@ -151,3 +151,33 @@ def test_varlen_of_many_random_lengths(causal):
     ref, ref_lse = _reference(q, k, v, cu_q, cu_k, causal=causal)
     naive, naive_lse = _reference(q, k, v, cu_q, cu_k, naive=True, causal=causal)
     assert_attention_close(out, ref, "bf16", baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 96])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads,heads_k", [(8, 2), (4, 4)])
+def test_varlen_backward_in_one_launch_matches_the_reference(dtype, head_dim, causal, heads, heads_k, poison):
+    from cuflash.testing import assert_gradients_close
+
+    rng = np.random.default_rng(head_dim + 3 * causal + heads_k)
+    lens_q, lens_k = np.array([0, 1, 17, 113, 239, 700, 64]), np.array([5, 1, 40, 113, 100, 1023, 0])
+    q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k, heads, heads_k, head_dim, dtype)
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    dev = [cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)]
+    out, lse = cuflash.attention_varlen(*dev, causal=causal, return_lse=True)
+    poison(q.nbytes, k.nbytes, k.nbytes)
+    grads = cuflash.attention_varlen_backward(cupy.asarray(dout), dev[0], dev[1], dev[2], out, lse, dev[3], dev[4],
+                                              causal=causal, family="wgmma")
+    dq, dk, dv = (to_numpy(g) for g in grads)
+    for b in range(len(lens_q)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lens_q[b] == 0 or lens_k[b] == 0:  # no pair attends: zero gradients
+            assert np.all(dk[ks].astype(np.float32) == 0) and np.all(dv[ks].astype(np.float32) == 0)
+            assert np.all(dq[qs].astype(np.float32) == 0)
+            continue
+        args = (dout[None, qs], q[None, qs], k[None, ks], v[None, ks])
+        want = reference.attention_backward_reference(*args, causal=causal, layout="bshd")
+        naive = reference.attention_backward_naive(*args, causal=causal, layout="bshd")
+        assert_gradients_close((dq[None, qs], dk[None, ks], dv[None, ks]), want, dtype, baselines=naive)
+

@@ -46,6 +46,7 @@ class BwdSpec:
     score_mod: str = ""   # digest of a traced score_mod (mod_codegen.register); "" for none
     mask_mod: str = ""    # digest of a traced mask_mod; "" for none
     block_sparse: bool = False  # wgmma with a mask_mod: each key tile's query tiles from a block mask
+    varlen: bool = False  # wgmma, dQ by atomics, no mods: packed sequences of their own lengths (cu_seqlens)
 
     def __post_init__(self):
         if self.dtype in dtypes.DTYPES and not self.family:
@@ -59,6 +60,8 @@ class BwdSpec:
             problems.append("score_mod and mask_mod run on the tensor-core backward kernels (fp16, bf16)")
         if self.block_sparse and not (self.family == "wgmma" and self.mask_mod):
             problems.append("block_sparse applies to the wgmma backward with a mask_mod")
+        if self.varlen and (self.family != "wgmma" or self.deterministic or self.score_mod or self.mask_mod):
+            problems.append("varlen applies to the wgmma backward with dQ by atomics (not deterministic), without mods")
         if self.family == "wgmma":
             if self.arch != "sm90a":
                 problems.append(f"the wgmma backward needs sm90a (got arch={self.arch})")
@@ -109,8 +112,9 @@ class BwdSpec:
         family = "_wgmma" if self.family == "wgmma" else ""
         mods = (f"_sm{self.score_mod}" if self.score_mod else "") + (f"_mm{self.mask_mod}" if self.mask_mod else "")
         mods += "_bs" if self.block_sparse else ""
+        varlen = "_varlen" if self.varlen else ""
         return (f"bwd_{self.dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
-                f"w{self.num_warps}s{self.num_stages}{det}{family}{mods}_{self.arch}")
+                f"w{self.num_warps}s{self.num_stages}{det}{family}{mods}{varlen}_{self.arch}")
 
     def replace(self, **changes) -> "BwdSpec":
         return dataclasses.replace(self, **changes)

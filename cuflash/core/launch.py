@@ -264,14 +264,18 @@ def rows_padded(spec: BwdSpec, seqlen_q: int) -> int:
     return ceil_div(max(seqlen_q, 1), unit) * unit
 
 
-def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mods: bytes = b"") -> None:
+def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mods: bytes = b"", padded: int = 0,
+                    varlen: tuple | None = None) -> None:
     """Preprocess, the K/V-outer kernel, then the dQ kernel (or the accumulator's conversion), on
     the current CuPy stream. ``tensors`` maps each pointer field of BWD_PARAM_FIELDS to an array
     (dq_accum may be a placeholder when dQ is not accumulated); ``strides`` maps q, k, v, o, do,
     dq, dk, dv to (batch, head, row) element strides; ``mods``: the packed arrays of the spec's
-    mods, the last argument of the kernels that recompute the scores."""
+    mods, the last argument of the kernels that recompute the scores. ``padded``: the rows per head
+    of lse2, delta and dq_accum when not rows_padded. ``varlen`` (spec.varlen): (VarlenArgs bytes,
+    sequences, longest sequence's keys): bp describes all packed rows as one sequence, which the
+    preprocess and the dQ conversion walk; the K/V-outer grid is (key tiles, kv heads, sequences)."""
     problem = bp.forward
-    padded = rows_padded(spec, problem.seqlen_q)
+    padded = padded or rows_padded(spec, problem.seqlen_q)
     pointers = [tensors[name].data.ptr for name in
                 ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "lse2", "delta")]
     raw = _BWD_STRUCT.pack(
@@ -284,8 +288,13 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mo
     pre, dkdv, dq = kernels
     scored = params + ((np.frombuffer(mods, dtype=np.dtype((np.void, len(mods)))),) if mods else ())
     pre((ceil_div(padded, 8), problem.heads, problem.batch), (_AUX_THREADS, 1, 1), params)
-    dkdv((ceil_div(problem.seqlen_k, spec.block_n), problem.heads_k, problem.batch), (spec.threads, 1, 1),
-         scored, shared_mem=spec.smem_bytes)
+    if varlen is not None:
+        args, sequences, max_seqlen_k = varlen
+        dkdv((ceil_div(max_seqlen_k, spec.block_n), problem.heads_k, sequences), (spec.threads, 1, 1),
+             params + (np.frombuffer(args, dtype=np.dtype((np.void, len(args)))),), shared_mem=spec.smem_bytes)
+    else:
+        dkdv((ceil_div(problem.seqlen_k, spec.block_n), problem.heads_k, problem.batch), (spec.threads, 1, 1),
+             scored, shared_mem=spec.smem_bytes)
     if spec.atomic_dq:
         dq((ceil_div(problem.seqlen_q, 8), problem.heads, problem.batch), (_AUX_THREADS, 1, 1), params)
     else:

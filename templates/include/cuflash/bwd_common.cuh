@@ -10,6 +10,7 @@
 // Cfg provides kHeadDim, kDtype (kFp16, kBf16 or kFp32), kZeroAccum and the Params struct.
 #pragma once
 #include "cuflash/ptx.cuh"
+#include "cuflash/block.cuh"
 
 namespace cuflash {
 
@@ -81,6 +82,26 @@ struct DkdvWork {
     int m_begin;    // first query row that sees a key of the tile (rounded down to a tile)
     int m_tiles;    // query tiles per query head
     int steps;      // m_tiles * query heads per kv head
+    // Packed sequences (set_sequence): this sequence's lengths and first rows in the packed q and k/v
+    int seqlen_q, seqlen_k, q_start, k_start;
+
+    // The block's tile in packed sequence `batch` (varlen): its lengths from the offsets, which
+    // the host has checked; a key tile past the sequence's keys has no steps and stores nothing.
+    template <int kBM, bool kCausal, class Params>
+    __device__ __forceinline__ void set_sequence(const Params& p, const VarlenArgs& va) {
+        q_start = va.cu_seqlens_q[batch];
+        k_start = va.cu_seqlens_k[batch];
+        seqlen_q = va.cu_seqlens_q[batch + 1] - q_start;
+        seqlen_k = va.cu_seqlens_k[batch + 1] - k_start;
+        causal_offset = seqlen_k - seqlen_q;
+        m_begin = 0;
+        if constexpr (kCausal) {
+            const int first = n0 - causal_offset;
+            m_begin = first <= 0 ? 0 : first / kBM * kBM;
+        }
+        m_tiles = n0 < seqlen_k && m_begin < seqlen_q ? (seqlen_q - m_begin + kBM - 1) / kBM : 0;
+        steps = m_tiles * p.group;
+    }
 
     // Step t's query head and first row. Query tiles come from the last to the first, head by
     // head of the group: every block of a head starts on the same tile and moves in step with

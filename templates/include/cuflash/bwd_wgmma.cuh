@@ -34,7 +34,8 @@
 namespace cuflash {
 
 template <class Cfg>
-__device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, const typename Cfg::Mods& mods) {
+__device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, const typename Cfg::Mods& mods,
+                                               const VarlenArgs& varlen = VarlenArgs{}) {
     constexpr bool kMods = Cfg::kScoreMod || Cfg::kMaskMod;  // scores modded: P from them with log2(e)
     constexpr bool kGrad = Cfg::kScoreModGrad;
     constexpr float kModScaleLog2 = 1.4426950408889634f;
@@ -66,6 +67,13 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
     const int key_row0 = (kSplitD ? 0 : wg * 64) + (warp % 4) * 16;  // first key row (in the tile) of this warp
     const int grad_col0 = kSplitD ? wg * kGradCols : 0;             // first dK / dV column of this warpgroup
     DkdvWork w = dkdv_work<kBM, kBN, Cfg::kCausal>(p);
+    // kVarlen: block (key tile, kv head, sequence) of packed sequences; rows sit at the sequence's
+    // first rows of the packed arrays (batch strides 0), and lse2 / delta / the dQ accumulator are
+    // [heads, rows_padded] over all packed query rows.
+    constexpr bool kVarlen = Cfg::kVarlen;
+    if constexpr (kVarlen) w.set_sequence<kBM, Cfg::kCausal>(p, varlen);
+    auto seqlen_q_of = [&]() { return kVarlen ? w.seqlen_q : p.seqlen_q; };
+    auto seqlen_k_of = [&]() { return kVarlen ? w.seqlen_k : p.seqlen_k; };
     // kBlockSparse: the key tile's query tiles from the block mask's lists (one list for every
     // head: cuflash.sparsity), last first; entries are query tile << 1 | full.
     const int* visits = nullptr;
@@ -86,21 +94,26 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                               + w.head_k * p.k_head_stride + w.n0 * p.k_row_stride;
     const unsigned short* v = static_cast<const unsigned short*>(p.v) + w.batch * p.v_batch_stride
                               + w.head_k * p.v_head_stride + w.n0 * p.v_row_stride;
+    if constexpr (kVarlen) {
+        k += w.k_start * p.k_row_stride;
+        v += w.k_start * p.v_row_stride;
+    }
     constexpr int kValid = Cfg::kChunksValid;
     copy_rows_async<kBN, Cfg::kChunksPerRow, kThreads, false, kValid>(kv_layout, sK, k, p.k_row_stride,
-                                                                      p.seqlen_k - w.n0, tid);
+                                                                      seqlen_k_of() - w.n0, tid);
     copy_rows_async<kBN, Cfg::kChunksPerRow, kThreads, false, kValid>(kv_layout, sV, v, p.v_row_stride,
-                                                                      p.seqlen_k - w.n0, tid);
+                                                                      seqlen_k_of() - w.n0, tid);
     cp_async_commit();
 
     // Step t's query tile (DkdvWork::step_head / step_m0) into ring slot `slot`.
     auto load_step = [&](int t, int slot) {
         const int m0 = step_m0(t);
-        const QueryRows rows = query_rows(p, w.batch, w.step_head(p.group, t), m0);
+        const QueryRows rows = kVarlen ? query_rows(p, 0, w.step_head(p.group, t), w.q_start + m0)
+                                       : query_rows(p, w.batch, w.step_head(p.group, t), m0);
         copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads, false, kValid>(
-            q_layout, sQ + slot * Cfg::kQTileBytes, rows.q, p.q_row_stride, p.seqlen_q - m0, tid);
+            q_layout, sQ + slot * Cfg::kQTileBytes, rows.q, p.q_row_stride, seqlen_q_of() - m0, tid);
         copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads, false, kValid>(
-            q_layout, sDO + slot * Cfg::kQTileBytes, rows.dout, p.do_row_stride, p.seqlen_q - m0, tid);
+            q_layout, sDO + slot * Cfg::kQTileBytes, rows.dout, p.do_row_stride, seqlen_q_of() - m0, tid);
         load_row_stats_async<kBM, kThreads>(base + Cfg::kSmemLse2 + slot * kBM * 4,
                                             base + Cfg::kSmemDelta + slot * kBM * 4,
                                             p.lse2 + rows.row, p.delta + rows.row, tid);
@@ -130,10 +143,14 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         const float* s_delta = s_delta_all + slot * kBM;
 
         const int key0 = w.n0 + key_row0;
-        const bool masked = tile_needs_mask<kBN, Cfg::kCausal>(m0, w.n0, p.seqlen_k, w.causal_offset);
+        // kVarlen: the rows past the sequence's queries (the next sequence's statistics) are masked
+        // too, so that they add nothing to the next sequence's dQ.
+        const bool masked = tile_needs_mask<kBN, Cfg::kCausal>(m0, w.n0, seqlen_k_of(), w.causal_offset)
+                            || (kVarlen && m0 + kBM > seqlen_q_of());
         auto allowed = [&](int row, int col) {
             const int key = key0 + row;
-            return key < p.seqlen_k && (!Cfg::kCausal || key <= m0 + col + w.causal_offset);
+            return key < seqlen_k_of() && (!Cfg::kCausal || key <= m0 + col + w.causal_offset)
+                   && (!kVarlen || m0 + col < seqlen_q_of());
         };
         auto mod_at = [&](int row, int col, int& q_idx, int& kv_idx) {  // S^T: rows are keys
             q_idx = m0 + col;
@@ -268,8 +285,11 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                 fence_operands(dq);
                 fence_operands(acc_dv);
                 fence_operands(acc_dk);
-                float* accum = p.dq_accum + ((static_cast<long long>(w.batch) * p.heads + head) * p.rows_padded
-                                             + m0 + (warp % 4) * 16 + lane / 4) * kDStored + col0 + 2 * (lane % 4);
+                float* accum = kVarlen
+                    ? p.dq_accum + (static_cast<long long>(head) * p.rows_padded + w.q_start + m0 + (warp % 4) * 16
+                                    + lane / 4) * kDStored + col0 + 2 * (lane % 4)
+                    : p.dq_accum + ((static_cast<long long>(w.batch) * p.heads + head) * p.rows_padded
+                                    + m0 + (warp % 4) * 16 + lane / 4) * kDStored + col0 + 2 * (lane % 4);
 #pragma unroll
                 for (int nt = 0; nt < kChunkCols / 8; ++nt) {
                     if (kDStored < kD && col0 + nt * 8 >= kDStored) break;  // padded columns
@@ -290,11 +310,15 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                          + w.head_k * p.dk_head_stride + key * p.dk_row_stride + grad_col0;
     unsigned short* dv = static_cast<unsigned short*>(p.dv) + w.batch * p.dv_batch_stride
                          + w.head_k * p.dv_head_stride + key * p.dv_row_stride + grad_col0;
+    if constexpr (kVarlen) {
+        dk += w.k_start * p.dk_row_stride;
+        dv += w.k_start * p.dv_row_stride;
+    }
     // Only the problem's columns; a warpgroup of kSplitD whose half lies wholly in the padding
     // stores nothing.
     const int cols_valid = kDStored == kD ? kGradCols : kDStored - grad_col0;
-    store_fragments<kBF16>(acc_dk, dk, p.dk_row_stride, 0, p.seqlen_k - key, lane, p.scale, cols_valid);
-    store_fragments<kBF16>(acc_dv, dv, p.dv_row_stride, 0, p.seqlen_k - key, lane, 1.f, cols_valid);
+    store_fragments<kBF16>(acc_dk, dk, p.dk_row_stride, 0, seqlen_k_of() - key, lane, p.scale, cols_valid);
+    store_fragments<kBF16>(acc_dv, dv, p.dv_row_stride, 0, seqlen_k_of() - key, lane, 1.f, cols_valid);
 }
 
 }  // namespace cuflash
