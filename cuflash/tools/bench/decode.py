@@ -144,7 +144,9 @@ def varlen_lengths(rng, total=VARLEN_TOKENS, lengths=VARLEN_LENGTHS) -> list[int
 
 def varlen_rows(reps: int = 30, echo=print, seed: int = 0) -> list[dict]:
     """cuflash.attention_varlen, causal, on VARLEN_TOKENS tokens in sequences of random lengths,
-    against cuflash.attention on a dense batch of the mean length; TFLOP/s over attended pairs."""
+    against cuflash.attention on a dense batch of the mean length, and the same for the backward
+    (sequence by sequence, and in one launch on Hopper); TFLOP/s over attended pairs (the
+    backward counted as 2.5 forwards)."""
     import numpy as np
     import cupy
 
@@ -156,18 +158,31 @@ def varlen_rows(reps: int = 30, echo=print, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     lens = varlen_lengths(rng)
     total = sum(lens)
-    q, k, v = (cupy.random.standard_normal((total, VARLEN_HEADS, VARLEN_HEAD_DIM), dtype=cupy.float32).astype(bf16)
-               for _ in range(3))
+    q, k, v, dout = (cupy.random.standard_normal((total, VARLEN_HEADS, VARLEN_HEAD_DIM),
+                                                 dtype=cupy.float32).astype(bf16) for _ in range(4))
     cu = cupy.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
     mean = total // len(lens)
     dense = [cupy.random.standard_normal((len(lens), mean, VARLEN_HEADS, VARLEN_HEAD_DIM),
-                                         dtype=cupy.float32).astype(bf16) for _ in range(3)]
+                                         dtype=cupy.float32).astype(bf16) for _ in range(4)]
+    out, lse = cuflash.attention_varlen(q, k, v, cu, cu, max_seqlen_q=max(lens), causal=True, return_lse=True)
+    dense_out, dense_lse = cuflash.attention(*dense[:3], causal=True, layout="bshd", return_lse=True)
     calls = {
         "cuflash varlen": lambda: cuflash.attention_varlen(q, k, v, cu, cu, max_seqlen_q=max(lens), causal=True),
-        "cuflash dense, mean length": lambda: cuflash.attention(*dense, causal=True, layout="bshd"),
+        "cuflash dense, mean length": lambda: cuflash.attention(*dense[:3], causal=True, layout="bshd"),
+        "backward varlen, per sequence": lambda: cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu,
+                                                                                   causal=True),
+        "backward varlen, one launch": lambda: cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu,
+                                                                                 causal=True, family="wgmma"),
+        "backward dense, mean length": lambda: cuflash.attention_backward(dense[3], *dense[:3], dense_out, dense_lse,
+                                                                          causal=True, layout="bshd"),
     }
-    flops = {"cuflash varlen": sum(attention_flops(1, VARLEN_HEADS, n, n, VARLEN_HEAD_DIM, True) for n in lens),
-             "cuflash dense, mean length": attention_flops(len(lens), VARLEN_HEADS, mean, mean, VARLEN_HEAD_DIM, True)}
+    varlen = sum(attention_flops(1, VARLEN_HEADS, n, n, VARLEN_HEAD_DIM, True) for n in lens)
+    dense_flops = attention_flops(len(lens), VARLEN_HEADS, mean, mean, VARLEN_HEAD_DIM, True)
+    flops = {"cuflash varlen": varlen, "cuflash dense, mean length": dense_flops,
+             "backward varlen, per sequence": 2.5 * varlen, "backward varlen, one launch": 2.5 * varlen,
+             "backward dense, mean length": 2.5 * dense_flops}
+    base_of = {name: "backward dense, mean length" if name.startswith("backward") else "cuflash dense, mean length"
+               for name in calls}
     timers = {name: timing.event_timer(timing.cuda_event_times_ms, fn, flush_l2=True) for name, fn in calls.items()}
     timed = timing.interleaved_median_ms(timers, reps)
     rows = []
@@ -178,11 +193,12 @@ def varlen_rows(reps: int = 30, echo=print, seed: int = 0) -> list[dict]:
         else:
             row.update(ms=ms, tflops=flops[name] / ms / 1e9)
         rows.append(row)
-    base = rows[1]["tflops"]
+    by_name = {row["variant"]: row for row in rows}
     for row in rows:
+        base = by_name[base_of[row["variant"]]]["tflops"]
         if row["tflops"] and base:
             row["vs_dense"] = row["tflops"] / base
-        head = f"varlen {row['sequences']} sequences, {row['tokens']} tokens, {row['variant']:<26}"
+        head = f"varlen {row['sequences']} sequences, {row['tokens']} tokens, {row['variant']:<30}"
         echo(f"{head} error: {row['error']}" if row["error"] else
              f"{head} {row['ms']:8.3f} ms {row['tflops']:6.0f} TFLOP/s" +
              (f"  vs_dense={row['vs_dense']:.2f}" if "vs_dense" in row else ""))
