@@ -170,9 +170,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale: as passed to the forward.
         out, lse: the forward's output and LSE ([heads, total_q], ``return_lse=True``).
         deterministic: dQ in a fixed order (bit-identical runs).
-        family: ``"wgmma"``: every sequence in one launch of the Hopper K/V-outer kernel's varlen
-            specialization (sm90a, fp16/bf16, CuPy arrays, not deterministic); None: each
-            sequence on :func:`cuflash.attention_backward`.
+        family: ``"wgmma"`` (experimental): every sequence in one launch of the Hopper K/V-outer
+            kernel's varlen specialization (sm90a, fp16/bf16, CuPy arrays, not deterministic);
+            None: each sequence on :func:`cuflash.attention_backward`.
 
     Each sequence runs :func:`cuflash.attention_backward` on its rows, writing straight into the
     packed gradients, so the host reads the offsets once (a synchronization for CuPy offsets;
