@@ -313,3 +313,19 @@ def test_the_generated_functions_compile():
             pytest.fail(nvrtc.getProgramLog(program) + "\n" + source)
     finally:
         nvrtc.destroyProgram(program)
+
+
+def test_the_fp8_reference_and_baseline_take_mods():
+    from cuflash.fp8 import quantize_fp8
+
+    x = [RNG.standard_normal((1, 2, 33, 16)).astype(np.float32) for _ in range(3)]
+    (q, qd), (k, kd), (v, vd) = (quantize_fp8(a, "e4m3", "head") for a in x)
+    args = dict(fp8_format="e4m3", q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    plain = reference.attention_fp8_reference(q, k, v, **args)
+    assert np.array_equal(reference.attention_fp8_reference(q, k, v, **args, mask_mod=lambda b, h, i, j: j >= 0)[0],
+                          plain[0])
+    capped, capped_lse = reference.attention_fp8_reference(q, k, v, **args, score_mod=mods.softcap(5.0))
+    naive, naive_lse = reference.attention_fp8_naive(q, k, v, **args, score_mod=mods.softcap(5.0))
+    assert np.abs(capped - plain[0]).max() > 0.1                    # the cap changes the result
+    assert np.abs(naive.astype(np.float64) - capped).max() < 0.05   # within the baseline's roundings
+    assert np.allclose(naive_lse, capped_lse, atol=1e-3)

@@ -319,3 +319,47 @@ def test_block_masks_on_the_gpu_match_the_host(name, tiles):
                                  device="cpu")
     assert np.array_equal(on_gpu.kind, on_host.kind)
     assert np.array_equal(on_gpu.kv_indices, on_host.kv_indices)
+
+
+FP8_CASES = ("softcap", "alibi", "document", "softcap_window")
+
+
+@pytest.fixture(scope="module")
+def warm_fp8_mod_kernels():
+    """Compile the FP8 forward with each FP8 case's mods (e4m3, bf16 output, both head dims)."""
+    from cuflash.core import modset, policy
+    from cuflash.core.compile import device_arch
+    from cuflash.forward import _with_mods
+
+    arch = device_arch()
+    specs = []
+    rng = np.random.default_rng(0)
+    for name in FP8_CASES:
+        score_mod, mask_mod, causal = _case(name, rng, 2, 4, 40, 40)
+        prepared = modset.prepare(score_mod, mask_mod, cupy.cuda.Device().id)
+        for head_dim in HEAD_DIMS:
+            spec = policy.default_spec(head_dim, "e4m3", causal, arch, out_dtype="bf16", seqlen=512)
+            problem = type("P", (), {"head_dim": head_dim, "causal": causal,
+                                     "dtype": type("D", (), {"tag": "e4m3"})(), "device_id": 0})()
+            specs.append(_with_mods(spec, prepared, problem, "bf16"))
+    cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("name", FP8_CASES)
+def test_fp8_forward_with_mods_matches_the_reference(name, head_dim, warm_fp8_mod_kernels, poison):
+    rng = np.random.default_rng(len(name) + head_dim)
+    batch, heads, heads_k, seqlen_q, seqlen_k = 2, 4, 2, 177, 250
+    score_mod, mask_mod, causal = _case(name, rng, batch, heads, seqlen_q, seqlen_k)
+    floats = [rng.standard_normal((batch, h, s, head_dim)).astype(np.float32)
+              for h, s in ((heads, seqlen_q), (heads_k, seqlen_k), (heads_k, seqlen_k))]
+    (q8, qd), (k8, kd), (v8, vd) = (cuflash.quantize_fp8(cupy.asarray(x), "e4m3", "head") for x in floats)
+    poison(batch * heads * seqlen_q * head_dim * 2, batch * heads * seqlen_q * 4)
+    out, lse = cuflash.attention(q8, k8, v8, causal=causal, fp8_format="e4m3", q_descale=qd, k_descale=kd,
+                                 v_descale=vd, score_mod=score_mod, mask_mod=mask_mod, return_lse=True)
+    codes = [to_numpy(x) for x in (q8, k8, v8)]
+    args = dict(causal=causal, fp8_format="e4m3", q_descale=to_numpy(qd), k_descale=to_numpy(kd),
+                v_descale=to_numpy(vd), score_mod=score_mod, mask_mod=mask_mod)
+    ref, ref_lse = reference.attention_fp8_reference(*codes, **args)
+    naive, _ = reference.attention_fp8_naive(*codes, **args)
+    assert_attention_close(out, ref, "e4m3", baseline=naive, lse=lse, ref_lse=ref_lse)

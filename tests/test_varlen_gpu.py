@@ -181,3 +181,33 @@ def test_varlen_backward_in_one_launch_matches_the_reference(dtype, head_dim, ca
         naive = reference.attention_backward_naive(*args, causal=causal, layout="bshd")
         assert_gradients_close((dq[None, qs], dk[None, ks], dv[None, ks]), want, dtype, baselines=naive)
 
+
+
+def test_varlen_captured_in_a_cuda_graph():
+    """One captured call replayed with new contents and new sequence boundaries (within
+    max_seqlen_q): offsets are read on the device, nothing on the host."""
+    rng = np.random.default_rng(11)
+    heads, heads_k, head_dim, total, longest = 8, 2, 128, 900, 500
+    shape_q, shape_k = (total, heads, head_dim), (total, heads_k, head_dim)
+    dq_, dk_, dv_ = (cupy.zeros(s, dtype=cupy.float16) for s in (shape_q, shape_k, shape_k))
+    cu = cupy.asarray(np.array([0, 300, 800, 900], dtype=np.int32))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        warm = cuflash.attention_varlen(dq_, dk_, dv_, cu, cu, max_seqlen_q=longest, causal=True, return_lse=True)
+        del warm
+        stream.synchronize()
+        stream.begin_capture()
+        out, lse = cuflash.attention_varlen(dq_, dk_, dv_, cu, cu, max_seqlen_q=longest, causal=True,
+                                            return_lse=True)
+        graph = stream.end_capture()
+    for cuts in ([0, 300, 800, 900], [0, 450, 451, 900], [0, 0, 400, 900]):
+        q, k, v = (rng.standard_normal(s).astype(np.float16) for s in (shape_q, shape_k, shape_k))
+        offsets = np.array(cuts, dtype=np.int32)
+        with stream:
+            for dev, host in ((dq_, q), (dk_, k), (dv_, v), (cu, offsets)):
+                dev.set(host)
+            graph.launch(stream)
+        stream.synchronize()
+        ref, ref_lse = _reference(q, k, v, offsets, offsets, causal=True)
+        naive, naive_lse = _reference(q, k, v, offsets, offsets, naive=True, causal=True)
+        assert_attention_close(out, ref, "fp16", baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
