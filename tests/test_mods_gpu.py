@@ -75,25 +75,38 @@ CASES = ("softcap", "alibi", "window", "document", "relative_bias", "holes", "co
 DETERMINISTIC_CASES = ("softcap_window", "relative_bias", "holes")
 
 
+def _problem_stub(head_dim, causal, dtype):
+    """What forward._with_mods reads of a problem."""
+    return type("P", (), {"head_dim": head_dim, "causal": causal, "dtype": type("D", (), {"tag": dtype})(),
+                          "device_id": 0})()
+
+
+def _prepared_cases(names):
+    """(name, prepared mods, causal) of each case at a small shape, its arrays on the GPU."""
+    from cuflash.core import modset
+
+    rng = np.random.default_rng(0)
+    for name in names:
+        score_mod, mask_mod, causal = _case(name, rng, 2, 4, 40, 40)
+        yield name, modset.prepare(score_mod, mask_mod, cupy.cuda.Device().id), causal
+
+
 @pytest.fixture(scope="module")
 def warm_mod_kernels():
     """Compile every (case, family, dtype, head dim) specialization the tests run, in parallel."""
-    from cuflash.core import modset, policy
+    from cuflash.core import policy
     from cuflash.core.compile import device_arch
     from cuflash.forward import _with_mods
 
     arch = device_arch()
     specs = []
-    rng = np.random.default_rng(0)
-    for name in CASES:
-        score_mod, mask_mod, causal = _case(name, rng, 2, 4, 40, 40)
-        prepared = modset.prepare(score_mod, mask_mod, cupy.cuda.Device().id)
+    for name, prepared, causal in _prepared_cases(CASES):
+        mask_mod = prepared.mask
         for family in FAMILIES:
             for dtype in DTYPES:
                 for head_dim in HEAD_DIMS:
                     spec = policy.default_spec(head_dim, dtype, causal, arch, family=family, seqlen=512)
-                    problem = type("P", (), {"head_dim": head_dim, "causal": causal,
-                                             "dtype": type("D", (), {"tag": dtype})(), "device_id": 0})()
+                    problem = _problem_stub(head_dim, causal, dtype)
                     specs.append(_with_mods(spec, prepared, problem, None))
                     if family is None and mask_mod is not None and spec.warp_specialized:
                         specs.append(_with_mods(spec, prepared, problem, None).replace(block_sparse=True))
@@ -327,21 +340,16 @@ FP8_CASES = ("softcap", "alibi", "document", "softcap_window")
 @pytest.fixture(scope="module")
 def warm_fp8_mod_kernels():
     """Compile the FP8 forward with each FP8 case's mods (e4m3, bf16 output, both head dims)."""
-    from cuflash.core import modset, policy
+    from cuflash.core import policy
     from cuflash.core.compile import device_arch
     from cuflash.forward import _with_mods
 
     arch = device_arch()
     specs = []
-    rng = np.random.default_rng(0)
-    for name in FP8_CASES:
-        score_mod, mask_mod, causal = _case(name, rng, 2, 4, 40, 40)
-        prepared = modset.prepare(score_mod, mask_mod, cupy.cuda.Device().id)
+    for _, prepared, causal in _prepared_cases(FP8_CASES):
         for head_dim in HEAD_DIMS:
             spec = policy.default_spec(head_dim, "e4m3", causal, arch, out_dtype="bf16", seqlen=512)
-            problem = type("P", (), {"head_dim": head_dim, "causal": causal,
-                                     "dtype": type("D", (), {"tag": "e4m3"})(), "device_id": 0})()
-            specs.append(_with_mods(spec, prepared, problem, "bf16"))
+            specs.append(_with_mods(spec, prepared, _problem_stub(head_dim, causal, "e4m3"), "bf16"))
     cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
 
 
