@@ -44,8 +44,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     Returns:
         The output [total_q, heads, head_dim] in q's dtype (and the LSE). Sequences may be empty;
         a row with no key gives 0 and -inf. A sequence whose offsets are decreasing or outside
-        q, k or v, or with more queries than ``max_seqlen_q``, gives NaN rows where its rows lie
-        inside q; rows that no valid sequence covers are NaN. Runs on the current CuPy stream.
+        q, k or v, or with more queries than ``max_seqlen_q``, gives no output: its rows stay
+        NaN where no valid sequence covers them, as do rows that no sequence covers. Runs on the
+        current CuPy stream.
         The gradients: :func:`attention_varlen_backward`.
     """
     import cupy
@@ -95,9 +96,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         lse = cupy.empty((heads, total_q), dtype=cupy.float32)
         for x in (out, lse):
             x.data.memset_async(0xFF, x.nbytes)
-        if batch and max_seqlen_q and out.size and _hopper(q, k, v, cu_q, cu_k, out, lse, int(max_seqlen_q), problem):
-            pass
-        elif batch and max_seqlen_q and out.size:
+        if batch and max_seqlen_q and out.size and not _hopper(q, k, v, cu_q, cu_k, out, lse, int(max_seqlen_q),
+                                                               problem):
             spec = _kv.select_spec(problem, _arch(device))
             kernels = _compile.get_kernel(spec, device)
             plan = _kv.KVCachePlan(kernels, spec, problem, page_table=None, cache_seqlens=None, splits=1,
