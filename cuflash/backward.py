@@ -103,7 +103,7 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
                        o=bp.o_strides, do=bp.do_strides, dq=_out_strides(dq, layout), dk=_out_strides(dk, layout),
                        dv=_out_strides(dv, layout))
         kernels = _compile.get_kernel(spec, problem.device_id)
-        launch_backward(kernels, spec, bp, tensors, strides, (mods.packed() if mods is not None else b"") + sparse)
+        launch_backward(kernels, spec, bp, tensors, strides, _modset.kernel_argument(mods, sparse))
     return dq, dk, dv
 
 

@@ -156,7 +156,7 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
     out_tag = scales.out_dtype.tag if scales else None
     mask_mod = _sparsity.mask_mod_of(block_mask, mask_mod, problem)
     mods = _modset.prepare(score_mod, mask_mod, problem.device_id)
-    sparse = b""
+    sparse = b""  # the block mask's visit lists, after the mods' arrays in the kernel's last argument
     with _on_device(problem.device_id):
         spec = (select_spec(problem, family, out_tag, return_lse) if spec is None
                 else _check_forced_spec(spec, problem, out_tag, return_lse))
@@ -196,14 +196,14 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
                 v_operand = _fp8.v_operand(v, layout) if spec.fp8 and spec.warp_specialized else v
             if key is not None and problem.scale > 0 and not spec.fp8:
                 plan = LaunchPlan(kernel, spec, problem, q, k, v, out, lse, _out_strides(out, layout), None,
-                                  (mods.packed() if mods is not None else b"") + sparse)
+                                  _modset.kernel_argument(mods, sparse))
                 plan.launch(q, k, v, out, lse)
                 if len(_plans) >= _MAX_PLANS:
                     _plans.clear()
                 _plans[key] = plan
             else:
                 launch(kernel, spec, problem, q, k, v_operand, out, lse, _out_strides(out, layout), scales,
-                       (mods.packed() if mods is not None else b"") + sparse)
+                       _modset.kernel_argument(mods, sparse))
     return (out, lse) if return_lse else out
 
 

@@ -125,10 +125,10 @@ def kernel_tables(mask: BlockMask, block_m: int, block_n: int, causal: bool, by_
 def host_tables(mask: BlockMask, block_m: int, block_n: int, causal: bool, by_key: bool = False):
     """The (counts, entries) of kernel_tables on the host, in C order as the kernel reads them (the
     kinds come out of fancy indexing in another order, which cupy.asarray would keep)."""
-    kind = kernel_kinds(mask, block_m, block_n, causal)
+    kind = kernel_kinds(mask, block_m, block_n, causal)  # C order
     if by_key:
-        kind = np.swapaxes(kind, 2, 3)
-    counts, order = _lists(np.ascontiguousarray(kind))
+        kind = np.ascontiguousarray(np.swapaxes(kind, 2, 3))
+    counts, order = _lists(kind)
     full = np.take_along_axis(kind, np.maximum(order, 0), -1) == FULL
     entries = np.where(order >= 0, np.maximum(order, 0) * 2 + full, 0)
     return np.ascontiguousarray(counts, np.int32), np.ascontiguousarray(entries, np.int32)

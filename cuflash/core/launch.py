@@ -225,7 +225,7 @@ class LaunchPlan:
         self.grid = grid(spec, problem, plan)
         # (pointers, encoded maps) of the last call, read and replaced as one object (threads share plans)
         self.maps = self.out_map = (None, None)
-        self.mods = (np.frombuffer(mods, dtype=np.dtype((np.void, len(mods)))),) if mods else ()
+        self.mods = _struct_args(mods)
 
     def launch(self, q, k, v, out, lse) -> None:
         """Launch on the current CuPy stream with these arrays (shaped and strided as the plan's)."""
@@ -248,6 +248,12 @@ class LaunchPlan:
                     self.out_map = (out.data.ptr, out_map)
                 args += (out_map,)
         self.kernel(self.grid, self.block, args + self.mods, shared_mem=self.smem)
+
+
+def _struct_args(raw: bytes) -> tuple:
+    """A kernel's trailing struct argument (mods, VarlenArgs) as CuPy passes one by value: a
+    one-element void array; none for no bytes."""
+    return (np.frombuffer(raw, dtype=np.dtype((np.void, len(raw)))),) if raw else ()
 
 
 #: The five array pointers that open the forward's parameter block (q, k, v, o, lse).
@@ -286,15 +292,14 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mo
     )
     params = (np.frombuffer(raw, dtype=_BWD_PARAMS),)
     pre, dkdv, dq = kernels
-    scored = params + ((np.frombuffer(mods, dtype=np.dtype((np.void, len(mods)))),) if mods else ())
+    scored = params + _struct_args(mods)
     pre((ceil_div(padded, 8), problem.heads, problem.batch), (_AUX_THREADS, 1, 1), params)
-    if varlen is not None:
-        args, sequences, max_seqlen_k = varlen
-        dkdv((ceil_div(max_seqlen_k, spec.block_n), problem.heads_k, sequences), (spec.threads, 1, 1),
-             params + (np.frombuffer(args, dtype=np.dtype((np.void, len(args)))),), shared_mem=spec.smem_bytes)
-    else:
-        dkdv((ceil_div(problem.seqlen_k, spec.block_n), problem.heads_k, problem.batch), (spec.threads, 1, 1),
-             scored, shared_mem=spec.smem_bytes)
+    keys, blocks_z, dkdv_args = problem.seqlen_k, problem.batch, scored
+    if varlen is not None:  # (key tiles of the longest sequence, kv heads, sequences), the offsets last
+        tail, blocks_z, keys = varlen
+        dkdv_args = params + _struct_args(tail)
+    dkdv((ceil_div(keys, spec.block_n), problem.heads_k, blocks_z), (spec.threads, 1, 1), dkdv_args,
+         shared_mem=spec.smem_bytes)
     if spec.atomic_dq:
         dq((ceil_div(problem.seqlen_q, 8), problem.heads, problem.batch), (_AUX_THREADS, 1, 1), params)
     else:

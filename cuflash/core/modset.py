@@ -23,6 +23,11 @@ class ModSet(NamedTuple):
         return b"".join(mod_codegen.pack_arrays(g) for g in (self.score, self.mask) if g is not None)
 
 
+def kernel_argument(mods: ModSet | None, sparse: bytes = b"") -> bytes:
+    """The kernel's last argument: the mods' packed arrays, then a block mask's visit lists."""
+    return (mods.packed() if mods is not None else b"") + sparse
+
+
 def traced(mod, kind: str) -> Graph | None:
     if mod is None:
         return None
@@ -122,7 +127,7 @@ def _value_key(value, depth: int):
         return (type(value), value)
     if isinstance(value, (float, complex, np.generic)):
         return (type(value), repr(value))  # repr: -0.0 and 0.0 differ
-    if trace._is_array(value):
+    if trace.is_array(value):
         return ("array", id(value), value.shape, value.dtype.str, value.strides)
     if isinstance(value, types.FunctionType):
         if value.__closure__ is None and value.__module__.split(".")[0] in _STABLE_MODULES:

@@ -392,7 +392,7 @@ class CapturedArray:
         raise TypeError(_where_in_user_code(f"the captured array {self.name} cannot be looped over in a mod"))
 
 
-def _is_array(value) -> bool:
+def is_array(value) -> bool:
     module = type(value).__module__.split(".")[0]
     return module in ("cupy", "numpy") and hasattr(value, "ndim") and hasattr(value, "dtype") and value.ndim > 0
 
@@ -412,7 +412,7 @@ def _with_captured(fn, graph: Graph, _depth: int = 0):
             except ValueError:  # an empty cell
                 cells.append(cell)
                 continue
-            if _is_array(value):
+            if is_array(value):
                 cells.append(types.CellType(CapturedArray(graph, value, name)))
             elif _depth < 8 and isinstance(value, types.FunctionType) and value is not fn:
                 cells.append(types.CellType(_with_captured(value, graph, _depth + 1)))
@@ -424,7 +424,7 @@ def _with_captured(fn, graph: Graph, _depth: int = 0):
         closure = tuple(cells)
     names = set(code.co_names)
     replaced = {name: CapturedArray(graph, value, name) for name, value in fn.__globals__.items()
-                if name in names and _is_array(value)}
+                if name in names and is_array(value)}
     scope = dict(fn.__globals__, **replaced) if replaced else fn.__globals__
     return types.FunctionType(code, scope, fn.__name__, fn.__defaults__, closure)
 
