@@ -26,14 +26,22 @@
 
 namespace cuflash {
 
-// lse2 / delta of one query tile: kRows floats each, one 16-byte cp.async per 4 rows.
-template <int kRows, int kThreads>
+// lse2 / delta of one query tile: kRows floats each, one 16-byte cp.async per 4 rows, or with
+// kAligned false (packed sequences start at any row) one 4-byte cp.async per row.
+template <int kRows, int kThreads, bool kAligned = true>
 __device__ __forceinline__ void load_row_stats_async(u32 s_lse2, u32 s_delta, const float* lse2,
                                                      const float* delta, int tid) {
-    constexpr int kChunks = kRows / 4;
-    for (int i = tid; i < 2 * kChunks; i += kThreads) {
-        if (i < kChunks) cp_async_16(s_lse2 + i * 16, lse2 + i * 4, true);
-        else cp_async_16(s_delta + (i - kChunks) * 16, delta + (i - kChunks) * 4, true);
+    if constexpr (kAligned) {
+        constexpr int kChunks = kRows / 4;
+        for (int i = tid; i < 2 * kChunks; i += kThreads) {
+            if (i < kChunks) cp_async_16(s_lse2 + i * 16, lse2 + i * 4, true);
+            else cp_async_16(s_delta + (i - kChunks) * 16, delta + (i - kChunks) * 4, true);
+        }
+    } else {
+        for (int i = tid; i < 2 * kRows; i += kThreads) {
+            if (i < kRows) cp_async_4(s_lse2 + i * 4, lse2 + i);
+            else cp_async_4(s_delta + (i - kRows) * 4, delta + (i - kRows));
+        }
     }
 }
 

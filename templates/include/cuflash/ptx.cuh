@@ -92,6 +92,10 @@ __device__ __forceinline__ void cp_async_8(u32 dst, const void* src, bool valid)
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n"
                  :: "r"(dst), "l"(src), "r"(src_bytes));
 }
+// 4 bytes, for per-row statistics that start at any row.
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(dst), "l"(src));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
