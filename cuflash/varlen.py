@@ -170,13 +170,15 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale: as passed to the forward.
         out, lse: the forward's output and LSE ([heads, total_q], ``return_lse=True``).
         deterministic: dQ in a fixed order (bit-identical runs).
-        family: ``"wgmma"`` (experimental): every sequence in one launch of the Hopper K/V-outer
-            kernel's varlen specialization (sm90a, fp16/bf16, CuPy arrays, not deterministic);
-            None: each sequence on :func:`cuflash.attention_backward`.
+        family: ``"wgmma"``: every sequence in one launch of the Hopper K/V-outer kernel's varlen
+            specialization (sm90a, fp16/bf16, CuPy arrays, not deterministic); ``"sequences"``:
+            each sequence on :func:`cuflash.attention_backward`; None: ``"wgmma"`` where it
+            applies, else ``"sequences"``.
 
-    Each sequence runs :func:`cuflash.attention_backward` on its rows, writing straight into the
-    packed gradients, so the host reads the offsets once (a synchronization for CuPy offsets;
-    NumPy offsets are taken as they are), and each sequence costs one backward call's host time.
+    The per-sequence walk runs :func:`cuflash.attention_backward` on each sequence's rows, writing
+    straight into the packed gradients, and each sequence costs one backward call's host time.
+    Both read the offsets on the host once (a synchronization for CuPy offsets; NumPy offsets are
+    taken as they are).
     Offsets must rise from 0 to the packed row counts (checked, ValueError). The keys of a
     sequence with no queries get zero gradients."""
     from .backward import _attention_backward
@@ -190,10 +192,12 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     for name, x, want in (("dout", dout, q.shape), ("out", out, q.shape), ("lse", lse, (q.shape[1], total_q))):
         if tuple(x.shape) != tuple(want):
             raise ValueError(f"{name} has shape {tuple(x.shape)}; it must be {tuple(want)}")
-    if family is not None:
-        if family != "wgmma" or deterministic:
-            raise ValueError(f"family={family!r}, deterministic={deterministic}: the one-launch varlen backward is "
-                             f"family='wgmma' and not deterministic")
+    if family not in (None, "wgmma", "sequences"):
+        raise ValueError(f"family={family!r}: the varlen backward's families are 'wgmma' and 'sequences'")
+    if family == "wgmma" and deterministic:
+        raise ValueError(f"family='wgmma', deterministic={deterministic}: the one-launch varlen backward is "
+                         f"not deterministic")
+    if family == "wgmma" or (family is None and not deterministic and _one_launch_applies(q, k)):
         return _hopper_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, offsets_q, offsets_k, causal,
                                 scale)
     dq, dk, dv = (xp.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
@@ -208,6 +212,24 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                             xp.ascontiguousarray(lse[:, qs])[None], grads, causal=causal, scale=scale, layout="bshd",
                             deterministic=deterministic, spec=None)
     return dq, dk, dv
+
+
+def _one_launch_applies(q, k) -> bool:
+    """Whether the one-launch backward runs these inputs: CuPy fp16/bf16 arrays on sm90a."""
+    from .forward import _arch
+
+    try:
+        import cupy
+    except ImportError:
+        return False
+    if not (isinstance(q, cupy.ndarray) and isinstance(k, cupy.ndarray)) or q.dtype != k.dtype:
+        return False
+    if q.dtype.name not in ("float16", "bfloat16") or _arch(q.device.id) != "sm90a":
+        return False
+    from .core.policy import default_bwd_spec
+
+    tag = "fp16" if q.dtype.name == "float16" else "bf16"
+    return default_bwd_spec(q.shape[-1], tag, False, "sm90a", False).family == "wgmma"
 
 
 def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, causal, scale):

@@ -149,9 +149,10 @@ def test_cupy_graph_capture_and_replay():
         grads = backward(dout)
         graph = stream.end_capture()
     for seed in (5, 6, 7):
-        fresh = problem.make_inputs(cupy, seed=seed)
-        for x, y in zip((q, k, v), fresh):
-            x[...] = y
+        with stream:  # the new inputs written on the replay stream, ordered before the replay
+            fresh = problem.make_inputs(cupy, seed=seed)
+            for x, y in zip((q, k, v), fresh):
+                x[...] = y
         graph.launch(stream)
         stream.synchronize()
         ref, _ = problem.reference(q, k, v)

@@ -116,8 +116,9 @@ def test_invalid_varlen_inputs_are_named():
         cuflash.attention_varlen(q, q, q, cu, cu[:2])
 
 
+@pytest.mark.parametrize("deterministic", [False, True])  # one launch on Hopper; the per-sequence walk
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_backward_matches_per_sequence_gradients(causal):
+def test_varlen_backward_matches_per_sequence_gradients(causal, deterministic):
     from cuflash.testing import assert_gradients_close
 
     rng = np.random.default_rng(5 + causal)
@@ -125,7 +126,7 @@ def test_varlen_backward_matches_per_sequence_gradients(causal):
     q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k, 8, 2, 128, "bf16")
     dout = rng.standard_normal(q.shape).astype(q.dtype)
     dev = [cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)]
-    out, backward = cuflash.attention_varlen_with_grad(*dev, causal=causal)
+    out, backward = cuflash.attention_varlen_with_grad(*dev, causal=causal, deterministic=deterministic)
     dq, dk, dv = (to_numpy(g) for g in backward(cupy.asarray(dout)))
     for b in range(len(lens_q)):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
@@ -167,7 +168,7 @@ def test_varlen_backward_in_one_launch_matches_the_reference(dtype, head_dim, ca
     out, lse = cuflash.attention_varlen(*dev, causal=causal, return_lse=True)
     poison(q.nbytes, k.nbytes, k.nbytes)
     grads = cuflash.attention_varlen_backward(cupy.asarray(dout), dev[0], dev[1], dev[2], out, lse, dev[3], dev[4],
-                                              causal=causal, family="wgmma")
+                                              causal=causal)  # the default: one launch on Hopper
     dq, dk, dv = (to_numpy(g) for g in grads)
     for b in range(len(lens_q)):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])

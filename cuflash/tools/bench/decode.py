@@ -170,7 +170,7 @@ def varlen_rows(reps: int = 30, echo=print, seed: int = 0) -> list[dict]:
         "cuflash varlen": lambda: cuflash.attention_varlen(q, k, v, cu, cu, max_seqlen_q=max(lens), causal=True),
         "cuflash dense, mean length": lambda: cuflash.attention(*dense[:3], causal=True, layout="bshd"),
         "backward varlen, per sequence": lambda: cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu,
-                                                                                   causal=True),
+                                                                                   causal=True, family="sequences"),
         "backward varlen, one launch": lambda: cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu,
                                                                                  causal=True, family="wgmma"),
         "backward dense, mean length": lambda: cuflash.attention_backward(dense[3], *dense[:3], dense_out, dense_lse,
