@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
+import sys
 
 import numpy as np
 
@@ -197,7 +198,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     if family == "wgmma" and deterministic:
         raise ValueError(f"family='wgmma', deterministic={deterministic}: the one-launch varlen backward is "
                          f"not deterministic")
-    if family == "wgmma" or (family is None and not deterministic and _one_launch_applies(q, k)):
+    if family == "wgmma" or (family is None and not deterministic and _one_launch_applies(q)):
         return _hopper_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, offsets_q, offsets_k, causal,
                                 scale)
     dq, dk, dv = (xp.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
@@ -214,22 +215,18 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     return dq, dk, dv
 
 
-def _one_launch_applies(q, k) -> bool:
-    """Whether the one-launch backward runs these inputs: CuPy fp16/bf16 arrays on sm90a."""
+def _one_launch_applies(q) -> bool:
+    """Whether the one-launch backward runs these inputs: CuPy fp16/bf16 arrays on sm90a, at a
+    head dim whose default backward is the Hopper kernel (_hopper_backward checks the rest)."""
+    from .core.dtypes import from_tag
+    from .core.policy import default_bwd_spec
     from .forward import _arch
 
-    try:
-        import cupy
-    except ImportError:
+    cupy = sys.modules.get("cupy")
+    if cupy is None or not isinstance(q, cupy.ndarray) or q.dtype.name not in ("float16", "bfloat16"):
         return False
-    if not (isinstance(q, cupy.ndarray) and isinstance(k, cupy.ndarray)) or q.dtype != k.dtype:
-        return False
-    if q.dtype.name not in ("float16", "bfloat16") or _arch(q.device.id) != "sm90a":
-        return False
-    from .core.policy import default_bwd_spec
-
-    tag = "fp16" if q.dtype.name == "float16" else "bf16"
-    return default_bwd_spec(q.shape[-1], tag, False, "sm90a", False).family == "wgmma"
+    return (_arch(q.device.id) == "sm90a"
+            and default_bwd_spec(q.shape[-1], from_tag(q.dtype.name).tag, False, "sm90a", False).family == "wgmma")
 
 
 def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, causal, scale):

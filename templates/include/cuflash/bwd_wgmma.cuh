@@ -115,8 +115,8 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads, false, kValid>(
             q_layout, sDO + slot * Cfg::kQTileBytes, rows.dout, p.do_row_stride, seqlen_q_of() - m0, tid);
         load_row_stats_async<kBM, kThreads, !kVarlen>(base + Cfg::kSmemLse2 + slot * kBM * 4,
-                                            base + Cfg::kSmemDelta + slot * kBM * 4,
-                                            p.lse2 + rows.row, p.delta + rows.row, tid);
+                                                      base + Cfg::kSmemDelta + slot * kBM * 4,
+                                                      p.lse2 + rows.row, p.delta + rows.row, tid);
     };
 
     float acc_dk[kGT][4], acc_dv[kGT][4];
