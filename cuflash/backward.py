@@ -95,7 +95,7 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
             lse = cupy.ascontiguousarray(lse)
         padded = rows_padded(spec, problem.seqlen_q)
         stats = cupy.empty((2, problem.batch * problem.heads * padded), dtype=cupy.float32)
-        accum = (cupy.empty((problem.batch, problem.heads, padded, problem.head_dim), dtype=cupy.float32)
+        accum = (cupy.empty((problem.batch, problem.heads, padded, spec.accum_head_dim), dtype=cupy.float32)
                  if spec.atomic_dq else stats)
         tensors = dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv,
                        dq_accum=accum, lse2=stats[0], delta=stats[1])

@@ -107,5 +107,9 @@ def test_backward_kernels_use_mma_sync_ldmatrix_and_cp_async(head_dim, determini
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_hopper_backward_uses_warpgroup_mma(head_dim, tmp_path):
     from cuflash.core.policy import default_bwd_spec
-    code = sass(default_bwd_spec(head_dim, "bf16", True, "sm90a"), tmp_path)
-    assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16", code) and "LDGSTS" in code and "RED" in code
+    spec = default_bwd_spec(head_dim, "bf16", True, "sm90a")
+    code = sass(spec, tmp_path)
+    assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16", code) and "LDGSTS" in code
+    # dQ's partial tiles by one bulk reduce-add each up to head dim 128, by atomics above
+    assert spec.bulk_dq == (head_dim <= 128)
+    assert ("UBLKRED.G.S.ADD.F32" in code) == spec.bulk_dq and ("REDG.E.ADD.F32" in code) != spec.bulk_dq

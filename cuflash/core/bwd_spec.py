@@ -135,6 +135,25 @@ class BwdSpec:
         return self.family != "simt" and not self.deterministic
 
     @property
+    def bulk_dq(self) -> bool:
+        """wgmma with dQ accumulated, head dims up to 128, dense batches: each warpgroup's dQ
+        partial tile goes to shared memory in its fragments' order and into the accumulator by one
+        bulk reduce-add; the accumulator keeps that order within each query tile
+        (:attr:`dq_chunk_cols`), and the conversion puts the rows back."""
+        return self.family == "wgmma" and self.atomic_dq and not self.split_head_dim and not self.varlen
+
+    @property
+    def dq_chunk_cols(self) -> int:
+        """Columns of one warpgroup's dQ partial tile (its accumulator of dS K)."""
+        return min(self.padded_head_dim // 2, 64) if self.padded_head_dim <= 128 else 64
+
+    @property
+    def accum_head_dim(self) -> int:
+        """Row width of the float32 dQ accumulator: the padded head dim for :attr:`bulk_dq`, whose
+        partial tiles are whole, else the head dim."""
+        return self.padded_head_dim if self.bulk_dq else self.head_dim
+
+    @property
     def threads(self) -> int:
         return 32 * self.num_warps
 
@@ -221,7 +240,8 @@ class BwdSpec:
             for region, size in (("k", kv), ("v", kv), ("q", self.num_stages * q), ("do", self.num_stages * q),
                                  ("ds", scores), ("p", scores if self.split_head_dim else 0),
                                  ("lse2", self.num_stages * self.block_m * 4),
-                                 ("delta", self.num_stages * self.block_m * 4)):
+                                 ("delta", self.num_stages * self.block_m * 4),
+                                 ("dq", self.block_m * self.padded_head_dim * 4 if self.bulk_dq else 0)):
                 layout[region] = offset
                 offset += size
             layout["total"] = offset + 1024

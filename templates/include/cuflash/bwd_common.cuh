@@ -7,7 +7,8 @@
 //     kernels copy whole tiles of them without bounds checks.
 //   bwd_convert_dq: dQ = scale * accumulator, in the input dtype and layout.
 //
-// Cfg provides kHeadDim, kDtype (kFp16, kBf16 or kFp32), kZeroAccum and the Params struct.
+// Cfg provides kHeadDim, kDtype (kFp16, kBf16 or kFp32), kZeroAccum, kAccumDim, kDqChunkCols and
+// the Params struct.
 #pragma once
 #include "cuflash/ptx.cuh"
 #include "cuflash/block.cuh"
@@ -173,9 +174,20 @@ __device__ __forceinline__ void bwd_preprocess(const typename Cfg::Params& p) {
         p.lse2[bh * p.rows_padded + row] = lse2;
     }
     if constexpr (Cfg::kZeroAccum) {
-        float* accum = p.dq_accum + (bh * p.rows_padded + row) * Cfg::kHeadDim;
-        for (int d = lane; d < Cfg::kHeadDim; d += 32) accum[d] = 0.f;
+        float* accum = p.dq_accum + (bh * p.rows_padded + row) * Cfg::kAccumDim;
+        for (int d = lane; d < Cfg::kAccumDim; d += 32) accum[d] = 0.f;
     }
+}
+
+// Where element (r, d) of a 64-row query tile sits in a dQ accumulator tile kept in fragment
+// order: per chunk of kChunkCols columns, each warp's m16n8 fragments in turn, each as its upper
+// and its lower 8 rows of two floats per lane, as the Hopper backward's warpgroups write them
+// (bwd_wgmma.cuh).
+template <int kChunkCols>
+__device__ __forceinline__ int dq_fragment_offset(int r, int d) {
+    const int cc = d % kChunkCols, rr = r % 16;
+    const int fragment = (r / 16) * (kChunkCols / 8) + cc / 8, lane = (rr % 8) * 4 + (cc % 8) / 2;
+    return (d - cc) * 64 + (fragment * 2 + rr / 8) * 64 + lane * 2 + cc % 2;
 }
 
 template <class Cfg>
@@ -185,10 +197,17 @@ __device__ __forceinline__ void bwd_convert_dq(const typename Cfg::Params& p) {
     const int head = blockIdx.y, batch = blockIdx.z;
     if (row >= p.seqlen_q) return;
     const long long bh = static_cast<long long>(batch) * p.heads + head;
-    const float* accum = p.dq_accum + (bh * p.rows_padded + row) * Cfg::kHeadDim;
     const long long dq_row = batch * p.dq_batch_stride + head * p.dq_head_stride + row * p.dq_row_stride;
-    for (int d = lane; d < Cfg::kHeadDim; d += 32)
-        store_from_float<Cfg::kDtype>(p.dq, dq_row + d, accum[d] * p.scale);
+    if constexpr (Cfg::kDqChunkCols) {
+        const float* tile = p.dq_accum + (bh * p.rows_padded + row / 64 * 64) * Cfg::kAccumDim;
+        for (int d = lane; d < Cfg::kHeadDim; d += 32)
+            store_from_float<Cfg::kDtype>(p.dq, dq_row + d,
+                                          tile[dq_fragment_offset<Cfg::kDqChunkCols>(row % 64, d)] * p.scale);
+    } else {
+        const float* accum = p.dq_accum + (bh * p.rows_padded + row) * Cfg::kAccumDim;
+        for (int d = lane; d < Cfg::kHeadDim; d += 32)
+            store_from_float<Cfg::kDtype>(p.dq, dq_row + d, accum[d] * p.scale);
+    }
 }
 
 }  // namespace cuflash

@@ -10,7 +10,11 @@
 //   dV += P^T dO and dK += dS^T Q     A from registers, B read transposed by its descriptor;
 //   dQ += dS K (unless deterministic) dS^T goes to shared memory and is read back transposed as
 //                                     the A operand; each warpgroup takes half of dQ's columns
-//                                     and adds them into the float32 accumulator with atomics.
+//                                     and adds them into the float32 accumulator: (kBulkDq) both
+//                                     write their fragments to shared memory, and at the next
+//                                     step's start one thread adds the whole tile by one bulk
+//                                     reduce-add; the accumulator keeps fragment order
+//                                     (bwd_common.cuh's dq_fragment_offset). Else by atomics.
 // Wider head dims (kSplitD): the key tile has 64 rows, and both warpgroups own all of them with
 // half of the head dim each. Warpgroup 0 computes S^T and P^T, warpgroup 1 dP^T and dS^T, trading
 // P^T and dS^T through shared memory (swizzled, K-major), from where both read them as the A
@@ -29,6 +33,7 @@
 // wgmma_grad_ss) / wgmma_dq wrappers.
 #pragma once
 #include "cuflash/bwd_mma.cuh"
+#include "cuflash/tma.cuh"
 #include "cuflash/wgmma.cuh"
 
 namespace cuflash {
@@ -119,6 +124,15 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                                                       p.lse2 + rows.row, p.delta + rows.row, tid);
     };
 
+    // kBulkDq: step t's dQ partial tile (both warpgroups' halves, in fragment order) added into
+    // the accumulator's tile by one bulk reduce-add, issued by one thread.
+    auto add_dq_tile = [&](int t) {
+        const long long row = (static_cast<long long>(w.batch) * p.heads + w.step_head(p.group, t)) * p.rows_padded
+                              + step_m0(t);
+        bulk_reduce_add_f32(p.dq_accum + row * kD, base + Cfg::kSmemDq, kBM * kD * 4);
+        bulk_commit_group();
+    };
+
     float acc_dk[kGT][4], acc_dv[kGT][4];
     zero_fragments(acc_dk);
     zero_fragments(acc_dv);
@@ -135,6 +149,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         __syncthreads();      // every warpgroup is done with step t-1 (its ring slot and dS^T)
         if (t + Cfg::kStages - 1 < w.steps) load_step(t + Cfg::kStages - 1, (t + Cfg::kStages - 1) % Cfg::kStages);
         cp_async_commit();
+        if (Cfg::kBulkDq && tid == 0 && t > 0) add_dq_tile(t - 1);
 
         const int slot = t % Cfg::kStages;
         const int head = w.step_head(p.group, t), m0 = step_m0(t);
@@ -261,6 +276,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
 
         if constexpr (!Cfg::kDeterministic) {
             if constexpr (!kSplitD) {
+                if (Cfg::kBulkDq && tid == 0) bulk_wait_group_read<0>();  // the last tile's dQ was read
                 fence_proxy_async();
                 __syncthreads();  // both warpgroups' halves of dS^T are in shared memory
             }
@@ -285,16 +301,26 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                 fence_operands(dq);
                 fence_operands(acc_dv);
                 fence_operands(acc_dk);
-                float* accum = kVarlen
-                    ? p.dq_accum + (static_cast<long long>(head) * p.rows_padded + w.q_start + m0 + (warp % 4) * 16
-                                    + lane / 4) * kDStored + col0 + 2 * (lane % 4)
-                    : p.dq_accum + ((static_cast<long long>(w.batch) * p.heads + head) * p.rows_padded
-                                    + m0 + (warp % 4) * 16 + lane / 4) * kDStored + col0 + 2 * (lane % 4);
+                if constexpr (Cfg::kBulkDq) {  // to shared memory; added at the next step's start
+                    static_assert(kChunks == 1 && !kVarlen, "one whole partial tile per warpgroup");
+                    float2* frags = reinterpret_cast<float2*>(smem + Cfg::kSmemDq + col0 * kBM * 4) + (warp % 4) * kChunkCols * 8 + lane;
 #pragma unroll
-                for (int nt = 0; nt < kChunkCols / 8; ++nt) {
-                    if (kDStored < kD && col0 + nt * 8 >= kDStored) break;  // padded columns
-                    atomic_add2(accum + nt * 8, dq[nt][0], dq[nt][1]);
-                    atomic_add2(accum + 8 * kDStored + nt * 8, dq[nt][2], dq[nt][3]);
+                    for (int nt = 0; nt < kChunkCols / 8; ++nt) {
+                        frags[nt * 64] = make_float2(dq[nt][0], dq[nt][1]);
+                        frags[nt * 64 + 32] = make_float2(dq[nt][2], dq[nt][3]);
+                    }
+                } else {
+                    float* accum = kVarlen
+                        ? p.dq_accum + (static_cast<long long>(head) * p.rows_padded + w.q_start + m0 + (warp % 4) * 16
+                                        + lane / 4) * kDStored + col0 + 2 * (lane % 4)
+                        : p.dq_accum + ((static_cast<long long>(w.batch) * p.heads + head) * p.rows_padded
+                                        + m0 + (warp % 4) * 16 + lane / 4) * kDStored + col0 + 2 * (lane % 4);
+#pragma unroll
+                    for (int nt = 0; nt < kChunkCols / 8; ++nt) {
+                        if (kDStored < kD && col0 + nt * 8 >= kDStored) break;  // padded columns
+                        atomic_add2(accum + nt * 8, dq[nt][0], dq[nt][1]);
+                        atomic_add2(accum + 8 * kDStored + nt * 8, dq[nt][2], dq[nt][3]);
+                    }
                 }
             }
         } else {
@@ -304,6 +330,12 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         }
     }
     cp_async_wait<0>();
+    if constexpr (Cfg::kBulkDq) {
+        fence_proxy_async();
+        __syncthreads();  // the last step's dQ tile is in shared memory
+        if (tid == 0 && w.steps > 0) add_dq_tile(w.steps - 1);
+        if (tid == 0) bulk_wait_group<0>();  // done before the block's shared memory goes
+    }
 
     const int key = w.n0 + key_row0;
     unsigned short* dk = static_cast<unsigned short*>(p.dk) + w.batch * p.dk_batch_stride

@@ -42,6 +42,12 @@ __device__ __forceinline__ void tma_store_4d(const TensorMap* map, u32 src, int 
     asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
                  :: "l"(reinterpret_cast<u64>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
+// Add `bytes` (a multiple of 16) of float32 at shared-memory src element-wise into global memory
+// at dst (both 16-byte aligned), in this thread's bulk async-group.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 :: "l"(reinterpret_cast<u64>(dst)), "r"(src), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // At most N of this thread's bulk groups still read their shared memory (.read) or still run.
 template <int N>
