@@ -235,6 +235,7 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
     packed rows as one sequence."""
     import cupy
 
+    from .core.bwd_spec import VARLEN_DQ_GAP
     from .core.launch import launch_backward, rows_padded
     from .core.policy import default_bwd_spec
     from .core.validate import aligned_copy, aligned_for_async_copy, validate_backward
@@ -256,6 +257,7 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
     total_k, heads_k = k.shape[:2]
     sequences = offsets_q.size - 1
     max_seqlen_k = int(np.max(np.diff(offsets_k), initial=0))
+    max_seqlen_q = int(np.max(np.diff(offsets_q), initial=0))
     with _on_device(problem.device_id):
         dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
         if not total_q or not total_k or not sequences or not max_seqlen_k or not heads_k:
@@ -267,10 +269,11 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
         out, lse = cupy.ascontiguousarray(out), cupy.ascontiguousarray(lse)
         offsets = [x if isinstance(x, cupy.ndarray) else cupy.asarray(h) for x, h in ((cu_q, offsets_q), (cu_k, offsets_k))]
         offsets = [_offsets(cupy, name, x, problem.device_id) for name, x in zip(("cu_seqlens_q", "cu_seqlens_k"), offsets)]
-        # one query tile more than the packed rows need: a sequence's last tile reads past its end
-        padded = rows_padded(spec, total_q) + max(spec.block_m, spec.dq_tiles[0])
+        # one query tile more than the packed rows need: a sequence's last tile reads past its end;
+        # dQ's accumulator puts VARLEN_DQ_GAP rows after each sequence
+        padded = rows_padded(spec, total_q) + max(spec.block_m, spec.dq_tiles[0]) + VARLEN_DQ_GAP * sequences
         stats = cupy.empty((2, heads * padded), dtype=cupy.float32)
-        accum = cupy.empty((1, heads, padded, head_dim), dtype=cupy.float32)
+        accum = cupy.empty((1, heads, padded, spec.accum_head_dim), dtype=cupy.float32)
         tensors = dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv, dq_accum=accum,
                        lse2=stats[0], delta=stats[1])
         strides = {name: (0, x.strides[1] // x.itemsize, x.strides[0] // x.itemsize)
@@ -278,7 +281,7 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
                                    ("dv", dv))}
         args = struct.pack("<QQii", offsets[0].data.ptr, offsets[1].data.ptr, total_q, total_k)
         launch_backward(_compile.get_kernel(spec, problem.device_id), spec, bp, tensors, strides, padded=padded,
-                        varlen=(args, sequences, max_seqlen_k))
+                        varlen=(args, sequences, max_seqlen_k, max_seqlen_q))
     return dq, dk, dv
 
 

@@ -221,12 +221,26 @@ def test_launch_backward_packs_every_field_and_launches_three_kernels():
         assert params["scale_log2"] == np.float32(0.125 * 1.4426950408889634)
     assert calls[1][1] == (-(-500 // spec.block_n), 2, 3) and calls[1][4] == spec.smem_bytes
     # packed sequences: the K/V-outer grid covers (key tiles of the longest, kv heads, sequences)
-    # and takes the offsets as its second argument; the rows per head are the caller's
+    # and the dQ conversion's (rows of the longest, heads, sequences); both take the offsets as
+    # their second argument; the rows per head are the caller's
     calls.clear()
     varlen = bytes(range(24))
     spec = default_bwd_spec(64, "bf16", True, "sm90a").replace(varlen=True)
     launch_backward((kernel("pre"), kernel("dkdv"), kernel("dq")), spec, SimpleNamespace(forward=problem), tensors,
-                    strides, padded=448, varlen=(varlen, 7, 260))
+                    strides, padded=448, varlen=(varlen, 7, 260, 90))
     assert calls[0][1] == (448 // 8, 8, 3) and calls[1][1] == (-(-260 // spec.block_n), 2, 7)
-    assert len(calls[1][3]) == 2 and calls[1][3][1].tobytes() == varlen
+    assert calls[2][1] == (-(-90 // 8), 8, 7)
+    assert all(len(c[3]) == 2 and c[3][1].tobytes() == varlen for c in calls[1:])
     assert all(np.frombuffer(c[3][0].tobytes(), dtype=fields)[0]["rows_padded"] == 448 for c in calls)
+
+
+def test_hopper_backward_adds_dq_tiles_in_bulk_up_to_head_dim_128():
+    from cuflash.core.policy import default_bwd_spec
+    for head_dim, bulk in ((40, True), (64, True), (96, True), (128, True), (192, False), (256, False)):
+        spec = default_bwd_spec(head_dim, "bf16", False, "sm90a", family="wgmma")
+        assert spec.bulk_dq == bulk and spec.replace(varlen=True).bulk_dq == bulk, head_dim
+        # whole partial tiles: the accumulator's rows are as wide as the computed head dim
+        assert spec.accum_head_dim == (spec.padded_head_dim if bulk else head_dim)
+        assert spec.smem_layout["total"] == spec.smem_bytes <= 227 * 1024
+    assert not default_bwd_spec(128, "bf16", False, "sm90a", True, family="wgmma").bulk_dq
+    assert not default_bwd_spec(128, "bf16", False, "sm90a", family="mma").bulk_dq

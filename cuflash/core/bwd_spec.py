@@ -19,6 +19,10 @@ from .spec import _CHUNK, FAMILIES, SMEM_LIMIT, _problem_fields, ceil_div, tiles
 #: padded to the next of these.
 BWD_WGMMA_HEAD_DIMS = (64, 128, 256)
 
+#: Rows between packed sequences in the varlen backward's dQ accumulator (one query tile), so
+#: that no two sequences' whole tiles overlap.
+VARLEN_DQ_GAP = 64
+
 
 @dataclass(frozen=True)
 class BwdSpec:
@@ -136,11 +140,13 @@ class BwdSpec:
 
     @property
     def bulk_dq(self) -> bool:
-        """wgmma with dQ accumulated, head dims up to 128, dense batches: each warpgroup's dQ
-        partial tile goes to shared memory in its fragments' order and into the accumulator by one
-        bulk reduce-add; the accumulator keeps that order within each query tile
-        (:attr:`dq_chunk_cols`), and the conversion puts the rows back."""
-        return self.family == "wgmma" and self.atomic_dq and not self.split_head_dim and not self.varlen
+        """wgmma with dQ accumulated, head dims up to 128: each warpgroup's dQ partial tile goes to
+        shared memory in its fragments' order and into the accumulator by one bulk reduce-add; the
+        accumulator keeps that order within each query tile (:attr:`dq_chunk_cols`), and the
+        conversion puts the rows back. Packed sequences (varlen) start their tiles
+        :data:`VARLEN_DQ_GAP` rows apart in the accumulator: sequence s at its first packed row
+        + 64 s."""
+        return self.family == "wgmma" and self.atomic_dq and not self.split_head_dim
 
     @property
     def dq_chunk_cols(self) -> int:

@@ -278,8 +278,9 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mo
     dq, dk, dv to (batch, head, row) element strides; ``mods``: the packed arrays of the spec's
     mods, the last argument of the kernels that recompute the scores. ``padded``: the rows per head
     of lse2, delta and dq_accum when not rows_padded. ``varlen`` (spec.varlen): (VarlenArgs bytes,
-    sequences, longest sequence's keys): bp describes all packed rows as one sequence, which the
-    preprocess and the dQ conversion walk; the K/V-outer grid is (key tiles, kv heads, sequences)."""
+    sequences, longest sequence's keys, longest sequence's queries): bp describes all packed rows
+    as one sequence, which the preprocess walks; the K/V-outer grid is (key tiles, kv heads,
+    sequences) and the dQ conversion's (rows of the longest sequence, heads, sequences)."""
     problem = bp.forward
     padded = padded or rows_padded(spec, problem.seqlen_q)
     pointers = [tensors[name].data.ptr for name in
@@ -294,14 +295,15 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mo
     pre, dkdv, dq = kernels
     scored = params + _struct_args(mods)
     pre((ceil_div(padded, 8), problem.heads, problem.batch), (_AUX_THREADS, 1, 1), params)
-    keys, blocks_z, dkdv_args = problem.seqlen_k, problem.batch, scored
+    keys, blocks_z, dkdv_args, dq_args = problem.seqlen_k, problem.batch, scored, params
+    rows = problem.seqlen_q
     if varlen is not None:  # (key tiles of the longest sequence, kv heads, sequences), the offsets last
-        tail, blocks_z, keys = varlen
-        dkdv_args = params + _struct_args(tail)
+        tail, blocks_z, keys, rows = varlen
+        dkdv_args = dq_args = params + _struct_args(tail)
     dkdv((ceil_div(keys, spec.block_n), problem.heads_k, blocks_z), (spec.threads, 1, 1), dkdv_args,
          shared_mem=spec.smem_bytes)
     if spec.atomic_dq:
-        dq((ceil_div(problem.seqlen_q, 8), problem.heads, problem.batch), (_AUX_THREADS, 1, 1), params)
+        dq((ceil_div(max(rows, 1), 8), problem.heads, blocks_z), (_AUX_THREADS, 1, 1), dq_args)
     else:
         dq((ceil_div(problem.seqlen_q, spec.dq_tiles[0]), problem.heads, problem.batch),
            (32 * spec.dq_warps, 1, 1), scored, shared_mem=spec.dq_smem_bytes)

@@ -190,16 +190,27 @@ __device__ __forceinline__ int dq_fragment_offset(int r, int d) {
     return (d - cc) * 64 + (fragment * 2 + rr / 8) * 64 + lane * 2 + cc % 2;
 }
 
+// kVarlen: blocks (rows, head, sequence) over the packed rows, whose dQ is at the sequence's
+// first row + 64 * sequence in the accumulator (bwd_wgmma.cuh).
 template <class Cfg>
-__device__ __forceinline__ void bwd_convert_dq(const typename Cfg::Params& p) {
+__device__ __forceinline__ void bwd_convert_dq(const typename Cfg::Params& p, const VarlenArgs& va = VarlenArgs{}) {
     const int lane = threadIdx.x % 32;
-    const int row = blockIdx.x * kRowsPerAuxBlock + threadIdx.x / 32;
-    const int head = blockIdx.y, batch = blockIdx.z;
+    int row = blockIdx.x * kRowsPerAuxBlock + threadIdx.x / 32;
+    const int head = blockIdx.y;
+    int batch = blockIdx.z;
+    long long tile_row = row / 64 * 64;  // the accumulator's first row of the row's tile, in its head
+    if constexpr (Cfg::kVarlen) {
+        const int start = va.cu_seqlens_q[batch];
+        if (row >= va.cu_seqlens_q[batch + 1] - start) return;
+        tile_row += start + 64 * batch;
+        row += start;
+        batch = 0;
+    }
     if (row >= p.seqlen_q) return;
     const long long bh = static_cast<long long>(batch) * p.heads + head;
     const long long dq_row = batch * p.dq_batch_stride + head * p.dq_head_stride + row * p.dq_row_stride;
     if constexpr (Cfg::kDqChunkCols) {
-        const float* tile = p.dq_accum + (bh * p.rows_padded + row / 64 * 64) * Cfg::kAccumDim;
+        const float* tile = p.dq_accum + (bh * p.rows_padded + tile_row) * Cfg::kAccumDim;
         for (int d = lane; d < Cfg::kHeadDim; d += 32)
             store_from_float<Cfg::kDtype>(p.dq, dq_row + d,
                                           tile[dq_fragment_offset<Cfg::kDqChunkCols>(row % 64, d)] * p.scale);

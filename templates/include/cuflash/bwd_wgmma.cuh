@@ -127,8 +127,9 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
     // kBulkDq: step t's dQ partial tile (both warpgroups' halves, in fragment order) added into
     // the accumulator's tile by one bulk reduce-add, issued by one thread.
     auto add_dq_tile = [&](int t) {
-        const long long row = (static_cast<long long>(w.batch) * p.heads + w.step_head(p.group, t)) * p.rows_padded
-                              + step_m0(t);
+        const long long row = kVarlen  // sequence w.batch's tiles start 64 * w.batch rows past its first row
+            ? static_cast<long long>(w.step_head(p.group, t)) * p.rows_padded + w.q_start + 64 * w.batch + step_m0(t)
+            : (static_cast<long long>(w.batch) * p.heads + w.step_head(p.group, t)) * p.rows_padded + step_m0(t);
         bulk_reduce_add_f32(p.dq_accum + row * kD, base + Cfg::kSmemDq, kBM * kD * 4);
         bulk_commit_group();
     };
@@ -302,7 +303,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                 fence_operands(acc_dv);
                 fence_operands(acc_dk);
                 if constexpr (Cfg::kBulkDq) {  // to shared memory; added at the next step's start
-                    static_assert(kChunks == 1 && !kVarlen, "one whole partial tile per warpgroup");
+                    static_assert(kChunks == 1 && kBM == 64, "one whole partial tile per warpgroup");
                     float2* frags = reinterpret_cast<float2*>(smem + Cfg::kSmemDq + col0 * kBM * 4) + (warp % 4) * kChunkCols * 8 + lane;
 #pragma unroll
                     for (int nt = 0; nt < kChunkCols / 8; ++nt) {
