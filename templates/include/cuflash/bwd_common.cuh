@@ -199,6 +199,7 @@ __device__ __forceinline__ void bwd_convert_dq(const typename Cfg::Params& p, co
     const int head = blockIdx.y;
     int batch = blockIdx.z;
     long long tile_row = row / 64 * 64;  // the accumulator's first row of the row's tile, in its head
+    const int tile_r = row % 64;         // the row within that tile
     if constexpr (Cfg::kVarlen) {
         const int start = va.cu_seqlens_q[batch];
         if (row >= va.cu_seqlens_q[batch + 1] - start) return;
@@ -213,7 +214,7 @@ __device__ __forceinline__ void bwd_convert_dq(const typename Cfg::Params& p, co
         const float* tile = p.dq_accum + (bh * p.rows_padded + tile_row) * Cfg::kAccumDim;
         for (int d = lane; d < Cfg::kHeadDim; d += 32)
             store_from_float<Cfg::kDtype>(p.dq, dq_row + d,
-                                          tile[dq_fragment_offset<Cfg::kDqChunkCols>(row % 64, d)] * p.scale);
+                                          tile[dq_fragment_offset<Cfg::kDqChunkCols>(tile_r, d)] * p.scale);
     } else {
         const float* accum = p.dq_accum + (bh * p.rows_padded + row) * Cfg::kAccumDim;
         for (int d = lane; d < Cfg::kHeadDim; d += 32)
