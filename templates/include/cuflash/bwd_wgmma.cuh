@@ -76,7 +76,10 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
     // first rows of the packed arrays (batch strides 0), and lse2 / delta / the dQ accumulator are
     // [heads, rows_padded] over all packed query rows.
     constexpr bool kVarlen = Cfg::kVarlen;
-    if constexpr (kVarlen) w.set_sequence<kBM, Cfg::kCausal>(p, varlen);
+    if constexpr (kVarlen) {
+        w.set_sequence<kBM, Cfg::kCausal>(p, varlen);
+        if (w.n0 >= w.seqlen_k) return;  // past the sequence's keys: nothing to compute or store
+    }
     auto seqlen_q_of = [&]() { return kVarlen ? w.seqlen_q : p.seqlen_q; };
     auto seqlen_k_of = [&]() { return kVarlen ? w.seqlen_k : p.seqlen_k; };
     // kBlockSparse: the key tile's query tiles from the block mask's lists (one list for every
