@@ -308,23 +308,16 @@ class LaunchPlan:
         mods = self.mods[0].tobytes() if self.mods else b""
         if mods:
             sizes.append(len(mods))
-        offsets, end = [], 0
-        for size in sizes:
-            offsets.append(end)
-            end += -(-size // 64) * 64
-        storage = ctypes.create_string_buffer(end + 64)
-        base = -(-ctypes.addressof(storage) // 64) * 64
-        shift = base - ctypes.addressof(storage)
-        ctypes.memmove(base, self.template, len(self.template))
+        storage = DriverArguments(sizes)
+        storage.write(0, self.template)
         if mods:
-            ctypes.memmove(base + offsets[-1], mods, len(mods))
-        argv = (ctypes.c_void_p * len(sizes))(*(base + off for off in offsets))
+            storage.write(len(sizes) - 1, mods)
         gx, gy, gz = (tuple(self.grid) + (1, 1))[:3]
-        maps = (base + offsets[1], base + offsets[2] if spec.tma_store else 0) if spec.warp_specialized else None
+        maps = (storage.addresses[1], storage.addresses[2] if spec.tma_store else 0) if spec.warp_specialized else None
         # the pointers (q, k, v, out) the maps in storage were encoded for: none yet
         mapped = [(None, None, None, None)]
-        return (launch_kernel, handle, max(gx, 1), max(gy, 1), max(gz, 1), self.block[0], self.smem, storage, shift,
-                ctypes.addressof(argv), argv, maps, mapped, threading.Lock(), driver.CUDADriverError)
+        return (launch_kernel, handle, max(gx, 1), max(gy, 1), max(gz, 1), self.block[0], self.smem, storage.buffer,
+                storage.shift, storage.argv_address, storage, maps, mapped, threading.Lock(), driver.CUDADriverError)
 
     def _driver_launch(self, driver, q, k, v, out, lse, stream) -> None:
         launch_kernel, handle, gx, gy, gz, threads, smem, storage, shift, argv, _, maps, mapped, lock, error = driver
@@ -338,10 +331,7 @@ class LaunchPlan:
             try:
                 launch_kernel(handle, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
             except error as exc:
-                if exc.status != _CUDA_ERROR_INVALID_CONTEXT:
-                    raise
-                import cupy
-                cupy.cuda.runtime.memGetInfo()  # a thread's first CUDA call: the runtime binds the device's context
+                bind_context(exc)
                 launch_kernel(handle, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
 
     def _write_maps(self, maps, mapped, q, k, v, out) -> None:
@@ -365,6 +355,37 @@ class LaunchPlan:
 #: the plan keeps); False: every launch through CuPy's kernel call (for comparisons).
 DRIVER_LAUNCH = True
 _CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+class DriverArguments:
+    """Kernel arguments kept in host memory for cuLaunchKernel: one buffer holding each argument
+    64-byte aligned (a tensor map's alignment), and the void* array of their addresses."""
+
+    __slots__ = ("buffer", "shift", "addresses", "argv", "argv_address")
+
+    def __init__(self, sizes):
+        offsets, end = [], 0
+        for size in sizes:
+            offsets.append(end)
+            end += -(-size // 64) * 64
+        self.buffer = ctypes.create_string_buffer(end + 64)
+        base = -(-ctypes.addressof(self.buffer) // 64) * 64
+        self.shift = base - ctypes.addressof(self.buffer)  # where the first argument starts in the buffer
+        self.addresses = tuple(base + off for off in offsets)
+        self.argv = (ctypes.c_void_p * len(sizes))(*self.addresses)
+        self.argv_address = ctypes.addressof(self.argv)
+
+    def write(self, index: int, raw: bytes) -> None:
+        ctypes.memmove(self.addresses[index], raw, len(raw))
+
+
+def bind_context(exc) -> None:
+    """After a failed driver launch: where the thread had no CUDA context (its first CUDA call),
+    let the runtime bind the current device's, for the launch to be tried again; else raise."""
+    if getattr(exc, "status", None) != _CUDA_ERROR_INVALID_CONTEXT:
+        raise exc
+    import cupy
+    cupy.cuda.runtime.memGetInfo()
 
 
 class _Address:
