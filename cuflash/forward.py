@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import functools
+import math
 
 from . import fp8 as _fp8
 from .core import compile as _compile
 from . import sparsity as _sparsity
 from .core import modset as _modset
-from .core.launch import LaunchPlan, launch
+from .core.launch import LaunchPlan, launch, lse_scratch
 from .core.policy import FP8_WGMMA_MIN_HEAD_DIM, SHORT_SEQLEN, default_spec
 from .core.spec import KernelSpec
 from .core.validate import Problem, aligned_copy, aligned_for_async_copy, readable_by_tma, validate, validate_fp8_scales
@@ -101,15 +102,26 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
         The output in q's dtype (FP8: ``out_dtype``) and layout (rows with no key to attend are
         0), and the LSE if ``return_lse``. Runs on the current CuPy stream and device.
     """
+    if fp8_format is None and score_mod is None and mask_mod is None and block_mask is None and q_descale is None \
+            and k_descale is None and v_descale is None and out_dtype is None:
+        # a repeated plain call: straight to its plan
+        cupy = _cupy or _import_cupy()
+        key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec)
+        plan = _plans.get(key) if key is not None else None
+        if plan is not None and not (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
+            out, lse = _new_outputs(cupy, plan, return_lse)
+            plan.launch(q, k, v, out, lse, key[_STREAM])
+            return (out, lse) if return_lse else out
     return _attention(q, k, v, None, causal=causal, scale=scale, return_lse=return_lse, layout=layout, family=family,
                       spec=spec, fp8_format=fp8_format, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                       out_dtype=out_dtype, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
 
 
 def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, spec, fp8_format, q_descale,
-               k_descale, v_descale, out_dtype, score_mod=None, mask_mod=None, block_mask=None):
+               k_descale, v_descale, out_dtype, score_mod=None, mask_mod=None, block_mask=None, keep=None):
     """:func:`attention`, writing into ``outputs`` = (out, lse) when given: C-contiguous arrays of
-    the output's shape and q's dtype, and float32 [batch, heads, seqlen_q] (the torch bridge's)."""
+    the output's shape and q's dtype, and float32 [batch, heads, seqlen_q] (the torch bridge's).
+    ``keep``: a list the call's launch plan is appended to, where it has one."""
     import cupy
 
     key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec) \
@@ -124,10 +136,10 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
     if key is not None:
         plan = _plans.get(key)
         if plan is not None and not (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
-            out, lse = outputs or (cupy.empty(plan.problem.out_shape, dtype=q.dtype),
-                                   cupy.empty((plan.problem.batch, plan.problem.heads, plan.problem.seqlen_q),
-                                              dtype=cupy.float32))
-            plan.launch(q, k, v, out, lse)
+            out, lse = outputs or _new_outputs(cupy, plan, return_lse)
+            plan.launch(q, k, v, out, lse, key[_STREAM])
+            if keep is not None:
+                keep.append(plan)
             return (out, lse) if return_lse else out
     if fp8_format is None:
         for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale),
@@ -198,9 +210,12 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
                 plan = LaunchPlan(kernel, spec, problem, q, k, v, out, lse, _out_strides(out, layout), None,
                                   _modset.kernel_argument(mods, sparse))
                 plan.launch(q, k, v, out, lse)
+                _keep_outputs(cupy, plan, q.dtype, key[_STREAM])
                 if len(_plans) >= _MAX_PLANS:
                     _plans.clear()
                 _plans[key] = plan
+                if keep is not None:
+                    keep.append(plan)
             else:
                 launch(kernel, spec, problem, q, k, v_operand, out, lse, _out_strides(out, layout), scales,
                        _modset.kernel_argument(mods, sparse))
@@ -223,6 +238,37 @@ def _with_mods(spec: KernelSpec, mods, problem: Problem, out_tag) -> KernelSpec:
 #: addresses (:func:`_plan_key`): a repeated call skips straight to its launch.
 _plans: dict = {}
 _MAX_PLANS = 256
+_STREAM = 16  # the stream handle's place in a plan's key
+_cupy = None
+
+
+def _import_cupy():
+    global _cupy
+    import cupy
+    _cupy = cupy
+    return cupy
+
+
+def _keep_outputs(cupy, plan: LaunchPlan, dtype, stream: int) -> None:
+    """How a kept plan's calls allocate: the output and the LSE in one block of CuPy's allocator
+    (the LSE 256-byte aligned after the output), and the stream's LSE scratch for calls that do
+    not return it."""
+    problem = plan.problem
+    lse_shape = (problem.batch, problem.heads, problem.seqlen_q)
+    out_bytes = -(-math.prod(problem.out_shape) * dtype.itemsize // 256) * 256
+    plan.outputs = (problem.out_shape, dtype, out_bytes, lse_shape, out_bytes + 4 * math.prod(lse_shape),
+                    cupy.float32)
+    plan.lse_scratch = lse_scratch(problem, stream)
+
+
+def _new_outputs(cupy, plan: LaunchPlan, return_lse: bool):
+    """A planned call's (out, lse): the LSE returned shares the output's allocation; one not
+    returned is the stream's scratch, which the kernels only write."""
+    shape, dtype, lse_at, lse_shape, nbytes, float32 = plan.outputs
+    if not return_lse:
+        return cupy.ndarray(shape, dtype), plan.lse_scratch
+    memory = cupy.cuda.alloc(nbytes)
+    return cupy.ndarray(shape, dtype, memory), cupy.ndarray(lse_shape, float32, memory + lse_at)
 
 
 class _Same:

@@ -31,6 +31,7 @@ LAYOUTS = ("bhsd", "bshd")
 #: reserves for its hub flash-attention kernels.
 TRANSFORMERS_NAME = "cuattn"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_is_compiling = torch.compiler.is_compiling
 
 
 # -- torch <-> CuPy -----------------------------------------------------------------------------------
@@ -159,13 +160,81 @@ def _rows(q: torch.Tensor, layout: str) -> tuple[int, int, int]:
 
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, layout: str,
                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    key = _plan_key(q, k, v, causal, scale, layout)
+    planned = _planned(key, q, k, v, True)
+    if planned is not None:
+        return planned
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(_rows(q, layout), dtype=torch.float32, device=q.device)
+    kept = []
     with _on_torch_stream(q.device):
         _attention(_to_cupy(q), _to_cupy(k), _to_cupy(v), (_to_cupy(out), _to_cupy(lse)), causal=causal, scale=scale,
                    return_lse=True, layout=layout, family=None, spec=None, fp8_format=None, q_descale=None,
-                   k_descale=None, v_descale=None, out_dtype=None)
+                   k_descale=None, v_descale=None, out_dtype=None, keep=kept)
+    if kept and key is not None:
+        _keep(key, kept[0])
     return out, lse
+
+
+# -- launch plans of repeated calls ----------------------------------------------------------------------
+
+#: cuflash's launch plans (forward.LaunchPlan) by the torch side of a call: the tensors' shapes,
+#: strides, dtypes and devices, the flags, the current device and stream. A repeated call launches
+#: its plan on the tensors' addresses, with no CuPy arrays and no autograd node where none is needed.
+_plans: dict = {}
+_MAX_PLANS = 256
+_Tensor = torch.Tensor
+_CONTIGUOUS = torch.contiguous_format
+
+
+def _device_getter():
+    try:
+        return torch._C._cuda_getDevice  # the cheap form of torch.cuda.current_device()
+    except AttributeError:
+        return torch.cuda.current_device
+
+
+_current_device = _device_getter()
+
+
+def _plan_key(q, k, v, causal, scale, layout):
+    """The key of a call's plan (``scale`` a float), or None for one that always takes the full path
+    (another type than a plain tensor, a tensor off CUDA)."""
+    if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor or type(causal) is not bool:
+        return None
+    device = q.get_device()
+    if device < 0:  # CPU and meta tensors
+        return None
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, k.get_device(),
+            v.get_device(), causal, scale, layout, device, _current_device(), _current_stream_ptr(device))
+
+
+def _keep(key, plan) -> None:
+    """Keep the plan of a call that took the full path, for the repeated calls (those on the
+    tensors' own device, which the launch needs current)."""
+    if key[14] != key[15] or key[9] != key[14] or key[10] != key[14] or not plan.driver_ready():
+        return
+    if len(_plans) >= _MAX_PLANS:
+        _plans.clear()
+    _plans[key] = plan
+
+
+def _planned(key, q, k, v, lse_needed: bool):
+    """(out, lse) of a repeated call launched from its plan (lse None where not needed: the plan's
+    scratch takes it), or None for the full path (no plan; an address off the 16-byte grid)."""
+    plan = _plans.get(key) if key is not None else None
+    if plan is None:
+        return None
+    q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    if (q_ptr | k_ptr | v_ptr) % 16:
+        return None
+    out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+    if lse_needed:
+        lse = q.new_empty(plan.outputs[3], dtype=torch.float32)
+        plan.launch_pointers(q_ptr, k_ptr, v_ptr, out.data_ptr(), lse.data_ptr(), key[16])
+        return out, lse
+    plan.launch_pointers(q_ptr, k_ptr, v_ptr, out.data_ptr(), plan.lse_scratch.data.ptr, key[16])
+    return out, None
 
 
 _attention_op = torch.library.custom_op("cuflash::attention", mutates_args=())(_forward_impl)
@@ -273,6 +342,18 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
         The output, contiguous in ``layout`` and q's dtype (and the LSE with ``return_lse``), on
         torch's current stream.
     """
+    if not _is_compiling() and type(q) is _Tensor and type(deterministic) is bool:
+        # A repeated call that needs no gradient: straight to its plan.
+        if scale is None:
+            call_scale = 1.0 / math.sqrt(q.shape[-1])
+        else:
+            call_scale = float(scale) if type(scale) is float or type(scale) is int else None
+        key = _plan_key(q, k, v, causal, call_scale, layout) if call_scale is not None else None
+        if key is not None and not ((q.requires_grad or k.requires_grad or v.requires_grad)
+                                    and torch.is_grad_enabled()):
+            planned = _planned(key, q, k, v, return_lse)
+            if planned is not None:
+                return planned if return_lse else planned[0]
     _check(q, k, v, layout)
     if isinstance(causal, torch.Tensor) or not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
@@ -285,8 +366,13 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
     args = (_readable(q), _readable(k), _readable(v), causal, float(scale), layout, deterministic)
     # Traced (torch.compile, meta tensors), the operator; eager, the same functions without the
     # dispatcher's per-call cost.
-    traced = torch.compiler.is_compiling() or q.device.type != "cuda"
-    out, lse = _attention_op(*args) if traced else _Attention.apply(*args)
+    traced = _is_compiling() or q.device.type != "cuda"
+    if traced:
+        out, lse = _attention_op(*args)
+    elif q.requires_grad or k.requires_grad or v.requires_grad:
+        out, lse = _Attention.apply(*args)
+    else:  # nothing to differentiate: no autograd node
+        out, lse = _forward_impl(*args)
     return (out, lse) if return_lse else out
 
 

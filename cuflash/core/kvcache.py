@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -341,7 +342,7 @@ class KVCachePlan:
         self.combine_grid = (ceil_div(rows, 4),)
         self._lse_scratch = None
         self._stream = stream
-        self._driver = _driver_launcher(kernels, stream)
+        self._driver = _driver_launcher(kernels, stream, raw)
 
     @property
     def lse_scratch(self):
@@ -377,39 +378,39 @@ class KVCachePlan:
             combine(self.combine_grid, (128, 1, 1), params)
 
 
-def _driver_launcher(kernels, stream: int):
-    """A launch of the plan's kernels straight through the driver (cuda-bindings' cuLaunchKernel,
-    the parameter block passed as the kernels' one argument), or None where that is unavailable."""
+def _driver_launcher(kernels, stream: int, template: bytes):
+    """A launch of the plan's kernels straight through the driver (CuPy's binding of
+    cuLaunchKernel), the parameter block, the kernels' one argument, kept for the plan and its
+    pointers written per call under a lock; None where that is unavailable."""
+    from .launch import DriverArguments, bind_context
     try:
-        import ctypes
-
-        from cuda.bindings import driver
-    except ImportError:
+        from cupy.cuda import driver
+        launch_kernel, error = driver.launchKernel, driver.CUDADriverError
+        # CuPy's RawKernel holds the loaded function (its .kernel) once it is compiled
+        append, attend, combine = (int(k.kernel.ptr) for k in (kernels[2], kernels[0], kernels[1]))
+    except (ImportError, AttributeError, TypeError, ValueError):
         return None
-    try:  # CuPy's RawKernel holds the loaded function (its .kernel) once it is compiled
-        handles = [driver.CUfunction(init_value=k.kernel.ptr) for k in kernels]
-    except AttributeError:
-        return None
-    cu_stream = driver.CUstream(init_value=stream)
-    success = driver.CUresult.CUDA_SUCCESS
-    size = DECODE_STRUCT.size
+    arguments = DriverArguments([len(template)])
+    arguments.write(0, template)
+    buffer, shift, argv = arguments.buffer, arguments.shift, arguments.argv_address
+    lock = threading.Lock()
 
     def run(plan, pointers, attend_rows: bool) -> None:
-        block = ctypes.create_string_buffer(plan.template, size)
-        _POINTERS.pack_into(block, 0, *pointers)
-        argv = (ctypes.c_void_p * 1)(ctypes.addressof(block))
         problem = plan.problem
         launches = []
         if problem.seqlen_new:
-            launches.append((handles[2], (problem.seqlen_new, problem.heads_k, problem.batch), 0))
+            launches.append((append, problem.seqlen_new, problem.heads_k, problem.batch, 128, 0))
         if attend_rows:
-            launches.append((handles[0], plan.grid, plan.spec.smem_bytes))
+            launches.append((attend, *plan.grid, plan.spec.threads, plan.spec.smem_bytes))
             if plan.splits > 1:
-                launches.append((handles[1], plan.combine_grid + (1, 1), 0))
-        for handle, grid, smem in launches:
-            grid = tuple(grid) + (1,) * (3 - len(grid))
-            threads = plan.spec.threads if handle is handles[0] else 128
-            (err,) = driver.cuLaunchKernel(handle, *grid[:3], threads, 1, 1, smem, cu_stream, ctypes.addressof(argv), 0)
-            if err != success:
-                raise RuntimeError(f"launching {plan.spec.name} failed: {err}")
+                launches.append((combine, plan.combine_grid[0], 1, 1, 128, 0))
+        with lock:  # one parameter block for every thread that launches this plan
+            _POINTERS.pack_into(buffer, shift, *pointers)
+            for handle, gx, gy, gz, threads, smem in launches:
+                try:
+                    launch_kernel(handle, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
+                except error as exc:
+                    bind_context(exc)
+                    launch_kernel(handle, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
+    run.arguments = arguments  # kept alive with the launcher
     return run

@@ -5,9 +5,11 @@ All run-time values travel in one by-value parameter block whose layout is defin
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import struct
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -194,10 +196,13 @@ class LaunchPlan:
     """A forward launch prepared once for calls that agree on everything but the arrays' addresses
     (shapes, strides, dtypes, flags, device and stream; the caller keys plans by those): the
     kernel, its grid, and the parameter block with all but the five array pointers filled in,
-    which each call writes. It keeps the per-stream buffers its block points to alive."""
+    which each call writes. It keeps the per-stream buffers its block points to alive.
+
+    The first launch goes through CuPy's kernel call; later ones (:data:`DRIVER_LAUNCH`) straight
+    through the driver's cuLaunchKernel on argument storage the plan keeps (:meth:`launch_pointers`)."""
 
     __slots__ = ("spec", "problem", "kernel", "grid", "block", "smem", "template", "out_strides", "buffers",
-                 "maps", "out_map", "mods", "map_problem")
+                 "maps", "out_map", "mods", "map_problem", "lse_scratch", "outputs", "_launched", "_driver")
 
     def __init__(self, kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides,
                  scales: Fp8Scales | None = None, mods: bytes = b"", map_problem: Problem | None = None):
@@ -226,9 +231,21 @@ class LaunchPlan:
         # (pointers, encoded maps) of the last call, read and replaced as one object (threads share plans)
         self.maps = self.out_map = (None, None)
         self.mods = _struct_args(mods)
+        # set by the caller that keeps the plan: the LSE buffer of calls that do not return it, and
+        # how their outputs are allocated
+        self.lse_scratch = self.outputs = None
+        self._launched, self._driver = False, None
 
-    def launch(self, q, k, v, out, lse) -> None:
-        """Launch on the current CuPy stream with these arrays (shaped and strided as the plan's)."""
+    def launch(self, q, k, v, out, lse, stream: int | None = None) -> None:
+        """Launch on the current CuPy stream with these arrays (shaped and strided as the plan's);
+        ``stream``: that stream's handle where the caller has it."""
+        driver = self._driver
+        if driver is None and self._launched:
+            driver = self._driver = self._prepare_driver()
+        if driver:
+            self._driver_launch(driver, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, stream)
+            return
+        self._launched = True
         raw = bytearray(self.template)
         _POINTERS.pack_into(raw, 0, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
         args = (np.frombuffer(raw, dtype=_PARAMS),)
@@ -248,6 +265,156 @@ class LaunchPlan:
                     self.out_map = (out.data.ptr, out_map)
                 args += (out_map,)
         self.kernel(self.grid, self.block, args + self.mods, shared_mem=self.smem)
+
+    def driver_ready(self) -> bool:
+        """Whether :meth:`launch_pointers` may be called: the plan launched once through CuPy (on
+        its device: the kernel is loaded and its shared-memory limit set) and launches through the
+        driver from now on."""
+        if self._driver is None and self._launched:
+            self._driver = self._prepare_driver()
+        return bool(self._driver)
+
+    def launch_pointers(self, q: int, k: int, v: int, out: int, lse: int, stream: int) -> None:
+        """Launch on ``stream`` (a CUDA stream handle) with the arrays at these device addresses
+        (16-byte aligned, shaped and strided as the plan's), once :meth:`driver_ready`; on the
+        plan's device, which must be current."""
+        self._driver_launch(self._driver, q, k, v, out, lse, stream)
+
+    def _prepare_driver(self):
+        """(launch function, kernel handle, grid and block, argument storage): the kernel's
+        arguments kept in one host buffer, each 64-byte aligned (a tensor map's alignment), and the
+        void* array cuLaunchKernel reads them through; False where the driver path does not apply
+        (FP8: v's map reads its strides; a kernel that is not a loaded CuPy kernel); None, to try
+        again later, off the plan's device (CuPy's kernel is the current device's)."""
+        if not DRIVER_LAUNCH or self.spec.fp8:
+            return False
+        if not hasattr(type(self.kernel), "kernel"):  # not a CuPy kernel (a stand-in)
+            return False
+        try:
+            import cupy
+            from cupy.cuda import driver
+            if cupy.cuda.runtime.getDevice() != self.problem.device_id:
+                return None
+            launch_kernel, handle = driver.launchKernel, int(self.kernel.kernel.ptr)
+        except (ImportError, AttributeError, TypeError):
+            return False
+        from . import tma
+        spec = self.spec
+        sizes = [len(self.template)]
+        if spec.warp_specialized:
+            sizes.append(3 * tma.MAP_BYTES)
+            if spec.tma_store:
+                sizes.append(tma.MAP_BYTES)
+        mods = self.mods[0].tobytes() if self.mods else b""
+        if mods:
+            sizes.append(len(mods))
+        storage = DriverArguments(sizes)
+        storage.write(0, self.template)
+        if mods:
+            storage.write(len(sizes) - 1, mods)
+        gx, gy, gz = (tuple(self.grid) + (1, 1))[:3]
+        maps = (storage.addresses[1], storage.addresses[2] if spec.tma_store else 0) if spec.warp_specialized else None
+        # the pointers (q, k, v, out) the maps in storage were encoded for: none yet
+        mapped = [(None, None, None, None)]
+        return (launch_kernel, handle, max(gx, 1), max(gy, 1), max(gz, 1), self.block[0], self.smem, storage.buffer,
+                storage.shift, storage.argv_address, storage, maps, mapped, threading.Lock(), driver.CUDADriverError)
+
+    def _driver_launch(self, driver, q, k, v, out, lse, stream) -> None:
+        launch_kernel, handle, gx, gy, gz, threads, smem, storage, shift, argv, _, maps, mapped, lock, error = driver
+        if stream is None:
+            import cupy
+            stream = cupy.cuda.get_current_stream().ptr
+        with lock:  # the storage is shared by every thread that launches this plan
+            _POINTERS.pack_into(storage, shift, q, k, v, out, lse)
+            if maps is not None and mapped[0] != (q, k, v, out):
+                self._write_maps(maps, mapped, q, k, v, out)
+            try:
+                launch_kernel(handle, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
+            except error as exc:
+                bind_context(exc)
+                launch_kernel(handle, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
+
+    def _write_maps(self, maps, mapped, q, k, v, out) -> None:
+        """Encode the tensor maps into the storage where the arrays moved (the caller holds the lock)."""
+        from . import tma
+        spec = self.spec
+        was = mapped[0]
+        if was[:3] != (q, k, v):
+            size = self.map_problem.dtype.itemsize
+            raw = tma.forward_maps(spec, self.map_problem, _Address(q, size), _Address(k, size),
+                                   _Address(v, size)).tobytes()
+            ctypes.memmove(maps[0], raw, len(raw))
+        if maps[1] and was[3] != out:
+            raw = tma.output_map(self.problem, _Address(out, self.problem.dtype.itemsize), self.out_strides,
+                                 spec.out_dtype).tobytes()
+            ctypes.memmove(maps[1], raw, len(raw))
+        mapped[0] = (q, k, v, out)
+
+
+#: Launch a plan's repeated calls straight through the driver (cuLaunchKernel on argument storage
+#: the plan keeps); False: every launch through CuPy's kernel call (for comparisons).
+DRIVER_LAUNCH = True
+_CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+class DriverArguments:
+    """Kernel arguments kept in host memory for cuLaunchKernel: one buffer holding each argument
+    64-byte aligned (a tensor map's alignment), and the void* array of their addresses."""
+
+    __slots__ = ("buffer", "shift", "addresses", "argv", "argv_address")
+
+    def __init__(self, sizes):
+        offsets, end = [], 0
+        for size in sizes:
+            offsets.append(end)
+            end += -(-size // 64) * 64
+        self.buffer = ctypes.create_string_buffer(end + 64)
+        base = -(-ctypes.addressof(self.buffer) // 64) * 64
+        self.shift = base - ctypes.addressof(self.buffer)  # where the first argument starts in the buffer
+        self.addresses = tuple(base + off for off in offsets)
+        self.argv = (ctypes.c_void_p * len(sizes))(*self.addresses)
+        self.argv_address = ctypes.addressof(self.argv)
+
+    def write(self, index: int, raw: bytes) -> None:
+        ctypes.memmove(self.addresses[index], raw, len(raw))
+
+
+def bind_context(exc) -> None:
+    """After a failed driver launch: where the thread had no CUDA context (its first CUDA call),
+    let the runtime bind the current device's, for the launch to be tried again; else raise."""
+    if getattr(exc, "status", None) != _CUDA_ERROR_INVALID_CONTEXT:
+        raise exc
+    import cupy
+    cupy.cuda.runtime.memGetInfo()
+
+
+class _Address:
+    """An array as the tensor maps' encoders read one: its address (``x.data.ptr``) and element size."""
+
+    __slots__ = ("data", "ptr", "itemsize")
+
+    def __init__(self, ptr: int, itemsize: int):
+        self.data, self.ptr, self.itemsize = self, ptr, itemsize
+
+
+_lse_scratch: dict = {}
+_retired_scratch: list = []
+
+
+def lse_scratch(problem: Problem, stream: int):
+    """A float32 buffer for the LSE of ``problem``'s calls that do not return it (the forward
+    kernels only write it), per device and stream, kept for the process: a CUDA graph that
+    captured a launch keeps pointing at it. A bigger need takes a new one and keeps the old."""
+    import cupy
+
+    floats = max(problem.batch * problem.heads * problem.seqlen_q, 1)
+    key = (problem.device_id, stream)
+    buf = _lse_scratch.get(key)
+    if buf is None or buf.size < floats:
+        if buf is not None:
+            _retired_scratch.append(buf)
+        buf = _lse_scratch[key] = cupy.empty(1 << (floats - 1).bit_length(), dtype=cupy.float32)
+    return buf
 
 
 def _struct_args(raw: bytes) -> tuple:

@@ -1,0 +1,316 @@
+"""Repeated forward calls on CPU stand-ins (tests/fake_device.py, no GPU): a plan's first launch
+goes through CuPy's kernel call, later ones through the driver on argument storage the plan
+keeps; the storage holds pack_params' block for each call's pointers and the tensor maps of its
+arrays; outputs come from one allocation (or the stream's LSE scratch); anything the plan does
+not cover takes the full path."""
+import threading
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+import cuflash  # noqa: E402
+from cuflash import forward  # noqa: E402
+from cuflash.core import launch  # noqa: E402
+from cuflash.core.params import FORWARD_STRUCT  # noqa: E402
+
+import fake_device  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+SHAPE = (2, 4, 100, 64)
+
+
+@pytest.fixture
+def device(monkeypatch, request):
+    arch = getattr(request, "param", "sm90a")
+    driver = fake_device.FakeDriver(sizes=None)
+    kernel, driver = fake_device.install(monkeypatch, cupy, arch=arch, driver=driver)
+    forward._default.cache_clear()
+    launch._lse_scratch.clear()
+    yield kernel, driver
+    fake_device.uninstall(cupy)
+    forward._default.cache_clear()
+    launch._lse_scratch.clear()
+
+
+def _inputs(base=0x1000_0000, shape=SHAPE, dtype=BF16):
+    return tuple(fake_device.fake_array(cupy, shape, dtype, base + i * 0x100_0000) for i in range(3))
+
+
+def _sizes(plan):
+    sizes = [FORWARD_STRUCT.size]
+    if plan.spec.warp_specialized:
+        sizes.append(384)
+        if plan.spec.tma_store:
+            sizes.append(128)
+    return sizes
+
+
+def _expected_block(plan, q, k, v, out, lse):
+    """pack_params' block for these pointers: the plan's template with the five pointers replaced."""
+    return launch._POINTERS.pack(q, k, v, out, lse) + plan.template[launch._POINTERS.size:]
+
+
+@pytest.mark.parametrize("device", ["sm90a", "sm80"], indirect=True)
+def test_the_first_launch_through_cupy_then_the_driver_with_pack_params_block(device):
+    kernel, driver = device
+    q, k, v = _inputs()
+    out0, _ = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    assert len(kernel.calls) == 1 and not driver.launches
+    plan = next(iter(forward._plans.values()))
+    driver.sizes = _sizes(plan)
+    for base in (0x1000_0000, 0x2000_0000, 0x2000_0000):
+        q, k, v = _inputs(base)
+        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        (f, grid, block, smem, stream), args = driver.launches[-1]
+        assert f == kernel.kernel.ptr and stream == 0x5000 and smem == plan.spec.smem_bytes
+        assert grid == (tuple(plan.grid) + (1, 1))[:3] and block == (plan.spec.threads, 1, 1)
+        assert args[0] == _expected_block(plan, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
+        # the same block the CuPy launch of the full path passes
+        assert args[0] == launch.pack_params(plan.problem, q, k, v, out, lse, plan.out_strides,
+                                             *_block_extras(plan)).tobytes()
+        if plan.spec.warp_specialized:
+            assert args[1] == np.array([q.data.ptr, k.data.ptr, v.data.ptr] * 16, dtype="<u8").tobytes()
+            if plan.spec.tma_store:
+                assert args[2] == np.array([out.data.ptr] * 16, dtype="<u8").tobytes()
+        assert out.shape == out0.shape and out.dtype == BF16 and lse.shape == SHAPE[:3]
+    assert len(kernel.calls) == 1 and len(driver.launches) == 3
+
+
+def _block_extras(plan):
+    """pack_params' arguments past the arrays, read back from the plan's template."""
+    fields = np.frombuffer(plan.template, dtype=np.dtype([(n, "<" + f) for n, _, f in
+                                                           __import__("cuflash.core.params", fromlist=["x"])
+                                                           .PARAM_FIELDS]))[0]
+    spec, problem = plan.spec, plan.problem
+    if not spec.warp_specialized:
+        return ()
+    split = launch.split_plan(spec, problem)
+    return (int(fields["tile_counter"]), None, split, (int(fields["split_ws"]), int(fields["split_flags"])),
+            -(-problem.seqlen_q // spec.block_m), launch.band_heads(spec, problem))
+
+
+def test_maps_are_encoded_again_only_when_the_arrays_move(device, monkeypatch):
+    from cuflash.core import tma
+    kernel, driver = device
+    encoded = []
+    forward_maps, output_map = tma.forward_maps, tma.output_map
+    monkeypatch.setattr(tma, "forward_maps", lambda spec, p, q, k, v: encoded.append("qkv") or
+                        forward_maps(spec, p, q, k, v))
+    monkeypatch.setattr(tma, "output_map", lambda p, out, s, t: encoded.append("o") or output_map(p, out, s, t))
+    q, k, v = _inputs()
+    cuflash.attention(q, k, v)
+    plan = next(iter(forward._plans.values()))
+    assert plan.spec.warp_specialized and plan.spec.tma_store
+    encoded.clear()
+    for _ in range(3):
+        cuflash.attention(q, k, v)  # the pool hands the output the same address each time
+    assert encoded == ["qkv", "o"]  # the storage's first fill
+    cuflash.attention(*_inputs(0x3000_0000))
+    assert encoded == ["qkv", "o", "qkv"]
+    held = cuflash.attention(q, k, v)
+    other = cuflash.attention(q, k, v)  # a new output address: its map only
+    assert held.data.ptr != other.data.ptr
+    assert encoded == ["qkv", "o", "qkv", "qkv", "o"]
+
+
+def test_outputs_share_one_allocation_and_an_unreturned_lse_is_the_streams_scratch(device):
+    kernel, driver = device
+    q, k, v = _inputs()
+    cuflash.attention(q, k, v)
+    plan = next(iter(forward._plans.values()))
+    driver.sizes = _sizes(plan)
+    out = cuflash.attention(q, k, v)
+    scratch = plan.lse_scratch
+    assert scratch is launch._lse_scratch[(0, 0x5000)] and scratch.size >= 2 * 4 * 100
+    assert driver.launches[-1][1][0][32:40] == np.uint64(scratch.data.ptr).tobytes()
+    assert driver.launches[-1][1][0][24:32] == np.uint64(out.data.ptr).tobytes()
+    cuflash.attention(q, k, v, return_lse=True)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    assert out.data.mem is lse.data.mem
+    assert lse.data.ptr - out.data.ptr == -(-out.nbytes // 256) * 256
+    assert lse.dtype == np.float32 and lse.shape == (2, 4, 100) and lse.flags.c_contiguous
+    assert out.flags.c_contiguous and out.shape == SHAPE
+    assert driver.launches[-1][1][0][32:40] == np.uint64(lse.data.ptr).tobytes()
+
+
+def test_a_bigger_problem_takes_a_bigger_scratch_and_keeps_the_old():
+    from types import SimpleNamespace
+
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        fake_device.install(mp, cupy)
+        launch._lse_scratch.clear()
+        launch._retired_scratch.clear()
+        small = SimpleNamespace(batch=1, heads=2, seqlen_q=100, device_id=0)
+        big = SimpleNamespace(batch=1, heads=2, seqlen_q=1000, device_id=0)
+        a = launch.lse_scratch(small, 7)
+        assert launch.lse_scratch(small, 7) is a and a.size == 256
+        b = launch.lse_scratch(big, 7)
+        assert b.size == 2048 and launch._retired_scratch == [a] and launch.lse_scratch(small, 7) is b
+        assert launch.lse_scratch(small, 8) is not b  # another stream
+        calls.append(1)
+        launch._lse_scratch.clear()
+        launch._retired_scratch.clear()
+        fake_device.uninstall(cupy)
+    assert calls
+
+
+def test_misses_take_the_full_path(device, monkeypatch):
+    kernel, driver = device
+    q, k, v = _inputs()
+    cuflash.attention(q, k, v)
+    cuflash.attention(q, k, v)
+    assert len(forward._plans) == 1 and len(kernel.calls) == 1 and len(driver.launches) == 1
+    # another shape: a plan of its own, launched through CuPy first
+    q2, k2, v2 = _inputs(shape=(1, 4, 64, 64))
+    cuflash.attention(q2, k2, v2)
+    assert len(forward._plans) == 2 and len(kernel.calls) == 2
+    # an address off the 16-byte grid: not the plan (the full path copies it)
+    copies = []
+    monkeypatch.setattr(forward, "aligned_copy", lambda x: copies.append(x) or _inputs(0x5000_0000)[0])
+    shifted = fake_device.fake_array(cupy, SHAPE, BF16, 0x1000_0002)
+    cuflash.attention(shifted, k, v)
+    assert len(copies) == 1 and len(kernel.calls) == 3 and len(driver.launches) == 1
+    # bad input still raises
+    with pytest.raises(ValueError, match="head_dim"):
+        cuflash.attention(q, k[..., :32], v[..., :32])
+    with pytest.raises(TypeError, match="scale"):
+        cuflash.attention(q, k, v, scale="0.1")
+    # another stream: another plan
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *a: type("S", (), {"ptr": 0x6000})())
+    cuflash.attention(q, k, v)
+    assert len(forward._plans) == 3 and len(kernel.calls) == 4
+
+
+def test_without_driver_launch_every_call_goes_through_cupy(device, monkeypatch):
+    kernel, driver = device
+    monkeypatch.setattr(launch, "DRIVER_LAUNCH", False)
+    q, k, v = _inputs()
+    for _ in range(3):
+        cuflash.attention(q, k, v)
+    assert len(kernel.calls) == 3 and not driver.launches
+
+
+def test_off_its_device_a_plan_does_not_take_the_driver_yet(device, monkeypatch):
+    kernel, driver = device
+    q, k, v = _inputs()
+    cuflash.attention(q, k, v)
+    plan = next(iter(forward._plans.values()))
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 1)
+    assert not plan.driver_ready() and plan._driver is None
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    assert plan.driver_ready()
+
+
+def test_a_thread_without_a_context_binds_one_and_launches_again(device, monkeypatch):
+    kernel, driver = device
+
+    class DriverError(Exception):
+        def __init__(self, status):
+            self.status = status
+
+    monkeypatch.setattr(cupy.cuda.driver, "CUDADriverError", DriverError)
+    failures = [201]
+    bound = []
+
+    def launch_kernel(*args):
+        if failures:
+            raise DriverError(failures.pop())
+        driver(*args)
+
+    monkeypatch.setattr(cupy.cuda.driver, "launchKernel", launch_kernel)
+    monkeypatch.setattr(cupy.cuda.runtime, "memGetInfo", lambda: bound.append(1) or (0, 0))
+    q, k, v = _inputs()
+    cuflash.attention(q, k, v)
+    cuflash.attention(q, k, v)
+    assert bound == [1] and len(driver.launches) == 1
+    failures.append(700)  # any other error is raised
+    with pytest.raises(DriverError):
+        cuflash.attention(q, k, v)
+
+
+def test_threads_sharing_a_plan_each_launch_their_own_pointers(device):
+    kernel, _ = device
+    q, k, v = _inputs()
+    cuflash.attention(q, k, v)
+    plan = next(iter(forward._plans.values()))
+    assert plan.driver_ready()
+    import ctypes
+    import time
+    seen, bad = [], []
+
+    def launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        block = ctypes.string_at(ctypes.c_void_p.from_address(params).value, 40)
+        time.sleep(0)  # let another thread run while this one is inside the launch
+        again = ctypes.string_at(ctypes.c_void_p.from_address(params).value, 40)
+        ptrs = np.frombuffer(block, dtype="<u8")
+        if block != again or not (ptrs == ptrs[0] + np.arange(5) * 16).all():
+            bad.append(ptrs)
+        seen.append(int(ptrs[0]))
+
+    plan._driver = plan._driver[:0] + (launch_kernel,) + plan._driver[1:]
+
+    def run(base):
+        for i in range(200):
+            p = base + i * 0x1000
+            plan.launch_pointers(p, p + 16, p + 32, p + 48, p + 64, 0)
+
+    threads = [threading.Thread(target=run, args=(0x10_0000_0000 * (t + 1),)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad and len(seen) == 800
+
+
+def test_fp8_and_stand_in_kernels_keep_cupys_launch():
+    from types import SimpleNamespace
+
+    from cuflash.core import dtypes
+    from cuflash.core.policy import default_spec
+    from cuflash.core.validate import Problem
+
+    problem = Problem(dtypes.from_tag("fp16"), batch=1, heads=2, heads_k=2, seqlen_q=64, seqlen_k=64, head_dim=64,
+                      causal=False, scale=0.125, layout="bhsd", device_id=0, q_strides=(1, 2, 3),
+                      k_strides=(1, 2, 3), v_strides=(1, 2, 3))
+    launched = []
+    spec = default_spec(64, "fp16", False, "sm80")
+
+    def array(ptr):
+        return SimpleNamespace(data=SimpleNamespace(ptr=ptr))
+
+    plan = launch.LaunchPlan(lambda *a, **kw: launched.append(a), spec, problem, *(array(16 * i) for i in range(5)),
+                             (1, 2, 3))
+    for _ in range(3):
+        plan.launch(*(array(16 * i) for i in range(5)))
+    assert len(launched) == 3 and plan._driver is False and not plan.driver_ready()
+
+
+def test_kvcache_plans_launch_their_kernels_on_one_kept_block(monkeypatch):
+    from types import SimpleNamespace
+
+    from cuflash.core import kvcache
+    from cuflash.core.params import DECODE_STRUCT
+
+    driver = fake_device.FakeDriver(sizes=[DECODE_STRUCT.size])
+    monkeypatch.setattr(cupy.cuda.driver, "launchKernel", driver)
+    kernels = tuple(fake_device.FakeKernel(ptr) for ptr in (0xA, 0xC, 0xB))  # attend, combine, append
+    template = bytes(range(256)) * (DECODE_STRUCT.size // 256) + bytes(DECODE_STRUCT.size % 256)
+    run = kvcache._driver_launcher(kernels, 0x99, template)
+    plan = SimpleNamespace(problem=SimpleNamespace(seqlen_new=3, heads_k=2, batch=4), grid=(8, 1, 5),
+                           spec=SimpleNamespace(threads=256, smem_bytes=70000), splits=5, combine_grid=(12,))
+    pointers = tuple(0x1000 * (i + 1) for i in range(7))
+    run(plan, pointers, True)
+    want = kvcache._POINTERS.pack(*pointers) + template[kvcache._POINTERS.size:]
+    assert [launch_[0] for launch_ in driver.launches] == [
+        (0xB, (3, 2, 4), (128, 1, 1), 0, 0x99), (0xA, (8, 1, 5), (256, 1, 1), 70000, 0x99),
+        (0xC, (12, 1, 1), (128, 1, 1), 0, 0x99)]
+    assert all(args == (want,) for _, args in driver.launches)
+    plan.problem.seqlen_new, plan.splits = 0, 1
+    run(plan, pointers[::-1], False)  # no new keys, no rows: nothing to launch
+    run(plan, pointers[::-1], True)
+    assert len(driver.launches) == 4 and driver.launches[-1][0][0] == 0xA
+    assert driver.launches[-1][1][0][:56] == kvcache._POINTERS.pack(*pointers[::-1])
