@@ -3,7 +3,8 @@
 Gradients are recomputed tile by tile from the forward's output and log-sum-exp; nothing of
 size seqlen_q x seqlen_k is ever stored. Extra device memory is O(seqlen * head_dim): two float32
 vectors per query row (delta and the base-2 LSE) and, unless ``deterministic``, a float32 dQ
-accumulator shaped like q.
+accumulator shaped like q (on the Hopper kernel up to head dim 128, padded to its computed
+head dim and kept in fragment order within each query tile).
 """
 from __future__ import annotations
 

@@ -144,7 +144,7 @@ def _hopper(q, k, v, cu_q, cu_k, out, lse, max_seqlen_q, problem) -> bool:
     if spec is None:
         return False
     kernel = _compile.get_kernel(spec, problem.device_id)
-    varlen = struct.pack("<QQiiQ", cu_q.data.ptr, cu_k.data.ptr, q.shape[0], k.shape[0], 0)
+    varlen = struct.pack("<QQii", cu_q.data.ptr, cu_k.data.ptr, q.shape[0], k.shape[0])
     out_strides = (0, out.strides[1] // out.itemsize, out.strides[0] // out.itemsize)
     LaunchPlan(kernel, spec, kernel_problem, q, k, v, out, lse, out_strides, mods=varlen,
                map_problem=rows).launch(q, k, v, out, lse)
@@ -279,9 +279,7 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
         strides = {name: (0, x.strides[1] // x.itemsize, x.strides[0] // x.itemsize)
                    for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk),
                                    ("dv", dv))}
-        # the grid's block rows take the sequences longest first (most key tiles, then most queries)
-        order = cupy.asarray(np.lexsort((-np.diff(offsets_q), -np.diff(offsets_k))).astype(np.int32))
-        args = struct.pack("<QQiiQ", offsets[0].data.ptr, offsets[1].data.ptr, total_q, total_k, order.data.ptr)
+        args = struct.pack("<QQii", offsets[0].data.ptr, offsets[1].data.ptr, total_q, total_k)
         launch_backward(_compile.get_kernel(spec, problem.device_id), spec, bp, tensors, strides, padded=padded,
                         varlen=(args, sequences, max_seqlen_k, max_seqlen_q))
     return dq, dk, dv

@@ -6,13 +6,11 @@
 namespace cuflash {
 
 // The offsets of packed sequences (cuflash.attention_varlen), int32 [batch + 1] each, and the
-// packed row counts: the warp-specialized forward's kernel argument when kVarlen. order: the
-// sequence of each block row of the Hopper backward's grid, longest first (null elsewhere).
+// packed row counts: the warp-specialized forward's kernel argument when kVarlen.
 struct VarlenArgs {
     const int* cu_seqlens_q;
     const int* cu_seqlens_k;
     int total_q, total_k;
-    const int* order;
 };
 
 template <class T, int kBlockM, int kBlockN, bool kCausal>

@@ -90,7 +90,6 @@ struct DkdvWork {
     // the host has checked; a key tile past the sequence's keys has no steps and stores nothing.
     template <int kBM, bool kCausal, class Params>
     __device__ __forceinline__ void set_sequence(const Params& p, const VarlenArgs& va) {
-        batch = va.order[batch];
         q_start = va.cu_seqlens_q[batch];
         k_start = va.cu_seqlens_k[batch];
         seqlen_q = va.cu_seqlens_q[batch + 1] - q_start;
