@@ -34,6 +34,8 @@ def select_spec(problem: Problem, family: str | None = None, out_dtype: str | No
     """The specialization cuflash runs for a validated problem on its device (of ``family``, or
     of the default family there; FP8 inputs: writing ``out_dtype``; tiles by length class;
     ``lse``: whether the caller takes the LSE)."""
+    if family is not None and not isinstance(family, str):  # named before the cached lookup hashes it
+        raise TypeError(f"family must be a str or None, got {family!r}")
     # Lengths past SHORT_SEQLEN all take the long tiles: one cache entry for them.
     seqlen = min(max(problem.seqlen_q, problem.seqlen_k), SHORT_SEQLEN + 1)
     return _default(problem.head_dim, problem.dtype.tag, problem.causal, problem.device_id, family, out_dtype,
@@ -297,11 +299,13 @@ def _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec):
     device = q.data.device_id
     if k.data.device_id != device or v.data.device_id != device or cupy.cuda.runtime.getDevice() != device:
         return None
+    key = (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype, causal, scale,
+           bool(return_lse), layout, family, spec, device, cupy.cuda.get_current_stream().ptr)
     try:
-        return (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype, causal, scale,
-                bool(return_lse), layout, family, spec, device, cupy.cuda.get_current_stream().ptr)
-    except TypeError:  # an unhashable family or spec: the full path names it
+        hash(key)
+    except TypeError:  # an unhashable family, layout or spec: the full path names it
         return None
+    return key
 
 
 def _readable(spec: KernelSpec, x, is_v: bool) -> bool:

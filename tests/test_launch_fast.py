@@ -314,3 +314,25 @@ def test_kvcache_plans_launch_their_kernels_on_one_kept_block(monkeypatch):
     run(plan, pointers[::-1], True)
     assert len(driver.launches) == 4 and driver.launches[-1][0][0] == 0xA
     assert driver.launches[-1][1][0][:56] == kvcache._POINTERS.pack(*pointers[::-1])
+
+
+@pytest.mark.parametrize("device", ["sm90a"], indirect=True)
+def test_an_unhashable_family_is_named_by_the_full_path(device):
+    q, k, v = _inputs()
+    assert forward._plan_key(cupy, q, k, v, False, None, False, "bhsd", ["wgmma"], None) is None
+    with pytest.raises((TypeError, ValueError), match="family"):
+        cuflash.attention(q, k, v, family=["wgmma"])
+
+
+def test_a_grown_split_workspace_keeps_the_one_it_replaces(monkeypatch):
+    from types import SimpleNamespace
+    made = []
+    monkeypatch.setattr(cupy, "empty", lambda n, dtype=None: made.append(SimpleNamespace(size=n)) or made[-1])
+    monkeypatch.setattr(cupy, "zeros", lambda n, dtype=None: made.append(SimpleNamespace(size=n)) or made[-1])
+    monkeypatch.setattr(launch, "_split_workspaces", {})
+    monkeypatch.setattr(launch, "_retired_workspaces", [])
+    spec = SimpleNamespace(compute_warpgroups=2, padded_head_dim=128)
+    first = launch._split_workspace(spec, SimpleNamespace(shares=3), ("dev", 0))
+    assert launch._split_workspace(spec, SimpleNamespace(shares=2), ("dev", 0)) == first  # fits: kept
+    grown = launch._split_workspace(spec, SimpleNamespace(shares=9), ("dev", 0))
+    assert grown[0] is not first[0] and launch._retired_workspaces == [first]

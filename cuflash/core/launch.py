@@ -131,20 +131,25 @@ def _split_workspace(spec: KernelSpec, plan: SplitPlan, key: tuple):
     consumer warpgroup, each holding two states (the two pieces of a tile) of 128 threads x
     (head_dim / 8 + 1) float4 (online_softmax.cuh save_state), and one flag per slot, zero
     between launches. Kept per device and stream, like the work counter, and grown when a launch
-    needs more."""
+    needs more. A replaced pair is kept for the process: a captured graph may still point at it."""
     import cupy
     slots = (plan.shares + 1) * spec.compute_warpgroups
     floats = slots * 2 * 128 * (spec.padded_head_dim // 8 + 1) * 4
-    states, flags = _split_workspaces.get(key, (None, None))
+    old = _split_workspaces.get(key, (None, None))
+    states, flags = old
     if states is None or states.size < floats:
         states = cupy.empty(floats, dtype=cupy.float32)
     if flags is None or flags.size < slots:
         flags = cupy.zeros(slots, dtype=cupy.int32)
-    _split_workspaces[key] = (states, flags)
+    if states is not old[0] or flags is not old[1]:
+        if old[0] is not None:
+            _retired_workspaces.append(old)
+        _split_workspaces[key] = (states, flags)
     return states, flags
 
 
 _split_workspaces: dict = {}
+_retired_workspaces: list = []  # replaced (states, flags), kept alive for graphs captured with them
 
 
 @functools.lru_cache(maxsize=4096)
