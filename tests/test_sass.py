@@ -113,3 +113,5 @@ def test_hopper_backward_uses_warpgroup_mma(head_dim, tmp_path):
     # dQ's partial tiles by one bulk reduce-add each up to head dim 128, by atomics above
     assert spec.bulk_dq == (head_dim <= 128)
     assert ("UBLKRED.G.S.ADD.F32" in code) == spec.bulk_dq and ("REDG.E.ADD.F32" in code) != spec.bulk_dq
+    if head_dim == 128:  # packed sequences take the bulk add too
+        assert "UBLKRED.G.S.ADD.F32" in sass(spec.replace(varlen=True), tmp_path)
