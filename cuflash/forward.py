@@ -110,10 +110,10 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
         cupy = _cupy or _import_cupy()
         key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec)
         plan = _plans.get(key) if key is not None else None
-        if plan is not None and not (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
-            out, lse = _new_outputs(cupy, plan, return_lse)
-            plan.launch(q, k, v, out, lse, key[_STREAM])
-            return (out, lse) if return_lse else out
+        if plan is not None:
+            result = _launch_planned(cupy, plan, key, q, k, v, None, return_lse)
+            if result is not None:
+                return result
     return _attention(q, k, v, None, causal=causal, scale=scale, return_lse=return_lse, layout=layout, family=family,
                       spec=spec, fp8_format=fp8_format, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                       out_dtype=out_dtype, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
@@ -137,12 +137,11 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
         key = key + (_Same(score_mod), _Same(mask_mod), _Same(block_mask)) if score_kept and mask_kept else None
     if key is not None:
         plan = _plans.get(key)
-        if plan is not None and not (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
-            out, lse = outputs or _new_outputs(cupy, plan, return_lse)
-            plan.launch(q, k, v, out, lse, key[_STREAM])
+        result = _launch_planned(cupy, plan, key, q, k, v, outputs, return_lse) if plan is not None else None
+        if result is not None:
             if keep is not None:
                 keep.append(plan)
-            return (out, lse) if return_lse else out
+            return result
     if fp8_format is None:
         for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale),
                             ("out_dtype", out_dtype)):
@@ -261,6 +260,16 @@ def _keep_outputs(cupy, plan: LaunchPlan, dtype, stream: int) -> None:
     plan.outputs = (problem.out_shape, dtype, out_bytes, lse_shape, out_bytes + 4 * math.prod(lse_shape),
                     cupy.float32)
     plan.lse_scratch = lse_scratch(problem, stream)
+
+
+def _launch_planned(cupy, plan: LaunchPlan, key: tuple, q, k, v, outputs, return_lse: bool):
+    """A call launched from its plan: its result, or None where the addresses are off the
+    16-byte grid (the full path copies such a view)."""
+    if (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
+        return None
+    out, lse = outputs or _new_outputs(cupy, plan, return_lse)
+    plan.launch(q, k, v, out, lse, key[_STREAM])
+    return (out, lse) if return_lse else out
 
 
 def _new_outputs(cupy, plan: LaunchPlan, return_lse: bool):
