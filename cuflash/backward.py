@@ -17,7 +17,7 @@ from .core import modset as _modset
 from .core.bwd_spec import BwdSpec
 from .core.launch import launch_backward, rows_padded
 from .core.policy import default_bwd_spec
-from .core.validate import aligned_copy, aligned_for_async_copy, validate_backward
+from .core.validate import aligned_copy, aligned_for_async_copy, readable_by_tma, validate_backward
 from .forward import _arch, _on_device, _out_strides, attention
 
 
@@ -92,6 +92,8 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
             bp = validate_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
                                    deterministic=deterministic)
             problem = bp.forward
+        if spec.tma_loads and not all(readable_by_tma(x) for x in (q, k, v, dout)):
+            spec = spec.replace(tma_loads=False)  # strides the copy engine cannot take: cp.async
         if not lse.flags.c_contiguous:
             lse = cupy.ascontiguousarray(lse)
         padded = rows_padded(spec, problem.seqlen_q)

@@ -252,7 +252,7 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
         raise ValueError(f"family='wgmma' runs on sm90a with fp16 or bf16 inputs (device {problem.device_id} is "
                          f"{arch}, dtype {problem.dtype.tag})")
     spec = default_bwd_spec(problem.head_dim, problem.dtype.tag, causal, arch, False, family="wgmma").replace(
-        varlen=True)
+        varlen=True, tma_loads=False)
     total_q, heads, head_dim = q.shape
     total_k, heads_k = k.shape[:2]
     sequences = offsets_q.size - 1

@@ -22,7 +22,7 @@ def test_names_and_kernel_symbols():
 
 
 def test_default_family_per_target():
-    assert default_bwd_spec(128, "bf16", True, "sm90a").name == "bwd_bf16_hd128_causal_m64n128w8s2_wgmma_sm90a"
+    assert default_bwd_spec(128, "bf16", True, "sm90a").name == "bwd_bf16_hd128_causal_m64n128w8s2_wgmma_tma_sm90a"
     assert default_bwd_spec(64, "bf16", True, "sm90a").num_stages == 3
     assert default_bwd_spec(256, "fp16", False, "sm90a").split_head_dim
     # padded to 64 / 128 / 256 columns where that ran faster than the portable kernel (H200)
@@ -39,7 +39,7 @@ def test_default_family_per_target():
     # forced elsewhere, the Hopper backward computes the next of 64 / 128 / 256 columns
     padded = default_bwd_spec(96, "bf16", True, "sm90a", family="wgmma")
     assert (padded.padded_head_dim, padded.block_n, padded.split_head_dim) == (128, 128, False)
-    assert padded.name == "bwd_bf16_hd96_causal_m64n128w8s2_wgmma_sm90a"
+    assert padded.name == "bwd_bf16_hd96_causal_m64n128w8s2_wgmma_tma_sm90a"
     wide = default_bwd_spec(160, "fp16", False, "sm90a", True, family="wgmma")
     assert (wide.padded_head_dim, wide.block_n, wide.split_head_dim) == (256, 64, True)
     assert default_bwd_spec(32, "bf16", False, "sm90a", family="wgmma").num_stages == 3  # 64's tiles
@@ -61,8 +61,9 @@ def test_every_default_backward_spec_renders_and_fits(arch):
         (d, t, c) for d in HEAD_DIMS for t in ("fp16", "bf16", "fp32") for c in (False, True)}
     for spec in specs:
         source = cuflash.generate(spec)
-        for name in spec.kernel_names:
-            assert f"{name}(const BwdParams params)" in source
+        for name in spec.kernel_names:  # the Hopper K/V-outer kernel takes its tensor maps too
+            maps = ", const __grid_constant__ cuflash::BwdTensorMaps maps" if spec.tma_loads and "dkdv" in name else ""
+            assert f"{name}(const BwdParams params{maps})" in source
         assert spec.smem_bytes <= 232448 and spec.dq_smem_bytes <= 232448
 
 
@@ -124,13 +125,13 @@ def test_hopper_backward_compiles_without_spills(head_dim, dtype, causal, determ
 @pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False), (128, True), (256, True), (96, False)])
 def test_hopper_varlen_backward_compiles_without_spills(head_dim, causal):
     pytest.importorskip("cupy")
-    spec = default_bwd_spec(head_dim, "bf16", causal, "sm90a", False).replace(varlen=True)
+    spec = default_bwd_spec(head_dim, "bf16", causal, "sm90a", False).replace(varlen=True, tma_loads=False)
     assert spec.name.endswith("_varlen_sm90a")
     report = compile_offline(spec)
     assert not report.spills, f"{spec.name}: {report.log}"
     assert "Potential Performance Loss" not in report.log, f"{spec.name}: {report.log}"
     with pytest.raises(ValueError, match="varlen applies"):
-        default_bwd_spec(head_dim, "bf16", causal, "sm90a", True).replace(varlen=True)
+        default_bwd_spec(head_dim, "bf16", causal, "sm90a", True).replace(varlen=True, tma_loads=False)
 
 
 def _problem(rng, dtype, b=1, h=2, hk=1, sq=37, sk=50, d=16):
@@ -225,7 +226,7 @@ def test_launch_backward_packs_every_field_and_launches_three_kernels():
     # their second argument; the rows per head are the caller's
     calls.clear()
     varlen = bytes(range(24))
-    spec = default_bwd_spec(64, "bf16", True, "sm90a").replace(varlen=True)
+    spec = default_bwd_spec(64, "bf16", True, "sm90a").replace(varlen=True, tma_loads=False)
     launch_backward((kernel("pre"), kernel("dkdv"), kernel("dq")), spec, SimpleNamespace(forward=problem), tensors,
                     strides, padded=448, varlen=(varlen, 7, 260, 90))
     assert calls[0][1] == (448 // 8, 8, 3) and calls[1][1] == (-(-260 // spec.block_n), 2, 7)
@@ -238,7 +239,7 @@ def test_hopper_backward_adds_dq_tiles_in_bulk_up_to_head_dim_128():
     from cuflash.core.policy import default_bwd_spec
     for head_dim, bulk in ((40, True), (64, True), (96, True), (128, True), (192, False), (256, False)):
         spec = default_bwd_spec(head_dim, "bf16", False, "sm90a", family="wgmma")
-        assert spec.bulk_dq == bulk and spec.replace(varlen=True).bulk_dq == bulk, head_dim
+        assert spec.bulk_dq == bulk and spec.replace(varlen=True, tma_loads=False).bulk_dq == bulk, head_dim
         # whole partial tiles: the accumulator's rows are as wide as the computed head dim
         assert spec.accum_head_dim == (spec.padded_head_dim if bulk else head_dim)
         assert spec.smem_layout["total"] == spec.smem_bytes <= 227 * 1024

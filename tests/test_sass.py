@@ -109,9 +109,12 @@ def test_hopper_backward_uses_warpgroup_mma(head_dim, tmp_path):
     from cuflash.core.policy import default_bwd_spec
     spec = default_bwd_spec(head_dim, "bf16", True, "sm90a")
     code = sass(spec, tmp_path)
-    assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16", code) and "LDGSTS" in code
+    # K, V and the query tiles by TMA, lse2 and delta by bulk copies; no cp.async
+    assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16", code) and "UTMALDG.4D" in code and "UBLKCP" in code
+    assert spec.tma_loads and "LDGSTS" not in code
     # dQ's partial tiles by one bulk reduce-add each up to head dim 128, by atomics above
     assert spec.bulk_dq == (head_dim <= 128)
     assert ("UBLKRED.G.S.ADD.F32" in code) == spec.bulk_dq and ("REDG.E.ADD.F32" in code) != spec.bulk_dq
     if head_dim == 128:  # packed sequences take the bulk add too
-        assert "UBLKRED.G.S.ADD.F32" in sass(spec.replace(varlen=True), tmp_path)
+        varlen = sass(spec.replace(varlen=True, tma_loads=False), tmp_path)
+        assert "UBLKRED.G.S.ADD.F32" in varlen and "LDGSTS" in varlen

@@ -51,6 +51,7 @@ class BwdSpec:
     mask_mod: str = ""    # digest of a traced mask_mod; "" for none
     block_sparse: bool = False  # wgmma with a mask_mod: each key tile's query tiles from a block mask
     varlen: bool = False  # wgmma, dQ by atomics, no mods: packed sequences of their own lengths (cu_seqlens)
+    tma_loads: bool = False  # wgmma, not varlen: K, V and the query tiles by TMA (tensor maps), not cp.async
 
     def __post_init__(self):
         if self.dtype in dtypes.DTYPES and not self.family:
@@ -66,6 +67,8 @@ class BwdSpec:
             problems.append("block_sparse applies to the wgmma backward with a mask_mod")
         if self.varlen and (self.family != "wgmma" or self.deterministic or self.score_mod or self.mask_mod):
             problems.append("varlen applies to the wgmma backward with dQ by atomics (not deterministic), without mods")
+        if self.tma_loads and (self.family != "wgmma" or self.varlen):
+            problems.append("tma_loads applies to the wgmma backward of dense batches (not varlen)")
         if self.family == "wgmma":
             if self.arch != "sm90a":
                 problems.append(f"the wgmma backward needs sm90a (got arch={self.arch})")
@@ -117,8 +120,9 @@ class BwdSpec:
         mods = (f"_sm{self.score_mod}" if self.score_mod else "") + (f"_mm{self.mask_mod}" if self.mask_mod else "")
         mods += "_bs" if self.block_sparse else ""
         varlen = "_varlen" if self.varlen else ""
+        tma = "_tma" if self.tma_loads else ""
         return (f"bwd_{self.dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
-                f"w{self.num_warps}s{self.num_stages}{det}{family}{mods}{varlen}_{self.arch}")
+                f"w{self.num_warps}s{self.num_stages}{det}{family}{mods}{varlen}{tma}_{self.arch}")
 
     def replace(self, **changes) -> "BwdSpec":
         return dataclasses.replace(self, **changes)
@@ -247,7 +251,8 @@ class BwdSpec:
                                  ("ds", scores), ("p", scores if self.split_head_dim else 0),
                                  ("lse2", self.num_stages * self.block_m * 4),
                                  ("delta", self.num_stages * self.block_m * 4),
-                                 ("dq", self.block_m * self.padded_head_dim * 4 if self.bulk_dq else 0)):
+                                 ("dq", self.block_m * self.padded_head_dim * 4 if self.bulk_dq else 0),
+                                 ("bars", 8 * (1 + self.num_stages) if self.tma_loads else 0)):
                 layout[region] = offset
                 offset += size
             layout["total"] = offset + 1024

@@ -468,6 +468,10 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mo
     scored = params + _struct_args(mods)
     pre((ceil_div(padded, 8), problem.heads, problem.batch), (_AUX_THREADS, 1, 1), params)
     keys, blocks_z, dkdv_args, dq_args = problem.seqlen_k, problem.batch, scored, params
+    if spec.tma_loads:  # the tensor maps between the parameters and the mods
+        from .tma import backward_maps
+        maps = backward_maps(spec, bp, tensors["q"], tensors["k"], tensors["v"], tensors["dout"])
+        dkdv_args = params + (maps,) + _struct_args(mods)
     rows = problem.seqlen_q
     if varlen is not None:  # (key tiles of the longest sequence, kv heads, sequences), the offsets last
         tail, blocks_z, keys, rows = varlen

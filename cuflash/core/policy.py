@@ -450,7 +450,7 @@ def default_bwd_spec(head_dim: int, dtype, causal: bool, arch: str, deterministi
         if arch != "sm90a":
             raise ValueError(f"the wgmma backward needs arch sm90a (got arch={arch!r})")
         bm, bn, w, s = HOPPER_BACKWARD[tiles_head_dim(head_dim, BWD_WGMMA_HEAD_DIMS)]
-        return BwdSpec(head_dim, entry.tag, causal, bm, bn, w, s, arch, deterministic, family="wgmma")
+        return BwdSpec(head_dim, entry.tag, causal, bm, bn, w, s, arch, deterministic, family="wgmma", tma_loads=True)
     for max_d, bm, bn, w, s in BWD_CANDIDATES:
         if head_dim > max_d:
             continue

@@ -98,6 +98,29 @@ def forward_maps(spec: KernelSpec, problem: Problem, q, k, v) -> np.ndarray:
 _forward_maps: dict = {}
 
 
+def backward_maps(spec, bp, q, k, v, dout) -> np.ndarray:
+    """The BwdTensorMaps kernel parameter of a backward with ``spec.tma_loads`` (maps of q, k, v
+    and dout, in boxes of 64 columns by a query or key tile's rows) as a one-element void array."""
+    problem = bp.forward
+    key = (spec.block_m, spec.block_n, problem.dtype.tag, problem.batch, problem.heads, problem.heads_k,
+           problem.seqlen_q, problem.seqlen_k, problem.head_dim, problem.q_strides, problem.k_strides,
+           problem.v_strides, bp.do_strides, q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr)
+
+    def make():
+        d = problem.head_dim
+        raw = (_map(q, problem, problem.heads, problem.seqlen_q, problem.q_strides, (64, spec.block_m), d)
+               + _map(k, problem, problem.heads_k, problem.seqlen_k, problem.k_strides, (64, spec.block_n), d)
+               + _map(v, problem, problem.heads_k, problem.seqlen_k, problem.v_strides, (64, spec.block_n), d)
+               + _map(dout, problem, problem.heads, problem.seqlen_q, bp.do_strides, (64, spec.block_m), d))
+        return np.frombuffer(raw, dtype=_BWD_MAPS)
+
+    return _cached(_backward_maps, key, make)
+
+
+_BWD_MAPS = np.dtype((np.void, 4 * MAP_BYTES))
+_backward_maps: dict = {}
+
+
 def output_map(problem: Problem, out, out_strides: tuple, out_tag: str) -> np.ndarray:
     """The out_map kernel parameter of a kernel with ``spec.tma_store``: O (16-bit, ``out_tag``)
     in boxes of 64 columns by 64 rows, one consumer warpgroup's rows. The memory pool hands a

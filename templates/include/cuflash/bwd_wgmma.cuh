@@ -1,8 +1,10 @@
 // Attention backward on Hopper tensor cores (wgmma, sm_90a): the K/V-outer kernel.
 //
 // One thread block per (key tile, kv head, batch) with two warpgroups. K, V and a kStages-deep
-// cp.async ring of query tiles (Q, dO, lse2, delta) sit in shared memory in wgmma's 128-byte
-// swizzled layout (cuflash/wgmma.cuh). Head dims up to 128: the key tile has 128 rows and each
+// ring of query tiles (Q, dO, lse2, delta) sit in shared memory in wgmma's 128-byte swizzled
+// layout (cuflash/wgmma.cuh). kTma: thread 0 loads them by TMA (tensor maps of q, k, v and dout;
+// bulk copies of lse2 and delta), each ring slot completing on its mbarrier; else every thread
+// copies its share with cp.async (packed sequences, and views TMA cannot read). Head dims up to 128: the key tile has 128 rows and each
 // warpgroup owns 64 of them with their dK / dV accumulators (registers, for the whole loop).
 // Per query tile of kBlockM rows:
 //   S^T = K Q^T and dP^T = V dO^T     both operands from shared memory (K-major);
@@ -29,7 +31,7 @@
 // The generated kernel provides Cfg with kHeadDim, kHeadDimStored, kBlockM, kBlockN, kStages,
 // kCausal, kBF16, kDeterministic, kSplitD, kChunksPerRow (of the padded tile), kChunksValid (of
 // the problem's rows), kSmemK, kSmemV, kSmemQ, kSmemDO, kQTileBytes, kSmemLse2,
-// kSmemDelta, kSmemDS, kSmemP, the Params struct and the wgmma_scores / wgmma_grad (or
+// kSmemDelta, kSmemDS, kSmemP, kTma, kSmemBars, the Params struct and the wgmma_scores / wgmma_grad (or
 // wgmma_grad_ss) / wgmma_dq wrappers.
 #pragma once
 #include "cuflash/bwd_mma.cuh"
@@ -38,9 +40,16 @@
 
 namespace cuflash {
 
+// The kTma kernel's maps: 4-d tensors (head dim, rows, heads, batch) in boxes of 64 columns by a
+// tile's rows; columns past the head dim and rows past a sequence arrive as zeros.
+struct BwdTensorMaps {
+    TensorMap q, k, v, dout;
+};
+
 template <class Cfg>
 __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, const typename Cfg::Mods& mods,
-                                               const VarlenArgs& varlen = VarlenArgs{}) {
+                                               const VarlenArgs& varlen = VarlenArgs{},
+                                               const BwdTensorMaps* maps = nullptr) {
     constexpr bool kMods = Cfg::kScoreMod || Cfg::kMaskMod;  // scores modded: P from them with log2(e)
     constexpr bool kGrad = Cfg::kScoreModGrad;
     constexpr float kModScaleLog2 = 1.4426950408889634f;
@@ -107,17 +116,52 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         v += w.k_start * p.v_row_stride;
     }
     constexpr int kValid = Cfg::kChunksValid;
-    copy_rows_async<kBN, Cfg::kChunksPerRow, kThreads, false, kValid>(kv_layout, sK, k, p.k_row_stride,
-                                                                      seqlen_k_of() - w.n0, tid);
-    copy_rows_async<kBN, Cfg::kChunksPerRow, kThreads, false, kValid>(kv_layout, sV, v, p.v_row_stride,
-                                                                      seqlen_k_of() - w.n0, tid);
-    cp_async_commit();
+    // kTma: mbarriers at kSmemBars, the K/V tiles' first, then one per ring slot.
+    constexpr bool kTma = Cfg::kTma;
+    static_assert(!(kTma && kVarlen), "packed sequences load by cp.async");
+    const u32 kv_full = base + Cfg::kSmemBars;
+    auto slot_full = [&](int slot) { return kv_full + 8 + 8 * slot; };
+    if constexpr (kTma) {
+        if (tid == 0) {
+            mbar_init(kv_full, 1);
+#pragma unroll
+            for (int s = 0; s < Cfg::kStages; ++s) mbar_init(slot_full(s), 1);
+            fence_barrier_init();
+            mbar_arrive_expect_tx(kv_full, 2 * kColBlocks * kBN * 128);
+#pragma unroll
+            for (int cb = 0; cb < kColBlocks; ++cb) {
+                tma_load_4d(sK + cb * kBN * 128, &maps->k, kv_full, cb * 64, w.n0, w.head_k, w.batch);
+                tma_load_4d(sV + cb * kBN * 128, &maps->v, kv_full, cb * 64, w.n0, w.head_k, w.batch);
+            }
+        }
+        __syncthreads();  // the barriers are initialized
+    } else {
+        copy_rows_async<kBN, Cfg::kChunksPerRow, kThreads, false, kValid>(kv_layout, sK, k, p.k_row_stride,
+                                                                          seqlen_k_of() - w.n0, tid);
+        copy_rows_async<kBN, Cfg::kChunksPerRow, kThreads, false, kValid>(kv_layout, sV, v, p.v_row_stride,
+                                                                          seqlen_k_of() - w.n0, tid);
+        cp_async_commit();
+    }
 
-    // Step t's query tile (DkdvWork::step_head / step_m0) into ring slot `slot`.
+    // Step t's query tile (DkdvWork::step_head / step_m0) into ring slot `slot` (kTma: by thread 0).
     auto load_step = [&](int t, int slot) {
         const int m0 = step_m0(t);
         const QueryRows rows = kVarlen ? query_rows(p, 0, w.step_head(p.group, t), w.q_start + m0)
                                        : query_rows(p, w.batch, w.step_head(p.group, t), m0);
+        if constexpr (kTma) {
+            const u32 bar = slot_full(slot);
+            const int head = w.step_head(p.group, t);
+            mbar_arrive_expect_tx(bar, 2 * Cfg::kQTileBytes + 2 * kBM * 4);
+#pragma unroll
+            for (int cb = 0; cb < kColBlocks; ++cb) {
+                tma_load_4d(sQ + slot * Cfg::kQTileBytes + cb * kBM * 128, &maps->q, bar, cb * 64, m0, head, w.batch);
+                tma_load_4d(sDO + slot * Cfg::kQTileBytes + cb * kBM * 128, &maps->dout, bar, cb * 64, m0, head,
+                            w.batch);
+            }
+            bulk_load(base + Cfg::kSmemLse2 + slot * kBM * 4, p.lse2 + rows.row, kBM * 4, bar);
+            bulk_load(base + Cfg::kSmemDelta + slot * kBM * 4, p.delta + rows.row, kBM * 4, bar);
+            return;
+        }
         copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads, false, kValid>(
             q_layout, sQ + slot * Cfg::kQTileBytes, rows.q, p.q_row_stride, seqlen_q_of() - m0, tid);
         copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads, false, kValid>(
@@ -143,16 +187,22 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
 
 #pragma unroll
     for (int s = 0; s < Cfg::kStages - 1; ++s) {
-        if (s < w.steps) load_step(s, s);
-        cp_async_commit();
+        if (s < w.steps && (!kTma || tid == 0)) load_step(s, s);
+        if constexpr (!kTma) cp_async_commit();
     }
+    if constexpr (kTma) mbar_wait(kv_full, 0);  // K and V (also when there are no steps)
     const u32 k_rows = sK + (kSplitD ? 0 : wg * 64 * 128), v_rows = sV + (kSplitD ? 0 : wg * 64 * 128);
     for (int t = 0; t < w.steps; ++t) {
-        cp_async_wait<Cfg::kStages - 2>();
-        fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
-        __syncthreads();      // every warpgroup is done with step t-1 (its ring slot and dS^T)
-        if (t + Cfg::kStages - 1 < w.steps) load_step(t + Cfg::kStages - 1, (t + Cfg::kStages - 1) % Cfg::kStages);
-        cp_async_commit();
+        if constexpr (kTma) {
+            mbar_wait(slot_full(t % Cfg::kStages), (t / Cfg::kStages) & 1);
+        } else {
+            cp_async_wait<Cfg::kStages - 2>();
+            fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
+        }
+        __syncthreads();  // every warpgroup is done with step t-1 (its ring slot and dS^T)
+        if (t + Cfg::kStages - 1 < w.steps && (!kTma || tid == 0))
+            load_step(t + Cfg::kStages - 1, (t + Cfg::kStages - 1) % Cfg::kStages);
+        if constexpr (!kTma) cp_async_commit();
         if (Cfg::kBulkDq && tid == 0 && t > 0) add_dq_tile(t - 1);
 
         const int slot = t % Cfg::kStages;
@@ -333,7 +383,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
             fence_operands(acc_dk);
         }
     }
-    cp_async_wait<0>();
+    if constexpr (!kTma) cp_async_wait<0>();
     if constexpr (Cfg::kBulkDq) {
         fence_proxy_async();
         __syncthreads();  // the last step's dQ tile is in shared memory

@@ -36,6 +36,13 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 b
         : "memory");
 }
 
+// Copy `bytes` (a multiple of 16) from global memory at src to shared memory at dst (both
+// 16-byte aligned), counted against mbarrier bar.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(dst), "l"(reinterpret_cast<u64>(src)), "r"(bytes), "r"(bar) : "memory");
+}
+
 // Copy one box of a 4-d tensor from shared memory at src to global memory (coordinates innermost
 // first), in this thread's bulk async-group. Elements out of the tensor's bounds are not written.
 __device__ __forceinline__ void tma_store_4d(const TensorMap* map, u32 src, int c0, int c1, int c2, int c3) {
