@@ -265,7 +265,8 @@ def choose_splits(spec: DecodeSpec, problem: KVCacheProblem, num_splits) -> int:
             raise ValueError(f"num_splits={num_splits!r} must be an integer from 1 to {MAX_SPLITS} (or None)")
         return int(num_splits)
     blocks = problem.batch * problem.heads_k * ceil_div(problem.rows, spec.block_m)
-    return policy.decode_splits(blocks, ceil_div(problem.capacity, spec.block_n), _multiprocessors(problem.device_id))
+    return policy.decode_splits(blocks, ceil_div(problem.capacity, spec.block_n), _multiprocessors(problem.device_id),
+                                policy.decode_blocks_per_sm(spec))
 
 
 _workspaces: dict = {}

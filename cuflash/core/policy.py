@@ -229,11 +229,19 @@ DECODE_WIDE_BLOCK_N = 32
 DECODE_SMEM_BUDGET = 112 * 1024
 DECODE_MAX_STAGES = 4
 
-#: Splits of the key range fill one wave of this many blocks per multiprocessor (one per SM was
-#: faster for contiguous caches at 1 x 128k keys, slower for paged ones and 16 query tokens), and
-#: keep at least this many key tiles each (the merge's reads stay small beside the cache's).
+#: Splits of the key range fill one wave of this many blocks per multiprocessor, and keep at
+#: least this many key tiles each (the merge's reads stay small beside the cache's). One block per
+#: SM streams a contiguous 16-bit cache faster with one row group (decode); paged and FP8 caches and
+#: more query rows (more work per byte) run faster at two.
 DECODE_BLOCKS_PER_SM = 2
+DECODE_BLOCKS_PER_SM_STREAMING = 1
 DECODE_MIN_TILES_PER_SPLIT = 4
+
+
+def decode_blocks_per_sm(spec) -> int:
+    """Blocks per multiprocessor that a decode spec's splits fill (see DECODE_BLOCKS_PER_SM)."""
+    streaming = not spec.paged and not spec.fp8 and spec.warps_m == 1
+    return DECODE_BLOCKS_PER_SM_STREAMING if streaming else DECODE_BLOCKS_PER_SM
 
 
 def decode_warps_m(rows: int) -> int:
@@ -250,12 +258,12 @@ def decode_spec(head_dim: int, dtype: str, cache_dtype: str, paged: bool, rows: 
     return replace(spec, num_stages=max(2, min(DECODE_MAX_STAGES, stages)))
 
 
-def decode_splits(blocks: int, key_tiles: int, sms: int) -> int:
+def decode_splits(blocks: int, key_tiles: int, sms: int, per_sm: int = DECODE_BLOCKS_PER_SM) -> int:
     """Splits of the key range for `blocks` blocks without splits over sequences of up to
-    `key_tiles` tiles: as many as fit DECODE_BLOCKS_PER_SM blocks per multiprocessor in a single
-    wave (none when the blocks fill them already), with at least DECODE_MIN_TILES_PER_SPLIT tiles each."""
+    `key_tiles` tiles: as many as fit `per_sm` blocks per multiprocessor in a single wave (none
+    when the blocks fill them already), with at least DECODE_MIN_TILES_PER_SPLIT tiles each."""
     most = max(1, min(128, key_tiles // DECODE_MIN_TILES_PER_SPLIT))
-    return max(1, min(most, DECODE_BLOCKS_PER_SM * sms // max(blocks, 1)))
+    return max(1, min(most, per_sm * sms // max(blocks, 1)))
 
 # -- tuned tables ------------------------------------------------------------------------------------
 
