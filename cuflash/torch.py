@@ -113,10 +113,11 @@ def _current_stream_ptr(index: int) -> int:
 
 
 class _on_torch_stream:  # noqa: N801 - used as a context manager, like a function
-    """CuPy on torch's device and current stream; while torch captures a CUDA graph, also on its
-    caching allocator, so that the graph's own memory pool holds cuflash's buffers."""
+    """CuPy on torch's device and current stream, whose handle ``with`` gives; while torch
+    captures a CUDA graph, also on its caching allocator, so that the graph's own memory pool
+    holds cuflash's buffers."""
 
-    __slots__ = ("contexts",)
+    __slots__ = ("contexts", "stream")
 
     def __init__(self, device: torch.device):
         import cupy
@@ -139,11 +140,12 @@ class _on_torch_stream:  # noqa: N801 - used as a context manager, like a functi
             contexts.insert(0, cupy.cuda.Device(index))
         if torch.cuda.is_current_stream_capturing():
             contexts.append(cupy.cuda.using_allocator(_allocator()))
-        self.contexts = contexts
+        self.contexts, self.stream = contexts, ptr
 
     def __enter__(self):
         for context in self.contexts:
             context.__enter__()
+        return self.stream
 
     def __exit__(self, *exc):
         for context in reversed(self.contexts):
@@ -167,20 +169,21 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(_rows(q, layout), dtype=torch.float32, device=q.device)
     kept = []
-    with _on_torch_stream(q.device):
+    with _on_torch_stream(q.device) as stream:
         _attention(_to_cupy(q), _to_cupy(k), _to_cupy(v), (_to_cupy(out), _to_cupy(lse)), causal=causal, scale=scale,
                    return_lse=True, layout=layout, family=None, spec=None, fp8_format=None, q_descale=None,
                    k_descale=None, v_descale=None, out_dtype=None, keep=kept)
     if kept and key is not None:
-        _keep(key, kept[0])
+        _keep(key, kept[0], stream)
     return out, lse
 
 
 # -- launch plans of repeated calls ----------------------------------------------------------------------
 
-#: cuflash's launch plans (forward.LaunchPlan) by the torch side of a call: the tensors' shapes,
-#: strides, dtypes and devices, the flags, the current device and stream. A repeated call launches
-#: its plan on the tensors' addresses, with no CuPy arrays and no autograd node where none is needed.
+#: cuflash's launch plans (forward.LaunchPlan) by the torch side of a call (:func:`_plan_key`: the
+#: tensors' shapes, strides and dtypes, the flags, the device and stream), each kept as (plan, the
+#: stream's handle). A repeated call launches its plan on the tensors' addresses, with no CuPy
+#: arrays and no autograd node where none is needed.
 _plans: dict = {}
 _MAX_PLANS = 256
 _Tensor = torch.Tensor
@@ -199,41 +202,43 @@ _current_device = _device_getter()
 
 def _plan_key(q, k, v, causal, scale, layout):
     """The key of a call's plan (``scale`` a float), or None for one that always takes the full path
-    (another type than a plain tensor, a tensor off CUDA)."""
+    (another type than a plain tensor, a tensor off CUDA, tensors off one device or off the current
+    one: a plan launches on the tensors' own device, which must be current)."""
     if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor or type(causal) is not bool:
         return None
     device = q.get_device()
-    if device < 0:  # CPU and meta tensors
+    if device < 0 or k.get_device() != device or v.get_device() != device or _current_device() != device:
         return None
-    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, k.get_device(),
-            v.get_device(), causal, scale, layout, device, _current_device(), _current_stream_ptr(device))
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, causal, scale,
+            layout, device, _current_stream_ptr(device))
 
 
-def _keep(key, plan) -> None:
-    """Keep the plan of a call that took the full path, for the repeated calls (those on the
-    tensors' own device, which the launch needs current)."""
-    if key[14] != key[15] or key[9] != key[14] or key[10] != key[14] or not plan.driver_ready():
+def _keep(key, plan, stream: int) -> None:
+    """Keep the plan of a call that took the full path on ``stream`` (its handle, the one in the
+    key), for the repeated calls."""
+    if not plan.driver_ready():
         return
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
-    _plans[key] = plan
+    _plans[key] = (plan, stream)
 
 
 def _planned(key, q, k, v, lse_needed: bool):
     """(out, lse) of a repeated call launched from its plan (lse None where not needed: the plan's
     scratch takes it), or None for the full path (no plan; an address off the 16-byte grid)."""
-    plan = _plans.get(key) if key is not None else None
-    if plan is None:
+    kept = _plans.get(key) if key is not None else None
+    if kept is None:
         return None
+    plan, stream = kept
     q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
     if (q_ptr | k_ptr | v_ptr) % 16:
         return None
     out = torch.empty_like(q, memory_format=_CONTIGUOUS)
     if lse_needed:
         lse = q.new_empty(plan.outputs[3], dtype=torch.float32)
-        plan.launch_pointers(q_ptr, k_ptr, v_ptr, out.data_ptr(), lse.data_ptr(), key[16])
+        plan.launch_pointers(q_ptr, k_ptr, v_ptr, out.data_ptr(), lse.data_ptr(), stream)
         return out, lse
-    plan.launch_pointers(q_ptr, k_ptr, v_ptr, out.data_ptr(), plan.lse_scratch.data.ptr, key[16])
+    plan.launch_pointers(q_ptr, k_ptr, v_ptr, out.data_ptr(), plan.lse_scratch.data.ptr, stream)
     return out, None
 
 

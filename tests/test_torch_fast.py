@@ -33,12 +33,12 @@ def cuda_stand_in(monkeypatch):
     monkeypatch.setattr(ct, "_plans", {})
     full = []
 
-    class Stream:
+    class Stream:  # gives the current stream's handle, as _on_torch_stream does
         def __init__(self, device):
-            pass
+            self.stream = ct._current_stream_ptr(0)
 
         def __enter__(self):
-            return None
+            return self.stream
 
         def __exit__(self, *exc):
             return False
@@ -124,6 +124,7 @@ def test_plans_are_kept_only_on_the_current_device(cuda_stand_in, monkeypatch):
     ct.attention(q, k, v)
     ct.attention(q, k, v)
     assert len(full) == 2 and not plan.launches and not ct._plans
+    assert ct._plan_key(q, k, v, False, 0.125, "bhsd") is None
 
 
 def test_subclasses_and_cpu_tensors_have_no_key():
