@@ -58,6 +58,9 @@ def _check_forced_spec(spec, problem: Problem, out_dtype: str | None = None, ret
     return spec
 
 
+_UNKEYED = object()  # _attention's key where the caller has not computed it
+
+
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd", family=None, spec=None,
               fp8_format=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None, score_mod=None,
               mask_mod=None, block_mask=None):
@@ -104,6 +107,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
         The output in q's dtype (FP8: ``out_dtype``) and layout (rows with no key to attend are
         0), and the LSE if ``return_lse``. Runs on the current CuPy stream and device.
     """
+    key = _UNKEYED
     if fp8_format is None and score_mod is None and mask_mod is None and block_mask is None and q_descale is None \
             and k_descale is None and v_descale is None and out_dtype is None:
         # a repeated plain call: straight to its plan
@@ -116,19 +120,22 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
                 return result
     return _attention(q, k, v, None, causal=causal, scale=scale, return_lse=return_lse, layout=layout, family=family,
                       spec=spec, fp8_format=fp8_format, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                      out_dtype=out_dtype, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+                      out_dtype=out_dtype, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, key=key)
 
 
 def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, spec, fp8_format, q_descale,
-               k_descale, v_descale, out_dtype, score_mod=None, mask_mod=None, block_mask=None, keep=None):
+               k_descale, v_descale, out_dtype, score_mod=None, mask_mod=None, block_mask=None, keep=None,
+               key=_UNKEYED):
     """:func:`attention`, writing into ``outputs`` = (out, lse) when given: C-contiguous arrays of
     the output's shape and q's dtype, and float32 [batch, heads, seqlen_q] (the torch bridge's).
-    ``keep``: a list the call's launch plan is appended to, where it has one."""
+    ``keep``: a list the call's launch plan is appended to, where it has one. ``key``: the call's
+    :func:`_plan_key` where the caller has it (None too: no plan), else :data:`_UNKEYED`."""
     import cupy
 
-    key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec) \
-        if fp8_format is None and q_descale is None and k_descale is None and v_descale is None \
-        and out_dtype is None else None
+    if key is _UNKEYED:
+        key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec) \
+            if fp8_format is None and q_descale is None and k_descale is None and v_descale is None \
+            and out_dtype is None else None
     if key is not None and (score_mod is not None or mask_mod is not None or block_mask is not None):
         # A call with mods has a plan when its mods trace to graphs kept for their function and
         # captured values (the same graphs, arrays and block mask: the same kernel argument).

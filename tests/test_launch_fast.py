@@ -185,6 +185,22 @@ def test_misses_take_the_full_path(device, monkeypatch):
     assert len(forward._plans) == 3 and len(kernel.calls) == 4
 
 
+def test_a_call_computes_its_plan_key_once(device, monkeypatch):
+    kernel, driver = device
+    keys = []
+    plan_key = forward._plan_key
+    monkeypatch.setattr(forward, "_plan_key", lambda *args: keys.append(args) or plan_key(*args))
+    q, k, v = _inputs()
+    cuflash.attention(q, k, v)  # a miss: the plain call's key goes on to the full path
+    assert len(keys) == 1 and len(forward._plans) == 1 and len(kernel.calls) == 1
+    cuflash.attention(q, k, v)  # a hit
+    assert len(keys) == 2 and len(driver.launches) == 1
+    out, lse = (cupy.ndarray(SHAPE, BF16), cupy.ndarray(SHAPE[:3], cupy.float32))
+    forward._attention(q, k, v, (out, lse), causal=False, scale=None, return_lse=True, layout="bhsd", family=None,
+                       spec=None, fp8_format=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None)
+    assert len(keys) == 3  # a caller without the key: the full path computes it
+
+
 def test_without_driver_launch_every_call_goes_through_cupy(device, monkeypatch):
     kernel, driver = device
     monkeypatch.setattr(launch, "DRIVER_LAUNCH", False)
