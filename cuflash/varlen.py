@@ -238,7 +238,7 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
     from .core.bwd_spec import VARLEN_DQ_GAP
     from .core.launch import launch_backward, rows_padded
     from .core.policy import default_bwd_spec
-    from .core.validate import aligned_copy, aligned_for_async_copy, readable_by_tma, validate_backward
+    from .core.validate import aligned_copy, aligned_for_async_copy, validate_backward
     from .forward import _arch, _on_device
 
     for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
@@ -252,7 +252,7 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
         raise ValueError(f"family='wgmma' runs on sm90a with fp16 or bf16 inputs (device {problem.device_id} is "
                          f"{arch}, dtype {problem.dtype.tag})")
     spec = default_bwd_spec(problem.head_dim, problem.dtype.tag, causal, arch, False, family="wgmma").replace(
-        varlen=True)
+        varlen=True, tma_loads=False)
     total_q, heads, head_dim = q.shape
     total_k, heads_k = k.shape[:2]
     sequences = offsets_q.size - 1
@@ -266,8 +266,6 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
             return dq, dk, dv
         # 16-byte copies need aligned rows; a misaligned view is copied once
         q, k, v, dout = (x if aligned_for_async_copy(x[None]) else aligned_copy(x) for x in (q, k, v, dout))
-        if not all(readable_by_tma(x[None]) for x in (q, k, v, dout)):
-            spec = spec.replace(tma_loads=False)  # strides the copy engine cannot take: cp.async
         out, lse = cupy.ascontiguousarray(out), cupy.ascontiguousarray(lse)
         offsets = [x if isinstance(x, cupy.ndarray) else cupy.asarray(h) for x, h in ((cu_q, offsets_q), (cu_k, offsets_k))]
         offsets = [_offsets(cupy, name, x, problem.device_id) for name, x in zip(("cu_seqlens_q", "cu_seqlens_k"), offsets)]

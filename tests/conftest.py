@@ -77,7 +77,7 @@ def warm_kvcache_kernels():
         specs += [hopper_spec(d, t, c, n, arch) for d in (64, 72, 96, 128, 256) for t in ("bf16", "fp16")
                   for c in (False, True) for n in (700, 4096)]
         from cuflash.core.policy import default_bwd_spec  # the one-launch varlen backward
-        specs += [default_bwd_spec(d, t, c, arch, False, family="wgmma").replace(varlen=True)
+        specs += [default_bwd_spec(d, t, c, arch, False, family="wgmma").replace(varlen=True, tma_loads=False)
                   for d in (64, 96, 128, 256) for t in ("bf16", "fp16") for c in (False, True)]
     cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
 

@@ -51,7 +51,7 @@ class BwdSpec:
     mask_mod: str = ""    # digest of a traced mask_mod; "" for none
     block_sparse: bool = False  # wgmma with a mask_mod: each key tile's query tiles from a block mask
     varlen: bool = False  # wgmma, dQ by atomics, no mods: packed sequences of their own lengths (cu_seqlens)
-    tma_loads: bool = False  # wgmma: K, V and the query tiles by TMA (tensor maps), not cp.async
+    tma_loads: bool = False  # wgmma, not varlen: K, V and the query tiles by TMA (tensor maps), not cp.async
 
     def __post_init__(self):
         if self.dtype in dtypes.DTYPES and not self.family:
@@ -67,8 +67,8 @@ class BwdSpec:
             problems.append("block_sparse applies to the wgmma backward with a mask_mod")
         if self.varlen and (self.family != "wgmma" or self.deterministic or self.score_mod or self.mask_mod):
             problems.append("varlen applies to the wgmma backward with dQ by atomics (not deterministic), without mods")
-        if self.tma_loads and self.family != "wgmma":
-            problems.append("tma_loads applies to the wgmma backward")
+        if self.tma_loads and (self.family != "wgmma" or self.varlen):
+            problems.append("tma_loads applies to the wgmma backward of dense batches (not varlen)")
         if self.family == "wgmma":
             if self.arch != "sm90a":
                 problems.append(f"the wgmma backward needs sm90a (got arch={self.arch})")

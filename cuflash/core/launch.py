@@ -468,17 +468,14 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mo
     scored = params + _struct_args(mods)
     pre((ceil_div(padded, 8), problem.heads, problem.batch), (_AUX_THREADS, 1, 1), params)
     keys, blocks_z, dkdv_args, dq_args = problem.seqlen_k, problem.batch, scored, params
-    maps = ()
-    if spec.tma_loads:  # the tensor maps between the parameters and the mods (or the offsets)
+    if spec.tma_loads:  # the tensor maps between the parameters and the mods
         from .tma import backward_maps
-        maps = (backward_maps(spec, bp, tensors["q"], tensors["k"], tensors["v"], tensors["dout"], tensors["lse2"],
-                              tensors["delta"], padded),)
-        dkdv_args = params + maps + _struct_args(mods)
+        maps = backward_maps(spec, bp, tensors["q"], tensors["k"], tensors["v"], tensors["dout"])
+        dkdv_args = params + (maps,) + _struct_args(mods)
     rows = problem.seqlen_q
     if varlen is not None:  # (key tiles of the longest sequence, kv heads, sequences), the offsets last
         tail, blocks_z, keys, rows = varlen
-        dq_args = params + _struct_args(tail)
-        dkdv_args = params + maps + _struct_args(tail)
+        dkdv_args = dq_args = params + _struct_args(tail)
     dkdv((ceil_div(keys, spec.block_n), problem.heads_k, blocks_z), (spec.threads, 1, 1), dkdv_args,
          shared_mem=spec.smem_bytes)
     if spec.atomic_dq:

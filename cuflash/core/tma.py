@@ -31,14 +31,14 @@ def _driver():
     return driver
 
 
-_DATA_TYPES = {"bf16": "BFLOAT16", "fp16": "FLOAT16", "e4m3": "UINT8", "e5m2": "UINT8", "fp32": "FLOAT32"}
+_DATA_TYPES = {"bf16": "BFLOAT16", "fp16": "FLOAT16", "e4m3": "UINT8", "e5m2": "UINT8"}
 
 
 @functools.lru_cache(maxsize=4096)
 def _encode(ptr: int, dims: tuple, strides: tuple, box: tuple, dtype_tag: str, swizzle: int = 128) -> bytes:
-    """One map of a 4-d tensor (innermost dim first; 16-bit floats, FP8 bytes or float32), read
-    in boxes of box[0] elements (the swizzle's span: 128 bytes, or 64; 0: no swizzle) by box[1]
-    rows, zeros out of bounds."""
+    """One map of a 4-d tensor (innermost dim first; 16-bit floats or FP8 bytes), read in boxes
+    of box[0] elements (the swizzle's span: 128 bytes, or 64) by box[1] rows, zeros out of
+    bounds."""
     driver = _driver()
     dtype = getattr(driver.CUtensorMapDataType, "CU_TENSOR_MAP_DATA_TYPE_" + _DATA_TYPES[dtype_tag])
     err, tensor_map = driver.cuTensorMapEncodeTiled(
@@ -48,7 +48,7 @@ def _encode(ptr: int, dims: tuple, strides: tuple, box: tuple, dtype_tag: str, s
         [driver.cuuint32_t(b) for b in (*box, 1, 1)],
         [driver.cuuint32_t(1)] * 4,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}B" if swizzle else "CU_TENSOR_MAP_SWIZZLE_NONE"),
+        getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}B"),
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     )
@@ -98,16 +98,13 @@ def forward_maps(spec: KernelSpec, problem: Problem, q, k, v) -> np.ndarray:
 _forward_maps: dict = {}
 
 
-def backward_maps(spec, bp, q, k, v, dout, lse2=None, delta=None, padded: int = 0) -> np.ndarray:
+def backward_maps(spec, bp, q, k, v, dout) -> np.ndarray:
     """The BwdTensorMaps kernel parameter of a backward with ``spec.tma_loads`` (maps of q, k, v
-    and dout, in boxes of 64 columns by a query or key tile's rows) as a one-element void array;
-    packed sequences (``spec.varlen``) add lse2 and delta, float32 [heads, padded], in boxes of
-    64 rows (BwdVarlenTensorMaps)."""
+    and dout, in boxes of 64 columns by a query or key tile's rows) as a one-element void array."""
     problem = bp.forward
-    key = (spec.block_m, spec.block_n, spec.varlen, problem.dtype.tag, problem.batch, problem.heads, problem.heads_k,
+    key = (spec.block_m, spec.block_n, problem.dtype.tag, problem.batch, problem.heads, problem.heads_k,
            problem.seqlen_q, problem.seqlen_k, problem.head_dim, problem.q_strides, problem.k_strides,
-           problem.v_strides, bp.do_strides, q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr,
-           padded, lse2.data.ptr if spec.varlen else 0, delta.data.ptr if spec.varlen else 0)
+           problem.v_strides, bp.do_strides, q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr)
 
     def make():
         d = problem.head_dim
@@ -115,15 +112,12 @@ def backward_maps(spec, bp, q, k, v, dout, lse2=None, delta=None, padded: int = 
                + _map(k, problem, problem.heads_k, problem.seqlen_k, problem.k_strides, (64, spec.block_n), d)
                + _map(v, problem, problem.heads_k, problem.seqlen_k, problem.v_strides, (64, spec.block_n), d)
                + _map(dout, problem, problem.heads, problem.seqlen_q, bp.do_strides, (64, spec.block_m), d))
-        if spec.varlen:
-            row_bytes = padded * 4
-            raw += b"".join(_encode(x.data.ptr, (padded, problem.heads, 1, 1), (row_bytes,) * 3, (spec.block_m, 1),
-                                    "fp32", 0) for x in (lse2, delta))
-        return np.frombuffer(raw, dtype=np.dtype((np.void, len(raw))))
+        return np.frombuffer(raw, dtype=_BWD_MAPS)
 
     return _cached(_backward_maps, key, make)
 
 
+_BWD_MAPS = np.dtype((np.void, 4 * MAP_BYTES))
 _backward_maps: dict = {}
 
 

@@ -3,9 +3,8 @@
 // One thread block per (key tile, kv head, batch) with two warpgroups. K, V and a kStages-deep
 // ring of query tiles (Q, dO, lse2, delta) sit in shared memory in wgmma's 128-byte swizzled
 // layout (cuflash/wgmma.cuh). kTma: thread 0 loads them by TMA (tensor maps of q, k, v and dout;
-// lse2 and delta by bulk copies, or for packed sequences, whose tiles start at any row, by maps
-// too), each ring slot completing on its mbarrier; else every thread copies its share with
-// cp.async (views TMA cannot read). Head dims up to 128: the key tile has 128 rows and each
+// bulk copies of lse2 and delta), each ring slot completing on its mbarrier; else every thread
+// copies its share with cp.async (packed sequences, and views TMA cannot read). Head dims up to 128: the key tile has 128 rows and each
 // warpgroup owns 64 of them with their dK / dV accumulators (registers, for the whole loop).
 // Per query tile of kBlockM rows:
 //   S^T = K Q^T and dP^T = V dO^T     both operands from shared memory (K-major);
@@ -45,10 +44,6 @@ namespace cuflash {
 // tile's rows; columns past the head dim and rows past a sequence arrive as zeros.
 struct BwdTensorMaps {
     TensorMap q, k, v, dout;
-};
-// Packed sequences (kVarlen) add lse2 and delta as float32 (rows_padded, heads) in boxes of 64 rows.
-struct BwdVarlenTensorMaps : BwdTensorMaps {
-    TensorMap lse2, delta;
 };
 
 template <class Cfg>
@@ -123,9 +118,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
     constexpr int kValid = Cfg::kChunksValid;
     // kTma: mbarriers at kSmemBars, the K/V tiles' first, then one per ring slot.
     constexpr bool kTma = Cfg::kTma;
-    // Packed sequences: rows from the sequence's first ones in arrays of batch 1 (rows past a
-    // sequence are the next one's, which the mask leaves out).
-    const int q_row0 = kVarlen ? w.q_start : 0, k_row0 = kVarlen ? w.k_start : 0, map_batch = kVarlen ? 0 : w.batch;
+    static_assert(!(kTma && kVarlen), "packed sequences load by cp.async");
     const u32 kv_full = base + Cfg::kSmemBars;
     auto slot_full = [&](int slot) { return kv_full + 8 + 8 * slot; };
     if constexpr (kTma) {
@@ -137,8 +130,8 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
             mbar_arrive_expect_tx(kv_full, 2 * kColBlocks * kBN * 128);
 #pragma unroll
             for (int cb = 0; cb < kColBlocks; ++cb) {
-                tma_load_4d(sK + cb * kBN * 128, &maps->k, kv_full, cb * 64, k_row0 + w.n0, w.head_k, map_batch);
-                tma_load_4d(sV + cb * kBN * 128, &maps->v, kv_full, cb * 64, k_row0 + w.n0, w.head_k, map_batch);
+                tma_load_4d(sK + cb * kBN * 128, &maps->k, kv_full, cb * 64, w.n0, w.head_k, w.batch);
+                tma_load_4d(sV + cb * kBN * 128, &maps->v, kv_full, cb * 64, w.n0, w.head_k, w.batch);
             }
         }
         __syncthreads();  // the barriers are initialized
@@ -161,19 +154,12 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
             mbar_arrive_expect_tx(bar, 2 * Cfg::kQTileBytes + 2 * kBM * 4);
 #pragma unroll
             for (int cb = 0; cb < kColBlocks; ++cb) {
-                tma_load_4d(sQ + slot * Cfg::kQTileBytes + cb * kBM * 128, &maps->q, bar, cb * 64, q_row0 + m0, head,
-                            map_batch);
-                tma_load_4d(sDO + slot * Cfg::kQTileBytes + cb * kBM * 128, &maps->dout, bar, cb * 64, q_row0 + m0,
-                            head, map_batch);
+                tma_load_4d(sQ + slot * Cfg::kQTileBytes + cb * kBM * 128, &maps->q, bar, cb * 64, m0, head, w.batch);
+                tma_load_4d(sDO + slot * Cfg::kQTileBytes + cb * kBM * 128, &maps->dout, bar, cb * 64, m0, head,
+                            w.batch);
             }
-            if constexpr (kVarlen) {
-                const auto* vmaps = static_cast<const BwdVarlenTensorMaps*>(maps);
-                tma_load_4d(base + Cfg::kSmemLse2 + slot * kBM * 4, &vmaps->lse2, bar, q_row0 + m0, head, 0, 0);
-                tma_load_4d(base + Cfg::kSmemDelta + slot * kBM * 4, &vmaps->delta, bar, q_row0 + m0, head, 0, 0);
-            } else {
-                bulk_load(base + Cfg::kSmemLse2 + slot * kBM * 4, p.lse2 + rows.row, kBM * 4, bar);
-                bulk_load(base + Cfg::kSmemDelta + slot * kBM * 4, p.delta + rows.row, kBM * 4, bar);
-            }
+            bulk_load(base + Cfg::kSmemLse2 + slot * kBM * 4, p.lse2 + rows.row, kBM * 4, bar);
+            bulk_load(base + Cfg::kSmemDelta + slot * kBM * 4, p.delta + rows.row, kBM * 4, bar);
             return;
         }
         copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads, false, kValid>(
