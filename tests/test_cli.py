@@ -441,7 +441,7 @@ def test_info_names_the_kernel_of_a_problem(capsys):
     assert cli.main(["info", "--head-dim", "80", "--arch", "sm90a"]) == 0  # Hopper pads it to 128 columns
     out = capsys.readouterr().out
     assert "fwd_bf16_hd80_" in out and "family wgmma" in out and "computed at 128 columns" in out
-    assert "bwd_bf16_hd80_m64n128w8s2_wgmma_sm90a (family wgmma" in out  # and so does its backward
+    assert "bwd_bf16_hd80_m64n128w8s2_wgmma_tma_sm90a (family wgmma" in out  # and so does its backward
     assert out.count("computed at 128 columns") == 3
     # FP8 is forward only: no backward line; 96 runs the Hopper kernel at 128 columns, 72 the portable one
     assert cli.main(["info", "--head-dim", "96", "--dtype", "e4m3", "--arch", "sm90a"]) == 0
