@@ -245,3 +245,70 @@ def test_hopper_backward_adds_dq_tiles_in_bulk_up_to_head_dim_128():
         assert spec.smem_layout["total"] == spec.smem_bytes <= 227 * 1024
     assert not default_bwd_spec(128, "bf16", False, "sm90a", True, family="wgmma").bulk_dq
     assert not default_bwd_spec(128, "bf16", False, "sm90a", family="mma").bulk_dq
+
+
+def test_hopper_backward_passes_its_tensor_maps_after_the_parameters(monkeypatch):
+    from types import SimpleNamespace
+
+    from cuflash.core import tma
+    from cuflash.core.launch import launch_backward
+
+    problem = SimpleNamespace(batch=3, heads=8, heads_k=2, seqlen_q=300, seqlen_k=500, scale=0.125)
+    names = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "lse2", "delta")
+    tensors = {name: SimpleNamespace(data=SimpleNamespace(ptr=0x1000 * (i + 1))) for i, name in enumerate(names)}
+    strides = {t: (1, 2, 3) for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")}
+    seen = []
+
+    def maps(spec, bp, q, k, v, dout):
+        seen.append((q, k, v, dout))
+        return np.frombuffer(bytes(range(256)) * 2, dtype=np.dtype((np.void, 512)))
+
+    monkeypatch.setattr(tma, "backward_maps", maps)
+    calls = []
+
+    def kernel(tag):
+        return lambda grid, block, args, shared_mem=0: calls.append((tag, args))
+
+    spec = default_bwd_spec(128, "bf16", False, "sm90a")
+    assert spec.tma_loads
+    launch_backward((kernel("pre"), kernel("dkdv"), kernel("dq")), spec, SimpleNamespace(forward=problem), tensors,
+                    strides)
+    assert seen == [tuple(tensors[n] for n in ("q", "k", "v", "dout"))]
+    pre, dkdv, dq = (args for _, args in calls)
+    assert len(pre) == len(dq) == 1 and len(dkdv) == 2 and dkdv[1].tobytes() == bytes(range(256)) * 2
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_hopper_backward_loads_by_cp_async_where_tma_cannot_read(monkeypatch, broadcast):
+    cupy = pytest.importorskip("cupy")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import fake_device
+    from cuflash.core import compile as _compile
+    from cuflash.core import tma
+
+    from cuflash import backward
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    fake_device.install(monkeypatch, cupy)
+    backward._default.cache_clear()
+    try:
+        specs, maps = [], []
+        kernels = tuple(fake_device.FakeKernel() for _ in range(3))
+        monkeypatch.setattr(_compile, "get_kernel", lambda spec, device_id: specs.append(spec) or kernels)
+        monkeypatch.setattr(tma, "backward_maps", lambda spec, bp, *arrays: maps.append(arrays) or np.zeros(
+            1, dtype=np.dtype((np.void, 512))))
+        shape = (1, 4, 128, 64)
+        q, out, dout = (fake_device.fake_array(cupy, shape, bf16, 0x1000_0000 * (i + 1)) for i in range(3))
+        # k and v: two kv heads, or (broadcast) one head's rows seen by both (head stride 0)
+        kv_strides = (128 * 64 * 2 * 2, 0 if broadcast else 128 * 64 * 2, 64 * 2, 2)
+        k, v = (fake_device.fake_array(cupy, (1, 2, 128, 64), bf16, 0x5000_0000 + i * 0x100_0000, kv_strides)
+                for i in range(2))
+        lse = fake_device.fake_array(cupy, (1, 4, 128), np.float32, 0x6000_0000)
+        cuflash.attention_backward(dout, q, k, v, out, lse)
+        (spec,) = specs
+        assert spec.family == "wgmma" and spec.tma_loads != broadcast
+        assert len(maps) == (0 if broadcast else 1)
+        assert len(kernels[1].calls[0][2]) == (1 if broadcast else 2)  # the maps follow the parameters
+    finally:
+        fake_device.uninstall(cupy)
+        backward._default.cache_clear()  # its specs were chosen for the stand-in device
