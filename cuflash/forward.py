@@ -317,10 +317,11 @@ def _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec):
         return None
     key = (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype, causal, scale,
            bool(return_lse), layout, family, spec, device, cupy.cuda.get_current_stream().ptr)
-    try:
-        hash(key)
-    except TypeError:  # an unhashable family, layout or spec: the full path names it
-        return None
+    if type(layout) is not str or not (family is None or type(family) is str) or spec is not None:
+        try:  # only these can be unhashable; the common call's key is hashed once, by the lookup
+            hash(key)
+        except TypeError:  # an unhashable family, layout or spec: the full path names it
+            return None
     return key
 
 

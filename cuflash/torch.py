@@ -204,7 +204,8 @@ def _plan_key(q, k, v, causal, scale, layout):
     """The key of a call's plan (``scale`` a float), or None for one that always takes the full path
     (another type than a plain tensor, a tensor off CUDA, tensors off one device or off the current
     one: a plan launches on the tensors' own device, which must be current)."""
-    if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor or type(causal) is not bool:
+    if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor or type(causal) is not bool \
+            or type(layout) is not str:  # a layout of another type: the full path names it
         return None
     device = q.get_device()
     if device < 0 or k.get_device() != device or v.get_device() != device or _current_device() != device:

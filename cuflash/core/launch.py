@@ -465,13 +465,14 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mo
     )
     params = (np.frombuffer(raw, dtype=_BWD_PARAMS),)
     pre, dkdv, dq = kernels
-    scored = params + _struct_args(mods)
+    mods_args = _struct_args(mods)
+    scored = params + mods_args
     pre((ceil_div(padded, 8), problem.heads, problem.batch), (_AUX_THREADS, 1, 1), params)
     keys, blocks_z, dkdv_args, dq_args = problem.seqlen_k, problem.batch, scored, params
     if spec.tma_loads:  # the tensor maps between the parameters and the mods
         from .tma import backward_maps
         maps = backward_maps(spec, bp, tensors["q"], tensors["k"], tensors["v"], tensors["dout"])
-        dkdv_args = params + (maps,) + _struct_args(mods)
+        dkdv_args = params + (maps,) + mods_args
     rows = problem.seqlen_q
     if varlen is not None:  # (key tiles of the longest sequence, kv heads, sequences), the offsets last
         tail, blocks_z, keys, rows = varlen
