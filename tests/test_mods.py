@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cuflash import mods, reference
-from cuflash.core import mod_grad, trace
+from cuflash.core import mod_codegen, mod_grad, trace
 
 RNG = np.random.default_rng(0)
 
@@ -278,6 +278,25 @@ def test_derivative_graphs_against_finite_differences():
 
 # -- the generated CUDA ---------------------------------------------------------------------------------
 
+def test_mod_parts_by_the_indices_they_read():
+    """The kernels evaluate a mod in parts: nodes of b and h alone, of the query, of the key, and
+    of both; a load's class follows its indices."""
+    lengths, doc = np.zeros(2, np.int32), np.zeros((2, 64), np.int32)
+
+    def padded(b, h, q_idx, kv_idx):
+        return (kv_idx < lengths[b]) & (q_idx < lengths[b] + h) & (doc[b, q_idx] == doc[b, kv_idx])
+
+    graph = mods.trace_mask_mod(padded)
+    classes = mod_codegen.node_classes(graph)
+    by_op = {}
+    for node, kind in zip(graph.nodes, classes):
+        by_op.setdefault(node.op, []).append(kind)
+    assert by_op["load"].count("bh") == 1 and by_op["load"].count("row") == 1 and by_op["load"].count("col") == 1
+    assert by_op["lt"] == ["col", "row"]
+    assert by_op["eq"] == ["pair"] and classes[graph.output] == "pair"
+    assert set(by_op["sym"]) == {"free"}
+
+
 def test_the_generated_functions_compile():
     """Every mod above, and one of each operator, as __device__ functions called by a kernel,
     compiled by NVRTC for sm_90a (no GPU needed)."""
@@ -294,15 +313,23 @@ def test_the_generated_functions_compile():
         z = mods.where(flags[kv_idx] | ~(doc[b, q_idx] == doc[b, kv_idx]), x, score / (1 + y))
         return z + table[h, kv_idx % 8] + float("-inf") * 0 + mods.sqrt(score * score) ** 0.5
 
+    lengths = np.zeros(2, np.int32)
+
+    def padded(b, h, q_idx, kv_idx):  # nodes of b alone feed both the query's and the key's parts
+        return (kv_idx < lengths[b]) & (q_idx < lengths[b] + h) & (doc[b, q_idx] == doc[b, kv_idx])
+
     graphs = [mods.trace_score_mod(f) for f in (everything, mods.softcap(30.0), mods.alibi(np.zeros(4, np.float32)))]
-    graphs += [mods.trace_mask_mod(f) for f in (mods.sliding_window(128), mods.document_mask(doc, causal=True))]
+    graphs += [mods.trace_mask_mod(f) for f in (mods.sliding_window(128), mods.document_mask(doc, causal=True),
+                                                padded)]
     graphs.append(mod_grad.derivative(graphs[0]))
-    source = "".join(mods.cuda_source(g) for g in graphs)
+    source = "".join(mods.cuda_source(g) + mod_codegen.generate_split(g) for g in graphs)
     calls = []
     for g in graphs:
         name = f"cuflash_{g.kind}_mod_{g.digest}"
         arguments = "1.5f, 1, 2, 3, 4" if g.kind != "mask" else "1, 2, 3, 4"
         calls.append(f"{{ {name}_arrays a{len(calls)} = {{}}; out[{len(calls)}] = (float){name}({arguments}, a{len(calls)}); }}")
+        split = f"{name}_pair({arguments}, {name}_row_part(1, 2, 3, a{len(calls)}), {name}_col_part(1, 2, 4, a{len(calls)}), a{len(calls)})"
+        calls.append(f"{{ {name}_arrays a{len(calls)} = {{}}; out[{len(calls)}] = (float){split}; }}")
     source += "extern \"C\" __global__ void probe(float* out) {\n" + "\n".join(calls) + "\n}\n"
     program = nvrtc.createProgram(source, "mods.cu", [], [])
     try:

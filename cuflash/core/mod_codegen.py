@@ -96,80 +96,156 @@ def args_struct(graph: Graph) -> str:
     return f"CuflashModArray arrays[{max(len(graph.arrays), 1)}]"
 
 
+def _node_expr(graph: Graph, node, names: list) -> str:
+    """The C++ expression of one node, its arguments named by ``names`` (node id -> name)."""
+    nodes = graph.nodes
+    a = [names[j] for j in node.args] if node.op not in ("const", "sym", "load") else []
+    t = [nodes[j].dtype for j in node.args] if a else []
+    op, out = node.op, node.dtype
+    if op == "const":
+        return _literal(node.args[0], out)
+    if op == "sym":
+        return node.args[0]
+    if op == "load":
+        slot, *index = node.args
+        a_ = f"mod.arrays[{slot}]"
+        offset = " + ".join(f"static_cast<long long>({names[j]}) * {a_}.stride[{d}]" for d, j in enumerate(index))
+        inside = " && ".join(f"static_cast<unsigned>({names[j]}) < static_cast<unsigned>({a_}.extent[{d}])"
+                             for d, j in enumerate(index))
+        load = _LOADS[str(graph.arrays[slot].dtype)]
+        # branch-free: an index outside reads element 0 and the value is replaced, so that the
+        # compiler may hoist and share loads that do not depend on the element
+        return (f"[&]() -> {_CTYPES[out]} {{ const bool inside = {inside}; const void* p = {a_}.ptr; "
+                f"const long long i = inside ? {offset} : 0; const {_CTYPES[out]} value = {load}; "
+                f"return inside ? value : {_OUTSIDE[out]}; }}()")
+    if op in ("add", "sub", "mul"):
+        symbol = {"add": "+", "sub": "-", "mul": "*"}[op]
+        return f"{_as(t[0], a[0], out)} {symbol} {_as(t[1], a[1], out)}"
+    if op == "div":
+        return f"__fdividef({_as(t[0], a[0], FLOAT)}, {_as(t[1], a[1], FLOAT)})"
+    if op == "floordiv":
+        return f"cuflash_mod_floordiv({a[0]}, {a[1]})" if out == INT else \
+            f"floorf({_as(t[0], a[0], FLOAT)} / {_as(t[1], a[1], FLOAT)})"
+    if op == "mod":
+        return f"cuflash_mod_mod({a[0]}, {a[1]})" if out == INT else \
+            f"cuflash_mod_fmod({_as(t[0], a[0], FLOAT)}, {_as(t[1], a[1], FLOAT)})"
+    if op == "pow":
+        return f"powf({_as(t[0], a[0], FLOAT)}, {_as(t[1], a[1], FLOAT)})"
+    if op in ("lt", "le", "gt", "ge", "eq", "ne"):
+        symbol = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}[op]
+        common = FLOAT if FLOAT in t else t[0]
+        return f"{_as(t[0], a[0], common)} {symbol} {_as(t[1], a[1], common)}"
+    if op in ("and", "or", "xor"):
+        return f"{a[0]} {'&&' if op == 'and' else '||' if op == 'or' else '!='} {a[1]}"
+    if op in ("minimum", "maximum"):
+        if out == FLOAT:
+            return f"{'fminf' if op == 'minimum' else 'fmaxf'}({_as(t[0], a[0], FLOAT)}, {_as(t[1], a[1], FLOAT)})"
+        return f"{'min' if op == 'minimum' else 'max'}({a[0]}, {a[1]})"
+    if op == "where":
+        return f"{a[0]} ? {_as(t[1], a[1], out)} : {_as(t[2], a[2], out)}"
+    if op == "neg":
+        return f"-{a[0]}"
+    if op == "abs":
+        return f"fabsf({a[0]})" if out == FLOAT else f"abs({a[0]})"
+    if op == "not":
+        return f"!{a[0]}"
+    if op == "floor":
+        return f"floorf({a[0]})" if out == FLOAT else a[0]
+    if op == "sigmoid":
+        return f"__fdividef(1.0f, 1.0f + __expf(-{_as(t[0], a[0], FLOAT)}))"
+    function = {"exp": "__expf", "exp2": "exp2f", "log": "__logf", "log2": "__log2f",
+                "tanh": "cuflash_mod_tanh", "sqrt": "sqrtf"}[op]
+    return f"{function}({_as(t[0], a[0], FLOAT)})"
+
+
+def _symbols(graph: Graph) -> str:
+    return ", ".join(f"{'float' if s == 'score' else 'int'} {s}" for s in graph.symbols)
+
+
 def generate(graph: Graph) -> str:
     """The prelude and the ``__device__`` function of one traced mod."""
     nodes = graph.nodes
-    symbols = ", ".join(f"{'float' if s == 'score' else 'int'} {s}" for s in graph.symbols)
     lines = [PRELUDE,
              f"struct {function_name(graph)}_arrays {{ {args_struct(graph)}; }};",
              f"__device__ __forceinline__ {_CTYPES[nodes[graph.output].dtype]} {function_name(graph)}("
-             f"{symbols}, const {function_name(graph)}_arrays& mod) {{"]
+             f"{_symbols(graph)}, const {function_name(graph)}_arrays& mod) {{"]
     names = []
     for i, node in enumerate(nodes):
-        name = f"t{i}"
-        a = [names[j] for j in node.args] if node.op not in ("const", "sym", "load") else []
-        t = [nodes[j].dtype for j in node.args] if a else []
-        op, out = node.op, node.dtype
-        if op == "const":
-            expr = _literal(node.args[0], out)
-        elif op == "sym":
-            expr = node.args[0]
-        elif op == "load":
-            slot, *index = node.args
-            a_ = f"mod.arrays[{slot}]"
-            offset = " + ".join(f"static_cast<long long>({names[j]}) * {a_}.stride[{d}]" for d, j in enumerate(index))
-            inside = " && ".join(f"static_cast<unsigned>({names[j]}) < static_cast<unsigned>({a_}.extent[{d}])"
-                                 for d, j in enumerate(index))
-            dtype = str(graph.arrays[slot].dtype)
-            load = _LOADS[dtype]
-            outside = _OUTSIDE[out]
-            # branch-free: an index outside reads element 0 and the value is replaced, so that the
-            # compiler may hoist and share loads that do not depend on the element
-            expr = (f"[&]() -> {_CTYPES[out]} {{ const bool inside = {inside}; const void* p = {a_}.ptr; "
-                    f"const long long i = inside ? {offset} : 0; const {_CTYPES[out]} value = {load}; "
-                    f"return inside ? value : {outside}; }}()")
-        elif op in ("add", "sub", "mul"):
-            symbol = {"add": "+", "sub": "-", "mul": "*"}[op]
-            expr = f"{_as(t[0], a[0], out)} {symbol} {_as(t[1], a[1], out)}"
-        elif op == "div":
-            expr = f"__fdividef({_as(t[0], a[0], FLOAT)}, {_as(t[1], a[1], FLOAT)})"
-        elif op == "floordiv":
-            expr = f"cuflash_mod_floordiv({a[0]}, {a[1]})" if out == INT else \
-                f"floorf({_as(t[0], a[0], FLOAT)} / {_as(t[1], a[1], FLOAT)})"
-        elif op == "mod":
-            expr = f"cuflash_mod_mod({a[0]}, {a[1]})" if out == INT else \
-                f"cuflash_mod_fmod({_as(t[0], a[0], FLOAT)}, {_as(t[1], a[1], FLOAT)})"
-        elif op == "pow":
-            expr = f"powf({_as(t[0], a[0], FLOAT)}, {_as(t[1], a[1], FLOAT)})"
-        elif op in ("lt", "le", "gt", "ge", "eq", "ne"):
-            symbol = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}[op]
-            common = FLOAT if FLOAT in t else t[0]
-            expr = f"{_as(t[0], a[0], common)} {symbol} {_as(t[1], a[1], common)}"
-        elif op in ("and", "or", "xor"):
-            expr = f"{a[0]} {'&&' if op == 'and' else '||' if op == 'or' else '!='} {a[1]}"
-        elif op in ("minimum", "maximum"):
-            if out == FLOAT:
-                expr = f"{'fminf' if op == 'minimum' else 'fmaxf'}({_as(t[0], a[0], FLOAT)}, {_as(t[1], a[1], FLOAT)})"
-            else:
-                expr = f"{'min' if op == 'minimum' else 'max'}({a[0]}, {a[1]})"
-        elif op == "where":
-            expr = f"{a[0]} ? {_as(t[1], a[1], out)} : {_as(t[2], a[2], out)}"
-        elif op == "neg":
-            expr = f"-{a[0]}"
-        elif op == "abs":
-            expr = f"fabsf({a[0]})" if out == FLOAT else f"abs({a[0]})"
-        elif op == "not":
-            expr = f"!{a[0]}"
-        elif op == "floor":
-            expr = f"floorf({a[0]})" if out == FLOAT else a[0]
-        elif op == "sigmoid":
-            expr = f"__fdividef(1.0f, 1.0f + __expf(-{_as(t[0], a[0], FLOAT)}))"
+        lines.append(f"    const {_CTYPES[node.dtype]} t{i} = {_node_expr(graph, node, names)};")
+        names.append(f"t{i}")
+    lines.append(f"    return {names[graph.output]};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+_ROW, _COL, _PAIR, _FREE, _BH = "row", "col", "pair", "free", "bh"
+
+
+def node_classes(graph: Graph) -> list[str]:
+    """Each node's class by the symbols it depends on: "free" (constants and symbols), "bh" (b and h
+    at most), "row" (q_idx with b or h), "col" (kv_idx with b or h) or "pair" (the rest)."""
+    deps: list[frozenset] = []
+    classes = []
+    for node in graph.nodes:
+        if node.op == "const":
+            d = frozenset()
+        elif node.op == "sym":
+            d = frozenset((node.args[0],))
         else:
-            function = {"exp": "__expf", "exp2": "exp2f", "log": "__logf", "log2": "__log2f",
-                        "tanh": "cuflash_mod_tanh", "sqrt": "sqrtf"}[op]
-            expr = f"{function}({_as(t[0], a[0], FLOAT)})"
-        lines.append(f"    const {_CTYPES[out]} {name} = {expr};")
-        names.append(name)
+            args = node.args[1:] if node.op == "load" else node.args
+            d = frozenset().union(*(deps[j] for j in args))
+        deps.append(d)
+        if node.op in ("const", "sym"):
+            classes.append(_FREE)
+        elif d <= {"b", "h"}:
+            classes.append(_BH)
+        elif d <= {"b", "h", "q_idx"}:
+            classes.append(_ROW)
+        elif d <= {"b", "h", "kv_idx"}:
+            classes.append(_COL)
+        else:
+            classes.append(_PAIR)
+    return classes
+
+
+def generate_split(graph: Graph) -> str:
+    """The mod as three ``__device__`` functions for a tile of rows by columns: NAME_row(b, h,
+    q_idx) and NAME_col(b, h, kv_idx) compute the nodes that depend on one of the two (loads of
+    ``doc[b, q_idx]``, ``slopes[h]``) once per row or column, NAME_pair the rest per element from
+    their results. Follows :func:`generate`'s source (the arrays' struct)."""
+    nodes, fn = graph.nodes, function_name(graph)
+    classes = node_classes(graph)
+    uses = {j for i, node in enumerate(nodes) if classes[i] == _PAIR and node.op != "load" for j in node.args}
+    uses |= {j for i, node in enumerate(nodes) if classes[i] == _PAIR and node.op == "load" for j in node.args[1:]}
+    uses.add(graph.output)
+    # The nodes of b and h alone are computed in both parts (where they need them) and passed on
+    # by the row's.
+    exported = {_ROW: [i for i in range(len(nodes)) if classes[i] in (_ROW, _BH) and i in uses],
+                _COL: [i for i in range(len(nodes)) if classes[i] == _COL and i in uses]}
+    lines = []
+    for kind, index in ((_ROW, "q_idx"), (_COL, "kv_idx")):
+        fields = " ".join(f"{_CTYPES[nodes[i].dtype]} t{i};" for i in exported[kind])
+        lines.append(f"struct {fn}_{kind} {{ {fields} }};")
+        lines.append(f"__device__ __forceinline__ {fn}_{kind} {fn}_{kind}_part(int b, int h, int {index}, "
+                     f"const {fn}_arrays& mod) {{")
+        names: list = []
+        for i, node in enumerate(nodes):
+            wanted = classes[i] in (kind, _BH) or (classes[i] == _FREE and (node.op == "const" or node.args[0] in
+                                                                             ("b", "h", index)))
+            if wanted:
+                lines.append(f"    const {_CTYPES[node.dtype]} t{i} = {_node_expr(graph, node, names)};")
+            names.append(f"t{i}")
+        lines.append(f"    return {{{', '.join(f't{i}' for i in exported[kind])}}};")
+        lines.append("}")
+    lines.append(f"__device__ __forceinline__ {_CTYPES[nodes[graph.output].dtype]} {fn}_pair({_symbols(graph)}, "
+                 f"const {fn}_row& row, const {fn}_col& col, const {fn}_arrays& mod) {{")
+    names = []
+    for i, node in enumerate(nodes):
+        if classes[i] in (_FREE, _PAIR):
+            lines.append(f"    const {_CTYPES[node.dtype]} t{i} = {_node_expr(graph, node, names)};")
+        elif i in exported[_COL if classes[i] == _COL else _ROW]:
+            lines.append(f"    const {_CTYPES[node.dtype]} t{i} = {'col' if classes[i] == _COL else 'row'}.t{i};")
+        names.append(f"t{i}")
     lines.append(f"    return {names[graph.output]};")
     lines.append("}")
     return "\n".join(lines) + "\n"

@@ -108,9 +108,10 @@ def mod_sources(score_digest: str, mask_digest: str, backward: bool = False) -> 
             graph = mod_codegen.registered(digest, kind)
             names[kind] = mod_codegen.function_name(graph)
             source += mod_codegen.generate(graph)
+            source += mod_codegen.generate_split(graph)  # per row, column and element (the Hopper kernels)
             if backward and kind == "score":
                 derivative = mod_grad.derivative(graph)
                 if not mod_grad.is_constant_one(derivative):
                     names["dscore"] = mod_codegen.function_name(derivative)
                     source += mod_codegen.generate(derivative)
-    return {"source": source, **names}
+    return {"source": source, **names, "split": True}

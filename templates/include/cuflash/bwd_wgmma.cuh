@@ -221,10 +221,9 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
             return key < seqlen_k_of() && (!Cfg::kCausal || key <= m0 + col + w.causal_offset)
                    && (!kVarlen || m0 + col < seqlen_q_of());
         };
-        auto mod_at = [&](int row, int col, int& q_idx, int& kv_idx) {  // S^T: rows are keys
-            q_idx = m0 + col;
-            kv_idx = key0 + row;
-        };
+        // kBlockSparse: a tile the block mask found full skips the mask_mod's elements.
+        bool mask_elements = true;
+        if constexpr (Cfg::kBlockSparse) mask_elements = !(visits[w.m_tiles - 1 - t % w.m_tiles] & 1);
         // S^T (from K, Q) or dP^T (from V, dO) over the whole head dim, asynchronously.
         auto issue_scores = [&](float (&acc)[kQT][4], u32 a_rows, u32 b_tile) {
             const u64 a_desc = smem_desc(a_rows, 16, 1024), b_desc = smem_desc(b_tile, 16, 1024);
@@ -260,7 +259,8 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
             wgmma_wait<1>();
             fence_operands(st);
             float dmod[kGrad ? kQT : 1][4];  // d score_mod / d score (kGrad)
-            if constexpr (kMods) mod_scores_grad<Cfg, kGrad>(st, dmod, mods, p.scale, w.batch, head, lane, mod_at);
+            if constexpr (kMods)
+                mod_scores_t<Cfg, kGrad>(st, dmod, mods, p.scale, w.batch, head, lane, key0, m0, mask_elements);
             recompute_probs<false>(st, s_lse2, kMods ? kModScaleLog2 : p.scale_log2, lane, masked, allowed);
             pack_fragments<kBF16>(fp_tiles, st);
             wgmma_wait<0>();
@@ -278,7 +278,8 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
             static_assert(!kGrad, "the split-head-dim backward takes score_mods whose derivative is 1 only");
             if (wg == 0) {
                 float none[1][4];
-                if constexpr (kMods) mod_scores_grad<Cfg, false>(sc, none, mods, p.scale, w.batch, head, lane, mod_at);
+                if constexpr (kMods)
+                    mod_scores_t<Cfg, false>(sc, none, mods, p.scale, w.batch, head, lane, key0, m0, mask_elements);
                 recompute_probs<false>(sc, s_lse2, kMods ? kModScaleLog2 : p.scale_log2, lane, masked, allowed);
                 pack_fragments<kBF16>(fp_tiles, sc);
                 store_tile(Cfg::kSmemP, fp_tiles);

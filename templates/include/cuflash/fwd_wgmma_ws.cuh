@@ -215,9 +215,6 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             for (int g = 0; g < kConsumers; ++g) named_barrier_arrive(kTileFull + g, 32 + 128);
             if (done) break;
             const Work work = work_of(item.tile);
-            const KeyTiles kt = key_tiles_of(work);
-            const int n_tiles = kt.count;
-            const int t_begin = item.t_begin, t_end = min(item.t_end, n_tiles);
             if (leader) {
                 mbar_arrive_expect_tx(q_full, kQBytes);
 #pragma unroll
@@ -226,15 +223,18 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                                 kVarlen ? work.q_start + work.m0 : work.m0, work.head, kVarlen ? 0 : work.batch);
             }
             ++q_count;
+            const KeyTiles kt = key_tiles_of(work);  // kSparse: read from the visit lists after Q's copy is issued
+            const int n_tiles = kt.count;
+            const int t_begin = item.t_begin, t_end = min(item.t_end, n_tiles);
             // Key tile t (diagonal, masked tiles first) once tile c - kStages of the same ring
             // was released; issued in the order consumed: K_{t+1} before V_t.
-            auto load = [&](const TensorMap* map, u32 ring_base, u32 full, u32 empty, int t, bool is_v) {
+            // n0: the tile's first key, read (kSparse: from the visit list) before the wait for its slot.
+            auto load = [&](const TensorMap* map, u32 ring_base, u32 full, u32 empty, int t, int n0, bool is_v) {
                 const int c = ring + t - t_begin, slot = slot_of(c);
                 if (c >= kStages) mbar_wait(empty + 8 * slot, phase_of(c - kStages));
                 if (!leader) return;
                 const u32 dst = ring_base + slot * Cfg::kKVTileBytes;
                 mbar_arrive_expect_tx(full + 8 * slot, kTileBytes);
-                const int n0 = visit_n0(kt, t);
                 if constexpr (Cfg::kFp8) {
                     if (is_v) {  // V^T: boxes of kVBoxKeys keys (bytes) by kHeadDim rows
 #pragma unroll
@@ -249,10 +249,16 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                     tma_load_4d(dst + cb * kBN * Cfg::kColBlockBytes, map, full + 8 * slot, cb * Cfg::kBoxCols,
                                 kVarlen ? work.k_start + n0 : n0, work.head_k, kVarlen ? 0 : work.batch);
             };
-            if (t_begin < t_end) load(&maps.k, sK, full_k(0), empty_k(0), t_begin, false);
+            // Each tile's first key is read a tile ahead of its K copy (kSparse: a list entry).
+            auto n0_of = [&](int t) { return t < t_end ? visit_n0(kt, t) : 0; };
+            int n0_v = n0_of(t_begin), n0_k = n0_of(t_begin + 1);
+            if (t_begin < t_end) load(&maps.k, sK, full_k(0), empty_k(0), t_begin, n0_v, false);
             for (int t = t_begin; t < t_end; ++t) {
-                if (t + 1 < t_end) load(&maps.k, sK, full_k(0), empty_k(0), t + 1, false);
-                load(&maps.v, sV, full_v(0), empty_v(0), t, true);
+                const int n0_next = n0_of(t + 2);
+                if (t + 1 < t_end) load(&maps.k, sK, full_k(0), empty_k(0), t + 1, n0_k, false);
+                load(&maps.v, sV, full_v(0), empty_v(0), t, n0_v, true);
+                n0_v = n0_k;
+                n0_k = n0_next;
             }
             ring += max(t_end - t_begin, 0);
         }
