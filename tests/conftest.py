@@ -9,6 +9,9 @@ import pytest
 from cuflash.testing import register_hypothesis_profiles
 
 register_hypothesis_profiles(load=os.environ.get("CUFLASH_HYPOTHESIS_PROFILE", "ci"))
+# JAX (tests/test_jax_*.py) takes most of a GPU's memory when it starts, unless told not to: the
+# CuPy tests after it would run short.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def _gpu_available() -> bool:
