@@ -108,8 +108,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
         0), and the LSE if ``return_lse``. Runs on the current CuPy stream and device.
     """
     key = _UNKEYED
-    if fp8_format is None and score_mod is None and mask_mod is None and block_mask is None and q_descale is None \
-            and k_descale is None and v_descale is None and out_dtype is None:
+    if score_mod is None and mask_mod is None and block_mask is None \
+            and _without_fp8(fp8_format, q_descale, k_descale, v_descale, out_dtype):
         # a repeated plain call: straight to its plan
         cupy = _cupy or _import_cupy()
         key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec)
@@ -134,8 +134,7 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
 
     if key is _UNKEYED:
         key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec) \
-            if fp8_format is None and q_descale is None and k_descale is None and v_descale is None \
-            and out_dtype is None else None
+            if _without_fp8(fp8_format, q_descale, k_descale, v_descale, out_dtype) else None
     if key is not None and (score_mod is not None or mask_mod is not None or block_mask is not None):
         # A call with mods has a plan when its mods trace to graphs kept for their function and
         # captured values (the same graphs, arrays and block mask: the same kernel argument).
@@ -303,6 +302,11 @@ class _Same:
 
     def __eq__(self, other):
         return isinstance(other, _Same) and other.obj is self.obj
+
+
+def _without_fp8(fp8_format, q_descale, k_descale, v_descale, out_dtype) -> bool:
+    """Whether a call takes none of the FP8 arguments: only such calls have plans."""
+    return fp8_format is None and q_descale is None and k_descale is None and v_descale is None and out_dtype is None
 
 
 def _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec):

@@ -1,8 +1,7 @@
 """Test helpers for cuflash users: problems, Hypothesis strategies, and the accuracy rule.
 
 Importing this module needs neither CuPy, nor a GPU, nor Hypothesis: CuPy is imported only by
-functions that are handed CuPy arrays or asked for them, and Hypothesis only by the strategy
-functions and :func:`register_hypothesis_profiles`.
+functions handed CuPy arrays or asked for them, Hypothesis by the strategies and the profiles.
 
 The accuracy rule (FlashAttention's): an output passes when
 
@@ -426,18 +425,15 @@ def assert_gradients_close(grads, ref_grads, dtype, *, baselines, atol: float | 
     """The accuracy rule for ``(dq, dk, dv)``: each against its float64 reference, within twice
     the error of :func:`~cuflash.reference.attention_backward_naive`'s plus ``atol``, non-finite
     values at the same positions. Gradients are not bounded by 1 as the output is: the default
-    ``atol`` is the dtype's times ``max(1, max |reference|)``, and times ``sqrt(head_dim / 64)``
-    from head dim 64: dS = P (dP - delta) cancels, and dP and delta are sums over the head dim
-    taken in another order than the baseline's (with one key they are equal, and the baseline's
-    error is 0). (The kernels also inherit the forward's LSE error, which the baseline,
-    recomputing its own softmax, does not have.)"""
+    ``atol`` is the dtype's times ``max(1, max |reference|)`` and ``sqrt(head_dim / 64)`` from
+    64 (dS = P (dP - delta) cancels, the sums in another order than the baseline's)."""
     entry = _dtype_entry(dtype)
     tol = TOLERANCES[entry.tag]
     for name, got, want, base in zip(("dq", "dk", "dv"), grads, ref_grads, baselines):
         want = _as_float64(want)
         finite = want[np.isfinite(want)]
-        magnitude = max(1.0, float(np.abs(finite).max())) if finite.size else 1.0
-        magnitude *= math.sqrt(max(1.0, want.shape[-1] / 64)) if want.ndim else 1.0
+        magnitude = (max(1.0, float(np.abs(finite).max())) if finite.size else 1.0) \
+            * math.sqrt(max(1.0, want.shape[-1] / 64 if want.ndim else 1.0))
         _check_one(name, _as_float64(got), want, entry.tag, _as_float64(base),
                    tol.atol * magnitude if atol is None else atol, tol.rtol)
 
