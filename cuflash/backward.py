@@ -2,7 +2,8 @@
 
 Gradients are recomputed tile by tile from the forward's output and log-sum-exp; nothing of
 size seqlen_q x seqlen_k is ever stored. Extra device memory is O(seqlen * head_dim): two float32
-vectors per query row (delta and the base-2 LSE) and, unless ``deterministic``, a float32 dQ
+vectors per query row (delta and the base-2 LSE) and, where the K/V-outer kernel accumulates dQ
+(not ``deterministic``, or deterministic on the Hopper kernel up to head dim 128), a float32 dQ
 accumulator shaped like q (on the Hopper kernel up to head dim 128, padded to its computed
 head dim and kept in fragment order within each query tile).
 """
@@ -43,8 +44,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, lay
             mods capture are constants, with no gradient).
         block_mask: the forward's :class:`cuflash.BlockMask`, whose mask_mod it carries.
         out, lse: the forward's output and its ``return_lse`` log-sum-exp (float32).
-        deterministic: compute dQ in a fixed reduction order (a separate kernel) instead of with
-            float32 atomics, so that two runs give identical bits. float32 inputs are always
+        deterministic: sum dQ in a fixed order instead of in whatever order the thread blocks
+            reach it, so that two runs give identical bits. float32 inputs are always
             deterministic.
         spec: force a :class:`cuflash.BwdSpec` (for tuning and comparisons); it must match the
             problem's head_dim, dtype, causality and ``deterministic``, and the device's target.
@@ -99,9 +100,11 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
         padded = rows_padded(spec, problem.seqlen_q)
         stats = cupy.empty((2, problem.batch * problem.heads * padded), dtype=cupy.float32)
         accum = (cupy.empty((problem.batch, problem.heads, padded, spec.accum_head_dim), dtype=cupy.float32)
-                 if spec.atomic_dq else stats)
+                 if spec.accum_dq else stats)
         tensors = dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv,
                        dq_accum=accum, lse2=stats[0], delta=stats[1])
+        if spec.ordered_dq:  # each dQ tile's turn counter, zeroed by the preprocess
+            tensors["dq_sem"] = cupy.empty(problem.batch * problem.heads * (padded // spec.block_m), dtype=cupy.int32)
         strides = dict(q=problem.q_strides, k=problem.k_strides, v=problem.v_strides,
                        o=bp.o_strides, do=bp.do_strides, dq=_out_strides(dq, layout), dk=_out_strides(dk, layout),
                        dv=_out_strides(dv, layout))

@@ -243,7 +243,11 @@ def test_hopper_backward_adds_dq_tiles_in_bulk_up_to_head_dim_128():
         # whole partial tiles: the accumulator's rows are as wide as the computed head dim
         assert spec.accum_head_dim == (spec.padded_head_dim if bulk else head_dim)
         assert spec.smem_layout["total"] == spec.smem_bytes <= 227 * 1024
-    assert not default_bwd_spec(128, "bf16", False, "sm90a", True, family="wgmma").bulk_dq
+    # deterministic: the tiles go in in key-tile order, except at 256 (dQ by its own kernel)
+    for head_dim, ordered in ((64, True), (128, True), (256, False)):
+        spec = default_bwd_spec(head_dim, "bf16", True, "sm90a", True, family="wgmma")
+        assert spec.ordered_dq == spec.bulk_dq == spec.accum_dq == ordered and not spec.atomic_dq
+        assert not spec.replace(block_sparse=True, mask_mod="ab").ordered_dq
     assert not default_bwd_spec(128, "bf16", False, "sm90a", family="mma").bulk_dq
 
 

@@ -33,8 +33,9 @@ class BwdSpec:
     rows, walking query tiles of ``block_m`` rows through a ``num_stages``-deep ring; its
     ``num_warps`` warps split S and dP into :attr:`score_tile` tiles and dK / dV into
     :attr:`keys_per_warp` rows (by :attr:`d_split` column ranges).
-    float32 (``simt``): the same loops on CUDA cores. ``deterministic`` computes dQ in its own
-    Q-outer kernel instead of by atomics (always so for float32).
+    float32 (``simt``): the same loops on CUDA cores. ``deterministic`` fixes the order in which
+    dQ is summed: the Hopper kernel adds its dQ tiles in key-tile order (:attr:`ordered_dq`), the
+    others compute dQ in a Q-outer kernel of its own (always so for float32).
     """
 
     head_dim: int
@@ -129,8 +130,8 @@ class BwdSpec:
 
     @property
     def kernel_names(self) -> tuple[str, str, str]:
-        """(preprocess, K/V-outer, dQ) kernel symbols; the dQ one converts the atomic accumulator,
-        or (deterministic) computes dQ itself."""
+        """(preprocess, K/V-outer, dQ) kernel symbols; the dQ one converts the accumulator
+        (:attr:`accum_dq`), or computes dQ itself."""
         return (f"{self.name}_pre", f"{self.name}_dkdv", f"{self.name}_dq")
 
     @property
@@ -140,7 +141,22 @@ class BwdSpec:
 
     @property
     def atomic_dq(self) -> bool:
+        """dQ added into the float32 accumulator in whatever order the blocks reach it."""
         return self.family != "simt" and not self.deterministic
+
+    @property
+    def ordered_dq(self) -> bool:
+        """Deterministic wgmma at head dims up to 128, every query tile visited by every key tile
+        before it (not block-sparse): the K/V-outer kernel adds each dQ tile in key-tile order, a
+        counter per (batch, query head, query tile) saying whose turn it is (``dq_sem``)."""
+        return (self.family == "wgmma" and self.deterministic and not self.split_head_dim
+                and not self.block_sparse)
+
+    @property
+    def accum_dq(self) -> bool:
+        """The K/V-outer kernel accumulates dQ (by atomics or in order), which a small kernel
+        converts; otherwise a Q-outer kernel computes it."""
+        return self.atomic_dq or self.ordered_dq
 
     @property
     def bulk_dq(self) -> bool:
@@ -150,7 +166,7 @@ class BwdSpec:
         conversion puts the rows back. Packed sequences (varlen) start their tiles
         :data:`VARLEN_DQ_GAP` rows apart in the accumulator: sequence s at its first packed row
         + 64 s."""
-        return self.family == "wgmma" and self.atomic_dq and not self.split_head_dim
+        return self.family == "wgmma" and self.accum_dq and not self.split_head_dim
 
     @property
     def dq_chunk_cols(self) -> int:
@@ -296,7 +312,7 @@ class BwdSpec:
 
     @property
     def dq_smem_bytes(self) -> int:
-        if self.atomic_dq:
+        if self.accum_dq:
             return 0
         return self._dq_smem(*self.dq_tiles)
 

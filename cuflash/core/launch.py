@@ -446,7 +446,8 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mo
                     varlen: tuple | None = None) -> None:
     """Preprocess, the K/V-outer kernel, then the dQ kernel (or the accumulator's conversion), on
     the current CuPy stream. ``tensors`` maps each pointer field of BWD_PARAM_FIELDS to an array
-    (dq_accum may be a placeholder when dQ is not accumulated); ``strides`` maps q, k, v, o, do,
+    (dq_accum may be a placeholder when dQ is not accumulated; dq_sem, int32, one per query tile of
+    each (batch, head), is needed for spec.ordered_dq only); ``strides`` maps q, k, v, o, do,
     dq, dk, dv to (batch, head, row) element strides; ``mods``: the packed arrays of the spec's
     mods, the last argument of the kernels that recompute the scores. ``padded``: the rows per head
     of lse2, delta and dq_accum when not rows_padded. ``varlen`` (spec.varlen): (VarlenArgs bytes,
@@ -457,6 +458,7 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mo
     padded = padded or rows_padded(spec, problem.seqlen_q)
     pointers = [tensors[name].data.ptr for name in
                 ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "lse2", "delta")]
+    pointers.append(tensors["dq_sem"].data.ptr if "dq_sem" in tensors else 0)  # spec.ordered_dq only
     raw = _BWD_STRUCT.pack(
         *pointers,
         *(s for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv") for s in strides[t]),
@@ -479,7 +481,7 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mo
         dkdv_args = dq_args = params + _struct_args(tail)
     dkdv((ceil_div(keys, spec.block_n), problem.heads_k, blocks_z), (spec.threads, 1, 1), dkdv_args,
          shared_mem=spec.smem_bytes)
-    if spec.atomic_dq:
+    if spec.accum_dq:
         dq((ceil_div(max(rows, 1), 8), problem.heads, blocks_z), (_AUX_THREADS, 1, 1), dq_args)
     else:
         dq((ceil_div(problem.seqlen_q, spec.dq_tiles[0]), problem.heads, problem.batch),

@@ -50,6 +50,9 @@ BWD_PARAM_FIELDS = (
     ("o", "const void*", "u8"), ("dout", "const void*", "u8"), ("lse", "const float*", "u8"),
     ("dq", "void*", "u8"), ("dk", "void*", "u8"), ("dv", "void*", "u8"),
     ("dq_accum", "float*", "u8"), ("lse2", "float*", "u8"), ("delta", "float*", "u8"),
+    # ordered dQ (BwdSpec.ordered_dq): per (batch, query head, query tile of block_m rows) the key
+    # tiles that have added into that dQ tile; zeroed by the preprocess
+    ("dq_sem", "int*", "u8"),
 ) + tuple(
     (f"{t}_{s}_stride", "long long", "i8") for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")
     for s in ("batch", "head", "row")

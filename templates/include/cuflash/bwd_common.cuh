@@ -4,11 +4,12 @@
 //     the main kernels subtract (lse2 = lse * log2(e); +inf for a row that attends nothing, so
 //     its probabilities come out 0, never NaN), and (atomic dQ) the float32 dQ accumulator zeroed.
 //     lse2 and delta have `rows_padded` rows per head, the padding set to +inf and 0, so the main
-//     kernels copy whole tiles of them without bounds checks.
+//     kernels copy whole tiles of them without bounds checks. (kOrderedDq) each dQ tile's turn
+//     counter set to 0.
 //   bwd_convert_dq: dQ = scale * accumulator, in the input dtype and layout.
 //
-// Cfg provides kHeadDim, kDtype (kFp16, kBf16 or kFp32), kZeroAccum, kAccumDim, kDqChunkCols and
-// the Params struct.
+// Cfg provides kHeadDim, kDtype (kFp16, kBf16 or kFp32), kZeroAccum, kOrderedDq, kDqTileRows,
+// kAccumDim, kDqChunkCols and the Params struct.
 #pragma once
 #include "cuflash/ptx.cuh"
 #include "cuflash/block.cuh"
@@ -116,11 +117,14 @@ struct DkdvWork {
 // Heads (kv head, batch pairs) per chunk of a causal K/V-outer grid; see dkdv_work.
 constexpr int kCausalHeadsPerChunk = 8;
 
-template <int kBM, int kBN, bool kCausal, class Params>
+// kChunked: number the grid in chunks of heads as a causal one is, without a mask too (the
+// ordered dQ adds, where a key tile waits for the one before it, so that few of a head's key
+// tiles are in flight at once).
+template <int kBM, int kBN, bool kCausal, class Params, bool kChunked = kCausal>
 __device__ __forceinline__ DkdvWork dkdv_work(const Params& p) {
     DkdvWork w;
     int key_tile = blockIdx.x, head_batch = blockIdx.y + gridDim.y * blockIdx.z;
-    if constexpr (kCausal) {
+    if constexpr (kCausal || kChunked) {
         // The grid is numbered again: a causal key tile's work falls with its index (the first
         // sees every query, the last the fewest). Blocks start in the order of their linear
         // index; head by head, each head would end on its long first tiles and the grid on the
@@ -172,6 +176,10 @@ __device__ __forceinline__ void bwd_preprocess(const typename Cfg::Params& p) {
     if (lane == 0) {
         p.delta[bh * p.rows_padded + row] = delta;
         p.lse2[bh * p.rows_padded + row] = lse2;
+    }
+    if constexpr (Cfg::kOrderedDq) {
+        if (lane == 0 && row % Cfg::kDqTileRows == 0)
+            p.dq_sem[bh * (p.rows_padded / Cfg::kDqTileRows) + row / Cfg::kDqTileRows] = 0;
     }
     if constexpr (Cfg::kZeroAccum) {
         float* accum = p.dq_accum + (bh * p.rows_padded + row) * Cfg::kAccumDim;

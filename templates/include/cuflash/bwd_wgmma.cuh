@@ -10,13 +10,18 @@
 //   S^T = K Q^T and dP^T = V dO^T     both operands from shared memory (K-major);
 //   P^T, dS^T = P^T * (dP^T - delta)  in registers, in the accumulators' m16n8 fragment layout;
 //   dV += P^T dO and dK += dS^T Q     A from registers, B read transposed by its descriptor;
-//   dQ += dS K (unless deterministic) dS^T goes to shared memory and is read back transposed as
+//   dQ += dS K (unless kDqKernel)     dS^T goes to shared memory and is read back transposed as
 //                                     the A operand; each warpgroup takes half of dQ's columns
 //                                     and adds them into the float32 accumulator: (kBulkDq) both
 //                                     write their fragments to shared memory, and at the next
 //                                     step's start one thread adds the whole tile by one bulk
 //                                     reduce-add; the accumulator keeps fragment order
 //                                     (bwd_common.cuh's dq_fragment_offset). Else by atomics.
+// kOrderedDq (deterministic): the key tiles of a head add into each dQ tile one after the other,
+// in their order. A counter per (batch, query head, query tile) holds how many have added: a
+// block adds once the counter reads its key tile's index, and raises it once its add has landed,
+// half a step later. Every key tile before a block's visits every query tile the block visits,
+// and precedes it in the grid's order, so each wait ends.
 // Wider head dims (kSplitD): the key tile has 64 rows, and both warpgroups own all of them with
 // half of the head dim each. Warpgroup 0 computes S^T and P^T, warpgroup 1 dP^T and dS^T, trading
 // P^T and dS^T through shared memory (swizzled, K-major), from where both read them as the A
@@ -29,7 +34,7 @@
 // neither stored nor accumulated.
 //
 // The generated kernel provides Cfg with kHeadDim, kHeadDimStored, kBlockM, kBlockN, kStages,
-// kCausal, kBF16, kDeterministic, kSplitD, kChunksPerRow (of the padded tile), kChunksValid (of
+// kCausal, kBF16, kDqKernel, kOrderedDq, kSplitD, kChunksPerRow (of the padded tile), kChunksValid (of
 // the problem's rows), kSmemK, kSmemV, kSmemQ, kSmemDO, kQTileBytes, kSmemLse2,
 // kSmemDelta, kSmemDS, kSmemP, kTma, kSmemBars, the Params struct and the wgmma_scores / wgmma_grad (or
 // wgmma_grad_ss) / wgmma_dq wrappers.
@@ -80,7 +85,9 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
     const int wg = warp / 4;
     const int key_row0 = (kSplitD ? 0 : wg * 64) + (warp % 4) * 16;  // first key row (in the tile) of this warp
     const int grad_col0 = kSplitD ? wg * kGradCols : 0;             // first dK / dV column of this warpgroup
-    DkdvWork w = dkdv_work<kBM, kBN, Cfg::kCausal>(p);
+    constexpr bool kOrderedDq = Cfg::kOrderedDq;
+    static_assert(!kOrderedDq || (Cfg::kBulkDq && !Cfg::kVarlen && !Cfg::kBlockSparse), "ordered adds of whole tiles");
+    DkdvWork w = dkdv_work<kBM, kBN, Cfg::kCausal, typename Cfg::Params, Cfg::kCausal || kOrderedDq>(p);
     // kVarlen: block (key tile, kv head, sequence) of packed sequences; rows sit at the sequence's
     // first rows of the packed arrays (batch strides 0), and lse2 / delta / the dQ accumulator are
     // [heads, rows_padded] over all packed query rows.
@@ -171,9 +178,27 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                                                       p.lse2 + rows.row, p.delta + rows.row, tid);
     };
 
+    // kOrderedDq: the turn counter of step t's dQ tile; the block's turn is its key tile's index.
+    const int dq_turn = w.n0 / kBN;
+    auto dq_sem = [&](int t) {
+        return p.dq_sem + (static_cast<long long>(w.batch) * p.heads + w.step_head(p.group, t)) * (p.rows_padded / kBM)
+               + step_m0(t) / kBM;
+    };
+    // kOrderedDq: once step t's add has landed, the next key tile's turn.
+    auto pass_dq_turn = [&](int t) {
+        bulk_wait_group<0>();
+        fence_proxy_async_global();
+        red_release_add(dq_sem(t), 1);
+    };
     // kBulkDq: step t's dQ partial tile (both warpgroups' halves, in fragment order) added into
     // the accumulator's tile by one bulk reduce-add, issued by one thread.
     auto add_dq_tile = [&](int t) {
+        if constexpr (kOrderedDq) {
+            const int* sem = dq_sem(t);
+            while (ld_acquire(sem) != dq_turn) {
+            }
+            fence_proxy_async_global();
+        }
         const long long row = kVarlen  // sequence w.batch's tiles start 64 * w.batch rows past its first row
             ? static_cast<long long>(w.step_head(p.group, t)) * p.rows_padded + w.q_start + 64 * w.batch + step_m0(t)
             : (static_cast<long long>(w.batch) * p.heads + w.step_head(p.group, t)) * p.rows_padded + step_m0(t);
@@ -268,7 +293,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
             recompute_dscores<kBF16, false>(dpt, fp_tiles, s_delta, lane);
             if constexpr (kGrad) chain_score_mod(dpt, dmod);
             pack_fragments<kBF16>(fds_tiles, dpt);
-            if constexpr (!Cfg::kDeterministic) store_tile(Cfg::kSmemDS, fds_tiles);  // for dQ
+            if constexpr (!Cfg::kDqKernel) store_tile(Cfg::kSmemDS, fds_tiles);  // for dQ
         } else {
             float sc[kQT][4];
             wgmma_fence();
@@ -329,9 +354,15 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         }
         wgmma_commit();
 
-        if constexpr (!Cfg::kDeterministic) {
+        if constexpr (!Cfg::kDqKernel) {
             if constexpr (!kSplitD) {
-                if (Cfg::kBulkDq && tid == 0) bulk_wait_group_read<0>();  // the last tile's dQ was read
+                if (Cfg::kBulkDq && tid == 0) {
+                    if constexpr (kOrderedDq) {
+                        if (t > 0) pass_dq_turn(t - 1);  // the last tile's dQ has landed
+                    } else {
+                        bulk_wait_group_read<0>();  // the last tile's dQ was read
+                    }
+                }
                 fence_proxy_async();
                 __syncthreads();  // both warpgroups' halves of dS^T are in shared memory
             }
@@ -390,6 +421,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         __syncthreads();  // the last step's dQ tile is in shared memory
         if (tid == 0 && w.steps > 0) add_dq_tile(w.steps - 1);
         if (tid == 0) bulk_wait_group<0>();  // done before the block's shared memory goes
+        if (kOrderedDq && tid == 0 && w.steps > 0) pass_dq_turn(w.steps - 1);
     }
 
     const int key = w.n0 + key_row0;

@@ -53,6 +53,9 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 // Shared memory written through the generic proxy (cp.async, st.shared) must be made visible to
 // the async proxy that wgmma reads it through.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Global memory written by the async proxy (bulk reductions) and flags of the generic proxy that
+// order those writes between blocks.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 
 }  // namespace cuflash
 
