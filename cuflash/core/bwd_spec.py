@@ -267,7 +267,8 @@ class BwdSpec:
                                  ("ds", scores), ("p", scores if self.split_head_dim else 0),
                                  ("lse2", self.num_stages * self.block_m * 4),
                                  ("delta", self.num_stages * self.block_m * 4),
-                                 ("dq", self.block_m * self.padded_head_dim * 4 if self.bulk_dq else 0),
+                                 ("dq", self.block_m * self.padded_head_dim * 4 * (2 if self.ordered_dq else 1)
+                                  if self.bulk_dq else 0),
                                  ("bars", 8 * (1 + self.num_stages) if self.tma_loads else 0)):
                 layout[region] = offset
                 offset += size

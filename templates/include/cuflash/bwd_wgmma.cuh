@@ -19,8 +19,9 @@
 //                                     (bwd_common.cuh's dq_fragment_offset). Else by atomics.
 // kOrderedDq (deterministic): the key tiles of a head add into each dQ tile one after the other,
 // in their order. A counter per (batch, query head, query tile) holds how many have added: a
-// block adds once the counter reads its key tile's index, and raises it once its add has landed,
-// half a step later. Every key tile before a block's visits every query tile the block visits,
+// block adds step t-1's tile once the counter reads its key tile's index (in step t, while dV
+// and dK are computed), and raises it at the end of step t+1, once the add has landed and no
+// product is in flight. The partial tiles alternate between two places in shared memory. Every key tile before a block's visits every query tile the block visits,
 // and precedes it in the grid's order, so each wait ends.
 // Wider head dims (kSplitD): the key tile has 64 rows, and both warpgroups own all of them with
 // half of the head dim each. Warpgroup 0 computes S^T and P^T, warpgroup 1 dP^T and dS^T, trading
@@ -184,14 +185,9 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         return p.dq_sem + (static_cast<long long>(w.batch) * p.heads + w.step_head(p.group, t)) * (p.rows_padded / kBM)
                + step_m0(t) / kBM;
     };
-    // kOrderedDq: once step t's add has landed, the next key tile's turn.
-    auto pass_dq_turn = [&](int t) {
-        bulk_wait_group<0>();
-        fence_proxy_async_global();
-        red_release_add(dq_sem(t), 1);
-    };
-    // kBulkDq: step t's dQ partial tile (both warpgroups' halves, in fragment order) added into
-    // the accumulator's tile by one bulk reduce-add, issued by one thread.
+    // kBulkDq: step t's dQ partial tile (both warpgroups' halves, in fragment order; kOrderedDq:
+    // two tiles, by the step's parity) added into the accumulator's tile by one bulk reduce-add,
+    // issued by one thread (kOrderedDq: kDqThread, on its turn).
     auto add_dq_tile = [&](int t) {
         if constexpr (kOrderedDq) {
             const int* sem = dq_sem(t);
@@ -202,9 +198,24 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         const long long row = kVarlen  // sequence w.batch's tiles start 64 * w.batch rows past its first row
             ? static_cast<long long>(w.step_head(p.group, t)) * p.rows_padded + w.q_start + 64 * w.batch + step_m0(t)
             : (static_cast<long long>(w.batch) * p.heads + w.step_head(p.group, t)) * p.rows_padded + step_m0(t);
-        bulk_reduce_add_f32(p.dq_accum + row * kD, base + Cfg::kSmemDq, kBM * kD * 4);
+        bulk_reduce_add_f32(p.dq_accum + row * kD, base + Cfg::kSmemDq + (kOrderedDq ? t % 2 : 0) * kBM * kD * 4,
+                            kBM * kD * 4);
         bulk_commit_group();
     };
+    // kOrderedDq: once step t's add has landed (one_later: the next step's may still be in
+    // flight), the next key tile's turn. The wait returns when the reduction is complete in
+    // memory, before the counter is raised, and the next key tile issues its own only after it
+    // reads the counter; the order of the adds needs no release fence, which measured slower
+    // (docs/tuning.md).
+    auto pass_dq_turn = [&](int t, bool one_later) {
+        if (one_later) bulk_wait_group<1>();
+        else bulk_wait_group<0>();
+        fence_proxy_async_global();
+        red_relaxed_add(dq_sem(t), 1);
+    };
+    // kOrderedDq: the thread that adds and passes the turns, outside warpgroup 0, whose thread 0
+    // has TMA loads in flight that the release would wait for.
+    constexpr int kDqThread = kOrderedDq ? 128 : 0;
 
     float acc_dk[kGT][4], acc_dv[kGT][4];
     zero_fragments(acc_dk);
@@ -228,7 +239,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         if (t + Cfg::kStages - 1 < w.steps && (!kTma || tid == 0))
             load_step(t + Cfg::kStages - 1, (t + Cfg::kStages - 1) % Cfg::kStages);
         if constexpr (!kTma) cp_async_commit();
-        if (Cfg::kBulkDq && tid == 0 && t > 0) add_dq_tile(t - 1);
+        if (Cfg::kBulkDq && !kOrderedDq && tid == 0 && t > 0) add_dq_tile(t - 1);
 
         const int slot = t % Cfg::kStages;
         const int head = w.step_head(p.group, t), m0 = step_m0(t);
@@ -356,12 +367,12 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
 
         if constexpr (!Cfg::kDqKernel) {
             if constexpr (!kSplitD) {
-                if (Cfg::kBulkDq && tid == 0) {
-                    if constexpr (kOrderedDq) {
-                        if (t > 0) pass_dq_turn(t - 1);  // the last tile's dQ has landed
-                    } else {
-                        bulk_wait_group_read<0>();  // the last tile's dQ was read
-                    }
+                if (Cfg::kBulkDq && !kOrderedDq && tid == 0) bulk_wait_group_read<0>();  // the last tile's dQ was read
+                if (kOrderedDq && tid == kDqThread && t >= 1) {
+                    // Step t-2's add frees this step's tile; step t-1's goes in on this block's
+                    // turn, under dV and dK.
+                    bulk_wait_group_read<0>();
+                    add_dq_tile(t - 1);
                 }
                 fence_proxy_async();
                 __syncthreads();  // both warpgroups' halves of dS^T are in shared memory
@@ -389,7 +400,8 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                 fence_operands(acc_dk);
                 if constexpr (Cfg::kBulkDq) {  // to shared memory; added at the next step's start
                     static_assert(kChunks == 1 && kBM == 64, "one whole partial tile per warpgroup");
-                    float2* frags = reinterpret_cast<float2*>(smem + Cfg::kSmemDq + col0 * kBM * 4) + (warp % 4) * kChunkCols * 8 + lane;
+                    float2* frags = reinterpret_cast<float2*>(smem + Cfg::kSmemDq + (kOrderedDq ? t % 2 : 0) * kBM * kD * 4
+                                                              + col0 * kBM * 4) + (warp % 4) * kChunkCols * 8 + lane;
 #pragma unroll
                     for (int nt = 0; nt < kChunkCols / 8; ++nt) {
                         frags[nt * 64] = make_float2(dq[nt][0], dq[nt][1]);
@@ -414,14 +426,19 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
             fence_operands(acc_dv);
             fence_operands(acc_dk);
         }
+        // kOrderedDq: step t-2's add has landed by now; its release waits for no product in flight.
+        if (kOrderedDq && tid == kDqThread && t >= 2) pass_dq_turn(t - 2, true);
     }
     if constexpr (!kTma) cp_async_wait<0>();
     if constexpr (Cfg::kBulkDq) {
         fence_proxy_async();
         __syncthreads();  // the last step's dQ tile is in shared memory
-        if (tid == 0 && w.steps > 0) add_dq_tile(w.steps - 1);
-        if (tid == 0) bulk_wait_group<0>();  // done before the block's shared memory goes
-        if (kOrderedDq && tid == 0 && w.steps > 0) pass_dq_turn(w.steps - 1);
+        if (tid == kDqThread) {
+            if (kOrderedDq && w.steps >= 2) pass_dq_turn(w.steps - 2, false);
+            if (w.steps > 0) add_dq_tile(w.steps - 1);
+            bulk_wait_group<0>();  // done before the block's shared memory goes
+            if (kOrderedDq && w.steps > 0) pass_dq_turn(w.steps - 1, false);
+        }
     }
 
     const int key = w.n0 + key_row0;

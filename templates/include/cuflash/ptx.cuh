@@ -77,8 +77,8 @@ __device__ __forceinline__ int ld_acquire(const int* flag) {
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(flag) : "memory");
     return value;
 }
-__device__ __forceinline__ void red_release_add(int* counter, int value) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(counter), "r"(value) : "memory");
+__device__ __forceinline__ void red_relaxed_add(int* counter, int value) {
+    asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;\n" :: "l"(counter), "r"(value) : "memory");
 }
 
 // ---- asynchronous copies (global -> shared, 16 bytes, bypassing L1) ----
