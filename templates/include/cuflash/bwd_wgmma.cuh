@@ -88,7 +88,8 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
     const int grad_col0 = kSplitD ? wg * kGradCols : 0;             // first dK / dV column of this warpgroup
     constexpr bool kOrderedDq = Cfg::kOrderedDq;
     static_assert(!kOrderedDq || (Cfg::kBulkDq && !Cfg::kVarlen && !Cfg::kBlockSparse), "ordered adds of whole tiles");
-    DkdvWork w = dkdv_work<kBM, kBN, Cfg::kCausal, typename Cfg::Params, Cfg::kCausal || kOrderedDq>(p);
+    DkdvWork w = dkdv_work<kBM, kBN, Cfg::kCausal, typename Cfg::Params, Cfg::kCausal || kOrderedDq,
+                           kOrderedDq && Cfg::kCausal ? kOrderedHeadsPerChunk : kCausalHeadsPerChunk>(p);
     // kVarlen: block (key tile, kv head, sequence) of packed sequences; rows sit at the sequence's
     // first rows of the packed arrays (batch strides 0), and lse2 / delta / the dQ accumulator are
     // [heads, rows_padded] over all packed query rows.
