@@ -118,3 +118,12 @@ def test_hopper_backward_uses_warpgroup_mma(head_dim, tmp_path):
     if head_dim == 128:  # packed sequences take the bulk add too
         varlen = sass(spec.replace(varlen=True, tma_loads=False), tmp_path)
         assert "UBLKRED.G.S.ADD.F32" in varlen and "LDGSTS" in varlen
+    # deterministic: the same bulk adds, in turns (an acquire load of the turn counter, a
+    # relaxed add to raise it), up to head dim 128
+    det = default_bwd_spec(head_dim, "bf16", True, "sm90a", True)
+    code = sass(det, tmp_path)
+    assert det.ordered_dq == (head_dim <= 128)
+    if det.ordered_dq:
+        assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16", code) and "UTMALDG.4D" in code
+        assert "UBLKRED.G.S.ADD.F32" in code and "REDG.E.ADD.F32" not in code
+        assert "LDG.E.STRONG.GPU" in code and "REDG.E.ADD.S32.STRONG.GPU" in code
