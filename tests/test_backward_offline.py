@@ -316,3 +316,68 @@ def test_hopper_backward_loads_by_cp_async_where_tma_cannot_read(monkeypatch, br
     finally:
         fake_device.uninstall(cupy)
         backward._default.cache_clear()  # its specs were chosen for the stand-in device
+
+
+def _dkdv_order(key_tiles, heads_batch, heads_per_chunk, chunked):
+    """(key tile, head_batch) of each block in launch order, as bwd_common.cuh's dkdv_work numbers
+    the grid (x: key tiles, y * z: kv head and batch pairs)."""
+    order = []
+    for linear in range(key_tiles * heads_batch):
+        if not chunked:
+            order.append((linear % key_tiles, linear // key_tiles))
+            continue
+        chunk, in_chunk = divmod(linear, key_tiles * heads_per_chunk)
+        chunk_heads = min(heads_per_chunk, heads_batch - chunk * heads_per_chunk)
+        order.append((in_chunk // chunk_heads, chunk * heads_per_chunk + in_chunk % chunk_heads))
+    return order
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(1100, 1900), (1900, 1100), (64, 700), (700, 64), (1, 1)])
+@pytest.mark.parametrize("heads_batch", [1, 5, 40])
+def test_ordered_dq_turns_always_come(causal, seqlens, heads_batch):
+    """The deterministic Hopper backward adds a dQ tile when its counter reads the block's key tile
+    index. That needs every key tile before n to visit each query tile n visits, and to come
+    before n in the launch order (so a block waits only for blocks already started)."""
+    block_m, block_n = 64, 128
+    seqlen_q, seqlen_k = seqlens
+    offset = seqlen_k - seqlen_q
+    key_tiles = -(-seqlen_k // block_n)
+
+    def visits(n):  # DkdvWork: the query tiles key tile n visits
+        m_begin = 0
+        if causal and n * block_n - offset > 0:
+            m_begin = (n * block_n - offset) // block_m * block_m
+        return set(range(m_begin // block_m, -(-seqlen_q // block_m))) if m_begin < seqlen_q else set()
+
+    for n in range(1, key_tiles):
+        assert visits(n) <= visits(n - 1)
+    heads_per_chunk = 32 if causal else 8
+    position = {block: i for i, block in enumerate(_dkdv_order(key_tiles, heads_batch, heads_per_chunk, True))}
+    assert len(position) == key_tiles * heads_batch
+    for (n, hb), i in position.items():
+        assert n == 0 or position[(n - 1, hb)] < i
+
+
+def test_ordered_dq_has_its_turn_counters_in_the_parameter_block():
+    from types import SimpleNamespace
+
+    from cuflash.core.launch import launch_backward
+    from cuflash.core.params import BWD_PARAM_FIELDS
+
+    problem = SimpleNamespace(batch=2, heads=4, heads_k=2, seqlen_q=300, seqlen_k=500, scale=0.125)
+    names = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "lse2", "delta", "dq_sem")
+    tensors = {name: SimpleNamespace(data=SimpleNamespace(ptr=0x1000 * (i + 1))) for i, name in enumerate(names)}
+    strides = {t: (1, 2, 3) for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")}
+    calls = []
+
+    def kernel(grid, block, args, shared_mem=0):
+        calls.append(args)
+
+    spec = default_bwd_spec(128, "bf16", True, "sm90a", True).replace(tma_loads=False)
+    assert spec.ordered_dq and spec.accum_dq
+    launch_backward((kernel, kernel, kernel), spec, SimpleNamespace(forward=problem), tensors, strides)
+    fields = np.dtype([(name, "<" + fmt) for name, _, fmt in BWD_PARAM_FIELDS])
+    for args in calls:
+        params = np.frombuffer(args[0].tobytes(), dtype=fields)[0]
+        assert params["dq_sem"] == 0x1000 * len(names) and params["dq_accum"] == 0xA000
