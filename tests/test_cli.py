@@ -374,6 +374,46 @@ def test_bench_config_times_cuflash_and_torch_peers_interleaved(monkeypatch):
     assert flash["ms"] == 4.0 and flash["ratio"] is None and flash["max_abs_diff"] is None
 
 
+def test_bench_times_the_deterministic_backward_beside_the_default_one(monkeypatch):
+    import numpy as np
+
+    import cuflash
+    calls = []
+
+    def attention(q, k, v, *, causal=False, return_lse=False, spec=None):
+        return np.zeros(q.shape, np.float32), np.zeros(q.shape[:3], np.float32)
+
+    def attention_backward(dout, q, k, v, out, lse, *, causal=False, deterministic=False, spec=None):
+        calls.append(deterministic)
+        return q, k, v
+
+    def fake_times(fn, reps=30, warmup=3, flush_l2=True):
+        before = len(calls)
+        fn()
+        return [3.0 if calls[before] else 2.0] * reps
+
+    monkeypatch.setattr(cuflash, "attention", attention)
+    monkeypatch.setattr(cuflash, "attention_backward", attention_backward)
+    _patch_bench(monkeypatch, "random_inputs", lambda shape, tag, seed=0: tuple(
+        np.random.default_rng(seed + i).standard_normal(shape, dtype=np.float32) for i in range(3)))
+    _patch_bench(monkeypatch, "backward_extra_bytes", lambda *args: 0)
+    _patch_bench(monkeypatch, "_synchronize_all", lambda: None)
+    _patch_bench(monkeypatch, "_free_device_memory", lambda: None)
+    _patch_bench(monkeypatch, "cuda_event_times_ms", fake_times)
+    config = bench.BenchConfig(128, 1024, True, 16, 16, "bf16", "bwd")
+    result = bench.bench_config(config, arch="sm90a", reps=10, overrides={"deterministic": True})
+    assert result["ms"] == 3.0 and set(calls) == {True, False}
+    peer = result["peers"]["cuflash-default"]
+    assert peer["ms"] == 2.0 and peer["ratio"] == pytest.approx(2.0 / 3.0)
+    assert "| cuflash-default" in bench.format_line(result) and "(0.67x)" in bench.format_line(result)
+    tables = bench.markdown_tables(dict(environment=dict(gpu="Test GPU"), results=[result], overhead=None))
+    assert "| cuflash, not deterministic |" in tables and "| deterministic / default (cuflash) | 0.67x |" in tables
+    # without --deterministic, no such peer
+    calls.clear()
+    result = bench.bench_config(config, arch="sm90a", reps=10)
+    assert "cuflash-default" not in result["peers"] and set(calls) == {False}
+
+
 def _fake_result(seqlen, tflops, flash, cudnn):
     config = bench.BenchConfig(head_dim=128, seqlen=seqlen, causal=True, batch=16384 // seqlen, heads=16, dtype="bf16")
     result = dict(config.__dict__, direction="fwd", flops=1, spec="fwd_bf16_hd128_causal_m128n64w4s2_sm90a",

@@ -16,6 +16,9 @@ BF16_PEER = ("cuflash-bf16", "cuflash bf16")
 #: Key and table label of cuflash's FP8 call on a V made once by ``prepare_v`` (a KV cache), timed
 #: where the kernel takes one (the Hopper FP8 kernel).
 PREPARED_V_PEER = ("cuflash-fp8-prepared-v", "cuflash FP8, V from prepare_v")
+#: Key and table label of cuflash's default backward, timed beside the deterministic one
+#: (``--deterministic``), whose ``ratio`` is deterministic / default.
+DEFAULT_BWD_PEER = ("cuflash-default", "cuflash, not deterministic")
 
 
 _OURS = "cuflash"

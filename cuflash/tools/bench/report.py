@@ -1,13 +1,13 @@
 """Reports of a benchmark run: one line per configuration, Markdown tables and a plot."""
 from __future__ import annotations
 
-from .config import BF16_PEER, FP8, PREPARED_V_PEER, BenchConfig
+from .config import BF16_PEER, DEFAULT_BWD_PEER, FP8, PREPARED_V_PEER, BenchConfig
 from .peers import TORCH_BACKENDS
 
 
 def _peer_labels():
     """(key, table label) of every peer a result may hold, in table order."""
-    return [BF16_PEER, PREPARED_V_PEER] + [(key, label) for key, (_, label) in TORCH_BACKENDS.items()]
+    return [BF16_PEER, PREPARED_V_PEER, DEFAULT_BWD_PEER] + [(key, label) for key, (_, label) in TORCH_BACKENDS.items()]
 
 
 def format_line(result: dict) -> str:
@@ -73,6 +73,10 @@ def markdown_tables(report: dict) -> str:
             if any(x is not None for x in ratios):
                 lines.append("| FP8, V from prepare_v / bf16 (cuflash) | "
                              + " | ".join("–" if x is None else f"{x:.2f}x" for x in ratios) + " |")
+        ratios = [r["peers"].get(DEFAULT_BWD_PEER[0], {}).get("ratio") for r in rows]
+        if any(x is not None for x in ratios):
+            lines.append("| deterministic / default (cuflash) | "
+                         + " | ".join("–" if x is None else f"{x:.2f}x" for x in ratios) + " |")
         lines.append("")
     overhead = report.get("overhead")
     if overhead:

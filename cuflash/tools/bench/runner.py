@@ -20,8 +20,9 @@ import json
 import sys
 from dataclasses import asdict
 
-from .config import (_BOOL_OVERRIDES, _MODE_FLOPS, _OURS, BF16_PEER, DEFAULT_HEAD_DIMS, DEFAULT_SEQLENS,
-                     FP8, MODES, OVERHEAD_PROBLEM, PREPARED_V_PEER, BenchConfig, paper_grid, parse_spec_override)
+from .config import (_BOOL_OVERRIDES, _MODE_FLOPS, _OURS, BF16_PEER, DEFAULT_BWD_PEER, DEFAULT_HEAD_DIMS,
+                     DEFAULT_SEQLENS, FP8, MODES, OVERHEAD_PROBLEM, PREPARED_V_PEER, BenchConfig, paper_grid,
+                     parse_spec_override)
 from .fp8_errors import _run_fp8_errors
 from .peers import _peer_entry, _record_torch_peers, _time_interleaved, _torch_calls, import_torch, to_torch
 from .report import format_line, markdown_tables, write_plot
@@ -121,14 +122,21 @@ def _time_config(result, config, forced, overrides, reps, torch, flush_l2):
     elif config.mode == "bwd":
         fwd_out, fwd_lse = cuflash.attention(q, k, v, causal=config.causal, return_lse=True)
 
-        def ours_call():
-            return cuflash.attention_backward(dout, q, k, v, fwd_out, fwd_lse, causal=config.causal,
-                                              deterministic=deterministic, spec=forced)
+        def backward_call(deterministic, spec):
+            return lambda: cuflash.attention_backward(dout, q, k, v, fwd_out, fwd_lse, causal=config.causal,
+                                                      deterministic=deterministic, spec=spec)
+        ours_call = backward_call(deterministic, forced)
     else:
-        def ours_call():
-            out, backward = cuflash.attention_with_grad(q, k, v, causal=config.causal, deterministic=deterministic,
-                                                        family=overrides.get("family"))
-            return out, backward(dout)
+        def with_grad_call(deterministic):
+            def call():
+                out, backward = cuflash.attention_with_grad(q, k, v, causal=config.causal,
+                                                            deterministic=deterministic, family=overrides.get("family"))
+                return out, backward(dout)
+            return call
+        ours_call = with_grad_call(deterministic)
+    calls = {_OURS: ours_call}
+    if deterministic and forced is None and config.mode != "fwd":  # the default backward in the same rounds
+        calls[DEFAULT_BWD_PEER[0]] = backward_call(False, None) if config.mode == "bwd" else with_grad_call(False)
 
     def output():   # after the timing: the output the peers are checked against, the backward's memory
         if config.mode == "bwd":
@@ -136,8 +144,11 @@ def _time_config(result, config, forced, overrides, reps, torch, flush_l2):
         return ours_call() if config.mode == "fwd" else None
 
     torch_calls = _torch_calls(torch, (q, k, v), dout, config) if torch is not None else {}
-    timed = _time_interleaved({_OURS: ours_call}, torch_calls, reps, flush_l2)
+    timed = _time_interleaved(calls, torch_calls, reps, flush_l2)
     ours = _record_ours(result, timed[_OURS], output)
+    if DEFAULT_BWD_PEER[0] in timed:
+        result["peers"][DEFAULT_BWD_PEER[0]] = _peer_entry(timed[DEFAULT_BWD_PEER[0]], result["flops"],
+                                                           result["tflops"])
     _record_torch_peers(result, torch_calls, timed, ours)
 
 
@@ -279,7 +290,7 @@ def add_arguments(parser):
                         help="fwd, bwd (FLOPs 2.5x the forward) or fwdbwd (3.5x); decode: KV-cache attention's "
                              "bandwidth (bf16, hd128, 32/8 heads) beside torch SDPA; varlen: packed sequences of "
                              "random lengths against a dense batch of the mean length; default fwd")
-    parser.add_argument("--deterministic", action="store_true", help="bwd/fwdbwd: the deterministic backward")
+    parser.add_argument("--deterministic", action="store_true", help="bwd/fwdbwd: the deterministic backward, timed beside the default one")
     parser.add_argument("--head-dims", type=int, nargs="+", default=list(DEFAULT_HEAD_DIMS),
                         help="head dims of the grid (default: 64 128 256)")
     parser.add_argument("--seqlens", type=int, nargs="+", default=list(DEFAULT_SEQLENS),
