@@ -124,7 +124,8 @@ constexpr int kOrderedHeadsPerChunk = 32;
 // kChunked: number the grid in chunks of kHeadsPerChunk heads as a causal one is, without a mask
 // too (the ordered dQ adds, where a key tile waits for the one before it, so that few of a head's
 // key tiles are in flight at once).
-template <int kBM, int kBN, bool kCausal, class Params, bool kChunked = kCausal, int kHeadsPerChunk = kCausalHeadsPerChunk>
+template <int kBM, int kBN, bool kCausal, class Params, bool kChunked = kCausal,
+          int kHeadsPerChunk = kCausalHeadsPerChunk>
 __device__ __forceinline__ DkdvWork dkdv_work(const Params& p) {
     DkdvWork w;
     int key_tile = blockIdx.x, head_batch = blockIdx.y + gridDim.y * blockIdx.z;

@@ -20,9 +20,10 @@
 // kOrderedDq (deterministic): the key tiles of a head add into each dQ tile one after the other,
 // in their order. A counter per (batch, query head, query tile) holds how many have added: a
 // block adds step t-1's tile once the counter reads its key tile's index (in step t, while dV
-// and dK are computed), and raises it at the end of step t+1, once the add has landed and no
-// product is in flight. The partial tiles alternate between two places in shared memory. Every key tile before a block's visits every query tile the block visits,
-// and precedes it in the grid's order, so each wait ends.
+// and dK are computed), and raises it at the end of step t+1, once the add has landed. The
+// partial tiles alternate between two places in shared memory. Every key tile before a block's
+// visits every query tile the block visits, and precedes it in the grid's order, so each wait
+// ends.
 // Wider head dims (kSplitD): the key tile has 64 rows, and both warpgroups own all of them with
 // half of the head dim each. Warpgroup 0 computes S^T and P^T, warpgroup 1 dP^T and dS^T, trading
 // P^T and dS^T through shared memory (swizzled, K-major), from where both read them as the A
@@ -214,8 +215,8 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         fence_proxy_async_global();
         red_relaxed_add(dq_sem(t), 1);
     };
-    // kOrderedDq: the thread that adds and passes the turns, outside warpgroup 0, whose thread 0
-    // has TMA loads in flight that the release would wait for.
+    // kOrderedDq: the thread that waits for the turns, adds and passes them: one of warpgroup 1
+    // (warpgroup 0's thread 0 issues the TMA loads).
     constexpr int kDqThread = kOrderedDq ? 128 : 0;
 
     float acc_dk[kGT][4], acc_dv[kGT][4];
@@ -399,7 +400,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                 fence_operands(dq);
                 fence_operands(acc_dv);
                 fence_operands(acc_dk);
-                if constexpr (Cfg::kBulkDq) {  // to shared memory; added at the next step's start
+                if constexpr (Cfg::kBulkDq) {  // to shared memory; added in the next step
                     static_assert(kChunks == 1 && kBM == 64, "one whole partial tile per warpgroup");
                     float2* frags = reinterpret_cast<float2*>(smem + Cfg::kSmemDq + (kOrderedDq ? t % 2 : 0) * kBM * kD * 4
                                                               + col0 * kBM * 4) + (warp % 4) * kChunkCols * 8 + lane;
@@ -427,7 +428,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
             fence_operands(acc_dv);
             fence_operands(acc_dk);
         }
-        // kOrderedDq: step t-2's add has landed by now; its release waits for no product in flight.
+        // kOrderedDq: step t-2's add, issued a step and a half ago, has landed by now.
         if (kOrderedDq && tid == kDqThread && t >= 2) pass_dq_turn(t - 2, true);
     }
     if constexpr (!kTma) cp_async_wait<0>();
