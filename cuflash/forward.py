@@ -8,7 +8,7 @@ from . import fp8 as _fp8
 from .core import compile as _compile
 from . import sparsity as _sparsity
 from .core import modset as _modset
-from .core.launch import LaunchPlan, launch, lse_scratch
+from .core.launch import LaunchPlan, launch, lse_scratch, outputs_unused
 from .core.policy import FP8_WGMMA_MIN_HEAD_DIM, SHORT_SEQLEN, default_spec
 from .core.spec import KernelSpec
 from .core.validate import Problem, aligned_copy, aligned_for_async_copy, readable_by_tma, validate, validate_fp8_scales
@@ -108,8 +108,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
         0), and the LSE if ``return_lse``. Runs on the current CuPy stream and device.
     """
     key = _UNKEYED
-    if score_mod is None and mask_mod is None and block_mask is None \
-            and _without_fp8(fp8_format, q_descale, k_descale, v_descale, out_dtype):
+    if score_mod is None and mask_mod is None and block_mask is None and fp8_format is None and q_descale is None \
+            and k_descale is None and v_descale is None and out_dtype is None:
         # a repeated plain call: straight to its plan
         cupy = _cupy or _import_cupy()
         key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec)
@@ -271,21 +271,47 @@ def _keep_outputs(cupy, plan: LaunchPlan, dtype, stream: int) -> None:
 def _launch_planned(cupy, plan: LaunchPlan, key: tuple, q, k, v, outputs, return_lse: bool):
     """A call launched from its plan: its result, or None where the addresses are off the
     16-byte grid (the full path copies such a view)."""
-    if (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
+    qp, kp, vp = q.data.ptr, k.data.ptr, v.data.ptr
+    if (qp | kp | vp) % 16:
         return None
-    out, lse = outputs or _new_outputs(cupy, plan, return_lse)
-    plan.launch(q, k, v, out, lse, key[_STREAM])
+    if outputs is None:
+        out, lse, op, lp = _new_outputs(cupy, plan, return_lse)
+    else:
+        out, lse = outputs
+        op, lp = out.data.ptr, lse.data.ptr
+    driver = plan._driver
+    if driver:
+        plan._driver_launch(driver, qp, kp, vp, op, lp, key[_STREAM])
+    else:
+        plan.launch(q, k, v, out, lse, key[_STREAM], (qp, kp, vp, op, lp))
     return (out, lse) if return_lse else out
 
 
 def _new_outputs(cupy, plan: LaunchPlan, return_lse: bool):
-    """A planned call's (out, lse): the LSE returned shares the output's allocation; one not
-    returned is the stream's scratch, which the kernels only write."""
+    """A planned call's (out, lse, their addresses): the plan's last ones again where nothing
+    uses them any more (launch.outputs_unused), else new ones; the LSE returned shares the
+    output's allocation; one not returned is the stream's scratch, which the kernels only write."""
+    spare = plan.spare
     shape, dtype, lse_at, lse_shape, nbytes, float32 = plan.outputs
+    if spare:
+        try:
+            entry = spare.pop()  # atomic: threads sharing the plan never take the same entry
+        except IndexError:
+            pass
+        else:
+            if outputs_unused(entry, shape, lse_shape if return_lse else None):
+                spare.append(entry)
+                return entry
+            del entry
     if not return_lse:
-        return cupy.ndarray(shape, dtype), plan.lse_scratch
-    memory = cupy.cuda.alloc(nbytes)
-    return cupy.ndarray(shape, dtype, memory), cupy.ndarray(lse_shape, float32, memory + lse_at)
+        out, lse = cupy.ndarray(shape, dtype), plan.lse_scratch
+    else:
+        memory = cupy.cuda.alloc(nbytes)
+        out, lse = cupy.ndarray(shape, dtype, memory), cupy.ndarray(lse_shape, float32, memory + lse_at)
+    entry = (out, lse, out.data.ptr, lse.data.ptr)
+    if not spare:
+        spare.append(entry)
+    return entry
 
 
 class _Same:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .core import compile as _compile
 from .core import kvcache as _kv
+from .core.launch import outputs_unused
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, page_table=None,
@@ -53,15 +54,36 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     plan = _plans.get(key) if key is not None else None
     if plan is not None and not (q.data.ptr | k_cache.data.ptr | v_cache.data.ptr) % 16 \
             and (k_new is None or not (k_new.data.ptr | v_new.data.ptr) % 16):
-        out = cupy.empty(q.shape, dtype=q.dtype)
         if not return_lse:
+            out = _new_output(cupy, plan, q)
             plan.launch(q, k_cache, v_cache, k_new, v_new, out, plan.lse_scratch)
             return out
+        out = cupy.empty(q.shape, dtype=q.dtype)
         lse = cupy.empty((plan.problem.batch, plan.problem.heads, plan.problem.seqlen_q), dtype=cupy.float32)
         plan.launch(q, k_cache, v_cache, k_new, v_new, out, lse)
         return out, lse
     return _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale,
                       num_splits, return_lse, fp8_format, k_descale, v_descale, window_size, softcap)
+
+
+def _new_output(cupy, plan, q):
+    """A planned call's output: the plan's last one again where nothing uses it any more
+    (launch.outputs_unused), else a new one."""
+    spare = plan.spare
+    if spare:
+        try:
+            entry = spare.pop()  # atomic: threads sharing the plan never take the same entry
+        except IndexError:
+            pass
+        else:
+            if outputs_unused(entry, q.shape, None):
+                spare.append(entry)
+                return entry[0]
+            del entry
+    out = cupy.empty(q.shape, dtype=q.dtype)
+    if not spare:
+        spare.append((out,))
+    return out
 
 
 def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,

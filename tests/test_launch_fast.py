@@ -352,3 +352,58 @@ def test_a_grown_split_workspace_keeps_the_one_it_replaces(monkeypatch):
     assert launch._split_workspace(spec, SimpleNamespace(shares=2), ("dev", 0)) == first  # fits: kept
     grown = launch._split_workspace(spec, SimpleNamespace(shares=9), ("dev", 0))
     assert grown[0] is not first[0] and launch._retired_workspaces == [first]
+
+
+def test_an_output_nothing_refers_to_any_more_is_handed_out_again(device):
+    """A planned call returns its plan's last output again when the caller has dropped it, as
+    CuPy's pool would hand out the same memory on the same stream; never while anything (the
+    array, a view, a memory pointer, the LSE sharing its allocation) still refers to it."""
+    q, k, v = _inputs()
+    cuflash.attention(q, k, v)
+    first = cuflash.attention(q, k, v)
+    ptr, ident = first.data.ptr, id(first)
+    del first
+    again = cuflash.attention(q, k, v)
+    assert id(again) == ident and again.data.ptr == ptr and again.shape == SHAPE
+    for hold in (lambda a: a, lambda a: a[0], lambda a: a[:, :, 1:], lambda a: a.reshape(-1), lambda a: a.data,
+                 lambda a: a.data + 0, lambda a: a.data.mem, lambda a: a.T):
+        kept = hold(again)
+        held_ptr = again.data.ptr
+        del again
+        again = cuflash.attention(q, k, v)
+        assert again.data.ptr != held_ptr
+        del kept
+    # a dropped output whose shape was set in place is not handed out as the plan's shape
+    again.shape = (SHAPE[0] * SHAPE[1], SHAPE[2], SHAPE[3])
+    del again
+    assert cuflash.attention(q, k, v).shape == SHAPE
+
+    cuflash.attention(q, k, v, return_lse=True)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    ptrs = (out.data.ptr, lse.data.ptr)
+    del out
+    out2, lse2 = cuflash.attention(q, k, v, return_lse=True)  # the LSE still held: a new allocation
+    assert out2.data.ptr not in ptrs and out2.data.mem is lse2.data.mem
+    ptrs2 = (out2.data.ptr, lse2.data.ptr)
+    del out2, lse2, lse
+    out3, lse3 = cuflash.attention(q, k, v, return_lse=True)
+    assert (out3.data.ptr, lse3.data.ptr) == ptrs2 and lse3.shape == (2, 4, 100)
+
+
+def test_concurrent_calls_on_one_plan_never_share_an_output(device):
+    q, k, v = _inputs()
+    cuflash.attention(q, k, v)
+    outputs, barrier = [[] for _ in range(4)], threading.Barrier(4)
+
+    def work(mine):
+        barrier.wait()
+        for _ in range(200):
+            mine.append(cuflash.attention(q, k, v))
+
+    threads = [threading.Thread(target=work, args=(mine,)) for mine in outputs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ptrs = [o.data.ptr for mine in outputs for o in mine]
+    assert len(set(ptrs)) == len(ptrs)

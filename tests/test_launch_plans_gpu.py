@@ -66,3 +66,28 @@ def test_a_misaligned_view_or_bad_input_takes_the_full_path():
     ref, _ = AttentionProblem(batch=1, heads=4, heads_k=4, seqlen_q=200, seqlen_k=200, head_dim=64, dtype="bf16",
                               scale=-0.125).reference(q, k, v)
     assert float(cupy.abs(again.astype(cupy.float32) - cupy.asarray(ref, dtype=cupy.float32)).max()) < 3e-2
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_dropped_output_is_handed_out_again_and_a_held_one_keeps_its_values(return_lse):
+    problem = AttentionProblem(batch=1, heads=4, heads_k=2, seqlen_q=130, seqlen_k=200, head_dim=64, dtype="bf16",
+                               causal=True)
+    inputs = [problem.make_inputs(cupy, seed=s) for s in (4, 5, 6)]
+    forward._plans.clear()
+
+    def call(i):
+        result = cuflash.attention(*inputs[i], causal=True, return_lse=return_lse)
+        return result if return_lse else (result, None)
+
+    call(0)
+    held, held_lse = call(0)
+    kept = held.copy(), held_lse.copy() if return_lse else None
+    dropped, _ = call(1)
+    ptr = dropped.data.ptr
+    del dropped, _
+    again, again_lse = call(2)
+    assert again.data.ptr == ptr  # nothing referred to the dropped output any more
+    assert bool((held == kept[0]).all()) and (not return_lse or bool((held_lse == kept[1]).all()))
+    forward._plans.clear()
+    want = cuflash.attention(*inputs[2], causal=True, return_lse=True)
+    assert bool((again == want[0]).all()) and (not return_lse or bool((again_lse == want[1]).all()))

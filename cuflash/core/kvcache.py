@@ -295,13 +295,14 @@ class KVCachePlan:
     pointers filled in. Append (with new keys), attend, merge the splits (more than one)."""
 
     __slots__ = ("spec", "problem", "kernels", "splits", "template", "grid", "combine_grid", "buffers", "_lse_scratch",
-                 "_driver", "_stream")
+                 "_driver", "_stream", "spare")
 
     def __init__(self, kernels, spec: DecodeSpec, problem: KVCacheProblem, *, page_table, cache_seqlens, splits,
                  k_descale, v_descale, stream: int, cu_seqlens=(None, None)):
         import cupy
 
         self.spec, self.problem, self.kernels, self.splits = spec, problem, kernels, splits
+        self.spare = []  # the (out,) last handed out, for launch.outputs_unused
         k_factor, k_array, k_per_head = k_descale
         v_factor, v_array, v_per_head = v_descale
         per_head = k_per_head or v_per_head

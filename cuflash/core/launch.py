@@ -9,7 +9,9 @@ import ctypes
 import functools
 import math
 import struct
+import sys
 import threading
+from sys import getrefcount
 from typing import NamedTuple
 
 import numpy as np
@@ -207,7 +209,7 @@ class LaunchPlan:
     through the driver's cuLaunchKernel on argument storage the plan keeps (:meth:`launch_pointers`)."""
 
     __slots__ = ("spec", "problem", "kernel", "grid", "block", "smem", "template", "out_strides", "buffers",
-                 "maps", "out_map", "mods", "map_problem", "lse_scratch", "outputs", "_launched", "_driver")
+                 "maps", "out_map", "mods", "map_problem", "lse_scratch", "outputs", "spare", "_launched", "_driver")
 
     def __init__(self, kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides,
                  scales: Fp8Scales | None = None, mods: bytes = b"", map_problem: Problem | None = None):
@@ -239,16 +241,20 @@ class LaunchPlan:
         # set by the caller that keeps the plan: the LSE buffer of calls that do not return it, and
         # how their outputs are allocated
         self.lse_scratch = self.outputs = None
+        self.spare = []  # the (out, lse) last handed out, for outputs_unused
         self._launched, self._driver = False, None
 
-    def launch(self, q, k, v, out, lse, stream: int | None = None) -> None:
+    def launch(self, q, k, v, out, lse, stream: int | None = None, pointers: tuple | None = None) -> None:
         """Launch on the current CuPy stream with these arrays (shaped and strided as the plan's);
-        ``stream``: that stream's handle where the caller has it."""
+        ``stream``: that stream's handle where the caller has it; ``pointers``: the five arrays'
+        addresses where the caller has them."""
         driver = self._driver
         if driver is None and self._launched:
             driver = self._driver = self._prepare_driver()
         if driver:
-            self._driver_launch(driver, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, stream)
+            if pointers is None:
+                pointers = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
+            self._driver_launch(driver, *pointers, stream)
             return
         self._launched = True
         raw = bytearray(self.template)
@@ -331,8 +337,10 @@ class LaunchPlan:
             stream = cupy.cuda.get_current_stream().ptr
         with lock:  # the storage is shared by every thread that launches this plan
             _POINTERS.pack_into(storage, shift, q, k, v, out, lse)
-            if maps is not None and mapped[0] != (q, k, v, out):
-                self._write_maps(maps, mapped, q, k, v, out)
+            if maps is not None:
+                was = mapped[0]
+                if was[0] != q or was[1] != k or was[2] != v or was[3] != out:
+                    self._write_maps(maps, mapped, q, k, v, out)
             try:
                 launch_kernel(handle, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
             except error as exc:
@@ -354,6 +362,24 @@ class LaunchPlan:
                                  spec.out_dtype).tobytes()
             ctypes.memmove(maps[1], raw, len(raw))
         mapped[0] = (q, k, v, out)
+
+
+def outputs_unused(entry: tuple, out_shape: tuple, lse_shape: tuple | None) -> bool:
+    """Whether a plan's last (out, lse) = ``entry`` can be handed out again: nothing but ``entry``
+    refers to the arrays, their memory pointers or the allocation (no view, pointer or exported
+    handle), so the memory is as free as CuPy's pool would make it on the same stream, and the
+    shapes are as allocated. ``lse_shape``: the LSE is part of the entry (else the stream's
+    scratch). The caller holds ``entry`` in one local name."""
+    if _GIL and getrefcount(entry[0]) == 2 and getrefcount(entry[0].data) == 2 and entry[0].shape == out_shape:
+        if lse_shape is None:
+            return getrefcount(entry[0].data.mem) == 2
+        return (getrefcount(entry[0].data.mem) == 3 and getrefcount(entry[1]) == 2
+                and getrefcount(entry[1].data) == 2 and entry[1].shape == lse_shape)
+    return False
+
+
+# Reference counts tell whether an output is still used only where the interpreter has a GIL.
+_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
 
 
 #: Launch a plan's repeated calls straight through the driver (cuLaunchKernel on argument storage
