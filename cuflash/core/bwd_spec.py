@@ -169,6 +169,13 @@ class BwdSpec:
         return self.family == "wgmma" and self.accum_dq and not self.split_head_dim
 
     @property
+    def double_dq(self) -> bool:
+        """:attr:`bulk_dq` over whole query tiles (not packed sequences, not block-sparse): two
+        partial tiles in shared memory, by the step's parity, each added in the next step while
+        dV and dK are computed (:attr:`ordered_dq`: on its key tile's turn)."""
+        return self.bulk_dq and not self.varlen and not self.block_sparse
+
+    @property
     def dq_chunk_cols(self) -> int:
         """Columns of one warpgroup's dQ partial tile (its accumulator of dS K)."""
         return min(self.padded_head_dim // 2, 64) if self.padded_head_dim <= 128 else 64
@@ -267,7 +274,7 @@ class BwdSpec:
                                  ("ds", scores), ("p", scores if self.split_head_dim else 0),
                                  ("lse2", self.num_stages * self.block_m * 4),
                                  ("delta", self.num_stages * self.block_m * 4),
-                                 ("dq", self.block_m * self.padded_head_dim * 4 * (2 if self.ordered_dq else 1)
+                                 ("dq", self.block_m * self.padded_head_dim * 4 * (2 if self.double_dq else 1)
                                   if self.bulk_dq else 0),
                                  ("bars", 8 * (1 + self.num_stages) if self.tma_loads else 0)):
                 layout[region] = offset

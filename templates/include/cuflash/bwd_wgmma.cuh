@@ -13,15 +13,17 @@
 //   dQ += dS K (unless kDqKernel)     dS^T goes to shared memory and is read back transposed as
 //                                     the A operand; each warpgroup takes half of dQ's columns
 //                                     and adds them into the float32 accumulator: (kBulkDq) both
-//                                     write their fragments to shared memory, and at the next
-//                                     step's start one thread adds the whole tile by one bulk
-//                                     reduce-add; the accumulator keeps fragment order
+//                                     write their fragments to shared memory, and one thread
+//                                     adds the whole tile by one bulk reduce-add: (kDqDouble)
+//                                     thread 128 in the next step, while dV and dK are
+//                                     computed, the partial tiles alternating between two
+//                                     places in shared memory; else thread 0 at the next
+//                                     step's start. The accumulator keeps fragment order
 //                                     (bwd_common.cuh's dq_fragment_offset). Else by atomics.
-// kOrderedDq (deterministic): the key tiles of a head add into each dQ tile one after the other,
-// in their order. A counter per (batch, query head, query tile) holds how many have added: a
-// block adds step t-1's tile once the counter reads its key tile's index (in step t, while dV
-// and dK are computed), and raises it at the end of step t+1, once the add has landed. The
-// partial tiles alternate between two places in shared memory. Every key tile before a block's
+// kOrderedDq (deterministic, with kDqDouble): the key tiles of a head add into each dQ tile one
+// after the other, in their order. A counter per (batch, query head, query tile) holds how many
+// have added: a block adds step t-1's tile once the counter reads its key tile's index, and
+// raises it at the end of step t+1, once the add has landed. Every key tile before a block's
 // visits every query tile the block visits, and precedes it in the grid's order, so each wait
 // ends.
 // Wider head dims (kSplitD): the key tile has 64 rows, and both warpgroups own all of them with
@@ -36,7 +38,7 @@
 // neither stored nor accumulated.
 //
 // The generated kernel provides Cfg with kHeadDim, kHeadDimStored, kBlockM, kBlockN, kStages,
-// kCausal, kBF16, kDqKernel, kOrderedDq, kSplitD, kChunksPerRow (of the padded tile), kChunksValid (of
+// kCausal, kBF16, kDqKernel, kDqDouble, kOrderedDq, kSplitD, kChunksPerRow (of the padded tile), kChunksValid (of
 // the problem's rows), kSmemK, kSmemV, kSmemQ, kSmemDO, kQTileBytes, kSmemLse2,
 // kSmemDelta, kSmemDS, kSmemP, kTma, kSmemBars, the Params struct and the wgmma_scores / wgmma_grad (or
 // wgmma_grad_ss) / wgmma_dq wrappers.
@@ -87,10 +89,12 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
     const int wg = warp / 4;
     const int key_row0 = (kSplitD ? 0 : wg * 64) + (warp % 4) * 16;  // first key row (in the tile) of this warp
     const int grad_col0 = kSplitD ? wg * kGradCols : 0;             // first dK / dV column of this warpgroup
+    constexpr bool kDqDouble = Cfg::kDqDouble;
     constexpr bool kOrderedDq = Cfg::kOrderedDq;
-    static_assert(!kOrderedDq || (Cfg::kBulkDq && !Cfg::kVarlen && !Cfg::kBlockSparse), "ordered adds of whole tiles");
-    DkdvWork w = dkdv_work<kBM, kBN, Cfg::kCausal, typename Cfg::Params, Cfg::kCausal || kOrderedDq,
-                           kOrderedDq && Cfg::kCausal ? kOrderedHeadsPerChunk : kCausalHeadsPerChunk>(p);
+    static_assert(!kDqDouble || (Cfg::kBulkDq && !Cfg::kVarlen && !Cfg::kBlockSparse), "two whole dQ tiles");
+    static_assert(!kOrderedDq || kDqDouble, "ordered adds from two dQ tiles");
+    DkdvWork w = dkdv_work<kBM, kBN, Cfg::kCausal, typename Cfg::Params, Cfg::kCausal || kDqDouble,
+                           kDqDouble && Cfg::kCausal ? kOrderedHeadsPerChunk : kCausalHeadsPerChunk>(p);
     // kVarlen: block (key tile, kv head, sequence) of packed sequences; rows sit at the sequence's
     // first rows of the packed arrays (batch strides 0), and lse2 / delta / the dQ accumulator are
     // [heads, rows_padded] over all packed query rows.
@@ -187,9 +191,9 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         return p.dq_sem + (static_cast<long long>(w.batch) * p.heads + w.step_head(p.group, t)) * (p.rows_padded / kBM)
                + step_m0(t) / kBM;
     };
-    // kBulkDq: step t's dQ partial tile (both warpgroups' halves, in fragment order; kOrderedDq:
+    // kBulkDq: step t's dQ partial tile (both warpgroups' halves, in fragment order; kDqDouble:
     // two tiles, by the step's parity) added into the accumulator's tile by one bulk reduce-add,
-    // issued by one thread (kOrderedDq: kDqThread, on its turn).
+    // issued by one thread (kDqThread; kOrderedDq: on its turn).
     auto add_dq_tile = [&](int t) {
         if constexpr (kOrderedDq) {
             const int* sem = dq_sem(t);
@@ -200,7 +204,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         const long long row = kVarlen  // sequence w.batch's tiles start 64 * w.batch rows past its first row
             ? static_cast<long long>(w.step_head(p.group, t)) * p.rows_padded + w.q_start + 64 * w.batch + step_m0(t)
             : (static_cast<long long>(w.batch) * p.heads + w.step_head(p.group, t)) * p.rows_padded + step_m0(t);
-        bulk_reduce_add_f32(p.dq_accum + row * kD, base + Cfg::kSmemDq + (kOrderedDq ? t % 2 : 0) * kBM * kD * 4,
+        bulk_reduce_add_f32(p.dq_accum + row * kD, base + Cfg::kSmemDq + (kDqDouble ? t % 2 : 0) * kBM * kD * 4,
                             kBM * kD * 4);
         bulk_commit_group();
     };
@@ -215,9 +219,9 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         fence_proxy_async_global();
         red_relaxed_add(dq_sem(t), 1);
     };
-    // kOrderedDq: the thread that waits for the turns, adds and passes them: one of warpgroup 1
-    // (warpgroup 0's thread 0 issues the TMA loads).
-    constexpr int kDqThread = kOrderedDq ? 128 : 0;
+    // The thread that adds the dQ tiles (kOrderedDq: waits for the turns and passes them): with
+    // kDqDouble one of warpgroup 1 (warpgroup 0's thread 0 issues the TMA loads).
+    constexpr int kDqThread = kDqDouble ? 128 : 0;
 
     float acc_dk[kGT][4], acc_dv[kGT][4];
     zero_fragments(acc_dk);
@@ -241,7 +245,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         if (t + Cfg::kStages - 1 < w.steps && (!kTma || tid == 0))
             load_step(t + Cfg::kStages - 1, (t + Cfg::kStages - 1) % Cfg::kStages);
         if constexpr (!kTma) cp_async_commit();
-        if (Cfg::kBulkDq && !kOrderedDq && tid == 0 && t > 0) add_dq_tile(t - 1);
+        if (Cfg::kBulkDq && !kDqDouble && tid == 0 && t > 0) add_dq_tile(t - 1);
 
         const int slot = t % Cfg::kStages;
         const int head = w.step_head(p.group, t), m0 = step_m0(t);
@@ -369,8 +373,8 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
 
         if constexpr (!Cfg::kDqKernel) {
             if constexpr (!kSplitD) {
-                if (Cfg::kBulkDq && !kOrderedDq && tid == 0) bulk_wait_group_read<0>();  // the last tile's dQ was read
-                if (kOrderedDq && tid == kDqThread && t >= 1) {
+                if (Cfg::kBulkDq && !kDqDouble && tid == 0) bulk_wait_group_read<0>();  // the last tile's dQ was read
+                if (kDqDouble && tid == kDqThread && t >= 1) {
                     // Step t-2's add frees this step's tile; step t-1's goes in on this block's
                     // turn, under dV and dK.
                     bulk_wait_group_read<0>();
@@ -402,7 +406,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                 fence_operands(acc_dk);
                 if constexpr (Cfg::kBulkDq) {  // to shared memory; added in the next step
                     static_assert(kChunks == 1 && kBM == 64, "one whole partial tile per warpgroup");
-                    float2* frags = reinterpret_cast<float2*>(smem + Cfg::kSmemDq + (kOrderedDq ? t % 2 : 0) * kBM * kD * 4
+                    float2* frags = reinterpret_cast<float2*>(smem + Cfg::kSmemDq + (kDqDouble ? t % 2 : 0) * kBM * kD * 4
                                                               + col0 * kBM * 4) + (warp % 4) * kChunkCols * 8 + lane;
 #pragma unroll
                     for (int nt = 0; nt < kChunkCols / 8; ++nt) {
