@@ -116,9 +116,10 @@ struct DkdvWork {
 
 // Heads (kv head, batch pairs) per chunk of a causal K/V-outer grid; see dkdv_work.
 constexpr int kCausalHeadsPerChunk = 8;
-// The same for the ordered dQ adds (bwd_wgmma.cuh) with a causal mask, whose key tiles of a head
-// run one after the other and are short: more heads per chunk, fewer of each head's key tiles
-// waiting in flight. (Without a mask they keep 8: 32 measured slower at 16k.)
+// The same for the Hopper kernel with two dQ tiles (bwd_wgmma.cuh kDqDouble) and a causal mask,
+// whose ordered adds (kOrderedDq) take turns key tile after key tile: more heads per chunk, fewer
+// of each head's key tiles waiting in flight. (Without a mask the turns keep 8: 32 measured
+// slower at 16k.)
 constexpr int kOrderedHeadsPerChunk = 32;
 
 // kChunked: number the grid in chunks of kHeadsPerChunk heads as a causal one is, without a mask

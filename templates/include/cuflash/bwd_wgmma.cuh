@@ -93,7 +93,8 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
     constexpr bool kOrderedDq = Cfg::kOrderedDq;
     static_assert(!kDqDouble || (Cfg::kBulkDq && !Cfg::kVarlen && !Cfg::kBlockSparse), "two whole dQ tiles");
     static_assert(!kOrderedDq || kDqDouble, "ordered adds from two dQ tiles");
-    DkdvWork w = dkdv_work<kBM, kBN, Cfg::kCausal, typename Cfg::Params, Cfg::kCausal || kDqDouble,
+    // Chunks of heads in the grid's order: with a causal mask, and for the turns of kOrderedDq.
+    DkdvWork w = dkdv_work<kBM, kBN, Cfg::kCausal, typename Cfg::Params, Cfg::kCausal || kOrderedDq,
                            kDqDouble && Cfg::kCausal ? kOrderedHeadsPerChunk : kCausalHeadsPerChunk>(p);
     // kVarlen: block (key tile, kv head, sequence) of packed sequences; rows sit at the sequence's
     // first rows of the packed arrays (batch strides 0), and lse2 / delta / the dQ accumulator are
