@@ -276,6 +276,28 @@ def test_derivative_graphs_against_finite_differences():
     assert np.allclose(d, numeric, rtol=1e-5, atol=1e-7)
 
 
+def test_constant_factors_are_taken_out_of_a_score_mod_for_the_forward():
+    """fold_scales: f(score) = out * g(score * in) with in and out constants, out > 0; where a
+    factor does not apply the graph keeps it (a negative output factor would turn the max to a
+    min, a score used twice has no single input factor)."""
+    scores = np.linspace(-40.0, 40.0, 33)
+    inputs = dict(b=0, h=1, q_idx=2, kv_idx=3)
+    cases = {mods.softcap(30.0): ("0.03333333507180214f", "30.0f"),
+             (lambda s, b, h, q, k: s * 2): ("1.0f", "2.0f"),
+             (lambda s, b, h, q, k: -3.0 * mods.tanh(s / 5.0)): ("0.20000000298023224f", "1.0f"),
+             (lambda s, b, h, q, k: (s * 0.5 + h) / 4): ("0.5f", "0.25f"),
+             (lambda s, b, h, q, k: s * s): ("1.0f", "1.0f"),
+             (lambda s, b, h, q, k: 2.0 / s): ("1.0f", "1.0f"),
+             (lambda s, b, h, q, k: s * 0.0 + 1.0): ("1.0f", "1.0f")}
+    for fn, expected in cases.items():
+        graph = mods.trace_score_mod(fn)
+        core, in_scale, out_scale = mod_codegen.fold_scales(graph)
+        assert (in_scale, out_scale) == expected
+        folded = trace.evaluate(core, dict(inputs, score=scores * float(in_scale[:-1]))) * float(out_scale[:-1])
+        assert np.allclose(folded, trace.evaluate(graph, dict(inputs, score=scores)), rtol=1e-6, atol=1e-6)
+    assert mod_codegen.fold_scales(mods.trace_score_mod(mods.alibi(np.zeros(4, np.float32))))[1:] == ("1.0f", "1.0f")
+
+
 # -- the generated CUDA ---------------------------------------------------------------------------------
 
 def test_mod_parts_by_the_indices_they_read():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from .trace import BOOL, FLOAT, INT, Graph
+from .trace import BOOL, FLOAT, INT, Graph, Node
 
 _CTYPES = {FLOAT: "float", INT: "int", BOOL: "bool"}
 
@@ -249,6 +249,80 @@ def generate_split(graph: Graph) -> str:
     lines.append(f"    return {names[graph.output]};")
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _node_args(node) -> tuple:
+    """The node ids a node reads (a load's index nodes; none for constants and symbols)."""
+    return () if node.op in ("const", "sym") else node.args[1:] if node.op == "load" else node.args
+
+
+def _rebuilt(graph: Graph, output: int, replace: dict) -> Graph:
+    """The nodes ``output`` depends on, each id in ``replace`` read as the id it maps to."""
+    nodes = graph.nodes
+    live, stack = set(), [replace.get(output, output)]
+    while stack:
+        i = stack.pop()
+        if i not in live:
+            live.add(i)
+            stack.extend(replace.get(j, j) for j in _node_args(nodes[i]))
+    out = Graph(graph.kind, graph.symbols)
+    out.arrays, out.array_names = list(graph.arrays), list(graph.array_names)
+    ids: dict = {}
+    for i in sorted(live):
+        node = nodes[i]
+        if node.op not in ("const", "sym"):
+            args = tuple(ids[replace.get(j, j)] for j in _node_args(node))
+            node = Node(node.op, (node.args[0], *args) if node.op == "load" else args, node.dtype)
+        ids[i] = out.add(node)
+    out.output = ids[replace.get(output, output)]
+    return out
+
+
+def _constant_factor(graph: Graph, node, operand: int):
+    """c where ``node`` is operand * c, c * operand or operand / c with a constant c, as the factor
+    of ``operand`` (1 / c for a division); None otherwise."""
+    nodes = graph.nodes
+    if node.op not in ("mul", "div") or list(node.args).count(operand) != 1:
+        return None
+    other = node.args[1] if node.args[0] == operand else node.args[0]
+    if nodes[other].op != "const" or nodes[other].dtype == BOOL or (node.op == "div" and other == node.args[0]):
+        return None
+    c = float(nodes[other].args[0])
+    return 1.0 / c if node.op == "div" and c != 0.0 else c if node.op == "mul" else None
+
+
+def _float32_literal(value: float):
+    """value as a float32 literal, or None where it is not a finite normal float32."""
+    import numpy as np
+
+    v = float(np.float32(value))
+    return f"{v!r}f" if math.isfinite(v) and abs(v) >= 2.0 ** -126 else None
+
+
+def fold_scales(graph: Graph) -> tuple:
+    """A score_mod f(score) = out * g(score * in) with constant factors in and out (out > 0) taken
+    apart: (g, in, out) as float32 literals, so that a forward kernel multiplies the raw scores by
+    its scale and ``in`` at once and takes ``out`` into the softmax's scale (Gemma's softcap
+    cap * tanh(score / cap) becomes tanh(score) between two factors the kernel had already);
+    (graph, "1.0f", "1.0f") where it has neither factor."""
+    nodes, out_scale, core = graph.nodes, "1.0f", graph
+    root = nodes[graph.output]
+    if root.op in ("mul", "div"):
+        for operand in root.args:
+            c = _constant_factor(graph, root, operand)
+            literal = _float32_literal(c) if c is not None and c > 0 else None
+            if literal is not None and nodes[operand].dtype == FLOAT:
+                core, out_scale = _rebuilt(graph, operand, {}), literal
+                break
+    in_scale = "1.0f"
+    score = next((i for i, n in enumerate(core.nodes) if n.op == "sym" and n.args[0] == "score"), None)
+    users = [i for i, n in enumerate(core.nodes) if score is not None and score in _node_args(n)]
+    if len(users) == 1:
+        c = _constant_factor(core, core.nodes[users[0]], score)
+        literal = _float32_literal(c) if c is not None else None
+        if literal is not None:
+            core, in_scale = _rebuilt(core, core.output, {users[0]: score}), literal
+    return core, in_scale, out_scale
 
 
 class _ArrayStub:

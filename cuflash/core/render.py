@@ -94,18 +94,21 @@ def generate(spec: KernelSpec | BwdSpec | DecodeSpec) -> str:
         wgmma_ns=sorted({spec.block_n, spec.padded_head_dim} | ({8} if spec.sums_on_tensor_cores else set())
                          | ({spec.block_n // 2} if spec.warp_specialized else set())),
         elem_ctype=dtypes.from_tag(spec.dtype).ctype,
-        mods=dict(mod_sources(spec.score_mod, spec.mask_mod), block_sparse=spec.block_sparse),
+        mods=dict(mod_sources(spec.score_mod, spec.mask_mod, fold=True), block_sparse=spec.block_sparse),
     )
 
 
-def mod_sources(score_digest: str, mask_digest: str, backward: bool = False) -> dict:
+def mod_sources(score_digest: str, mask_digest: str, backward: bool = False, fold: bool = False) -> dict:
     """What a template needs of a spec's mods: the ``__device__`` functions (one source) and each
     mod's function name, or "" where the spec has none; ``backward``: also the score_mod's
-    derivative ("dscore"), unless it is the constant 1."""
+    derivative ("dscore"), unless it is the constant 1; ``fold``: the score_mod without its
+    constant input and output factors ("score_in", "score_out"; mod_codegen.fold_scales)."""
     names, source = {"score": "", "mask": "", "dscore": ""}, ""
     for kind, digest in (("score", score_digest), ("mask", mask_digest)):
         if digest:
             graph = mod_codegen.registered(digest, kind)
+            if fold and kind == "score":
+                graph, names["score_in"], names["score_out"] = mod_codegen.fold_scales(graph)
             names[kind] = mod_codegen.function_name(graph)
             source += mod_codegen.generate(graph)
             source += mod_codegen.generate_split(graph)  # per row, column and element (the Hopper kernels)

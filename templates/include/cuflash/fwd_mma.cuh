@@ -124,11 +124,11 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p, const typ
         if (!(fp8_scale_log2 >= 0.f)) fp8_scale_log2 = __int_as_float(0x7fffffff);
     }
     // With mods the scores are scaled (mod_scale) and modded before the softmax, which then takes
-    // them in natural units.
+    // them in natural units times the score_mod's output factor.
     constexpr bool kMods = Cfg::kScoreMod || Cfg::kMaskMod;
-    const float mod_scale = (kFp8 ? fp8_scale_log2 : p.scale_log2) * 0.6931471805599453f;
+    const float mod_scale = (kFp8 ? fp8_scale_log2 : p.scale_log2) * (0.6931471805599453f * Cfg::kScoreInScale);
     auto scale_log2 = [&]() {
-        if constexpr (kMods) return 1.4426950408889634f;
+        if constexpr (kMods) return 1.4426950408889634f * Cfg::kScoreOutScale;
         else if constexpr (kFp8) return fp8_scale_log2;
         else return p.scale_log2;
     };

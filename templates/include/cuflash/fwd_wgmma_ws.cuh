@@ -369,10 +369,10 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             if (!(scale_log2 >= 0.f)) scale_log2 = __int_as_float(0x7fffffff);
         }
         // With mods the scores are scaled (mod_scale) and modded before the softmax, which then
-        // takes them in natural units.
+        // takes them in natural units times the score_mod's output factor.
         constexpr bool kMods = Cfg::kScoreMod || Cfg::kMaskMod;
-        const float mod_scale = scale_log2 * 0.6931471805599453f;
-        if constexpr (kMods) scale_log2 = 1.4426950408889634f;
+        const float mod_scale = scale_log2 * (0.6931471805599453f * Cfg::kScoreInScale);
+        if constexpr (kMods) scale_log2 = 1.4426950408889634f * Cfg::kScoreOutScale;
         constexpr int kLog2Boost = Cfg::kFp8 ? 8 : 0;
         // kLazyRescale: the row max moves only when a tile's max exceeds it by more than the
         // slack (softmax_step), in raw-score units here; max() keeps it finite at a scale of 0.
