@@ -319,7 +319,7 @@ def add_arguments(parser):
                         help="time this kernel family instead of the default one")
     parser.add_argument("--overhead", action="store_true",
                         help="also measure warm host overhead per call on a tiny problem")
-    parser.add_argument("--no-grid", action="store_true", help="skip the grid (with --overhead)")
+    parser.add_argument("--no-grid", action="store_true", help="skip the grid, or decode's table (with --overhead)")
     parser.add_argument("--mods", action="store_true",
                         help="time attention variants instead of the grid: softcap, ALiBi, sliding window and "
                              "document mask, forward and backward, beside plain cuflash and FlexAttention (hd128 "
@@ -333,7 +333,8 @@ def _run_decode(args) -> int:
     torch = None if args.no_torch else import_torch()
     report = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   environment=environment(), settings=dict(mode=args.mode, reps=args.reps, flush_l2=True),
-                  decode=decode_rows(torch, reps=args.reps) if args.mode == "decode" else varlen_rows(args.reps),
+                  decode=[] if args.no_grid and args.overhead else
+                  decode_rows(torch, reps=args.reps) if args.mode == "decode" else varlen_rows(args.reps),
                   overhead=None)
     if args.overhead:
         report["overhead"] = decode_overhead(torch)
