@@ -52,11 +52,15 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     key = _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
                     fp8_format, k_descale, v_descale, window_size, softcap)
     plan = _plans.get(key) if key is not None else None
-    if plan is not None and not (q.data.ptr | k_cache.data.ptr | v_cache.data.ptr) % 16 \
-            and (k_new is None or not (k_new.data.ptr | v_new.data.ptr) % 16):
+    if plan is not None:
+        q_ptr, k_ptr, v_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr
+        k_new_ptr, v_new_ptr = (0, 0) if k_new is None else (k_new.data.ptr, v_new.data.ptr)
+        aligned = not (q_ptr | k_ptr | v_ptr | k_new_ptr | v_new_ptr) % 16
+    if plan is not None and aligned:
         if not return_lse:
-            out = _new_output(cupy, plan, q)
-            plan.launch(q, k_cache, v_cache, k_new, v_new, out, plan.lse_scratch)
+            out, lse = _new_output(cupy, plan, q), plan.lse_scratch
+            plan.launch(q, k_cache, v_cache, k_new, v_new, out, lse,
+                        pointers=(q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr, out.data.ptr, lse.data.ptr))
             return out
         out = cupy.empty(q.shape, dtype=q.dtype)
         lse = cupy.empty((plan.problem.batch, plan.problem.heads, plan.problem.seqlen_q), dtype=cupy.float32)

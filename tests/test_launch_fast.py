@@ -325,7 +325,11 @@ def test_kvcache_plans_launch_their_kernels_on_one_kept_block(monkeypatch):
         (0xB, (3, 2, 4), (128, 1, 1), 0, 0x99), (0xA, (8, 1, 5), (256, 1, 1), 70000, 0x99),
         (0xC, (12, 1, 1), (128, 1, 1), 0, 0x99)]
     assert all(args == (want,) for _, args in driver.launches)
-    plan.problem.seqlen_new, plan.splits = 0, 1
+    run(plan, pointers, True)  # the launches are made once per plan: the same three again
+    assert [launch_[0] for launch_ in driver.launches[3:]] == [launch_[0] for launch_ in driver.launches[:3]]
+    del driver.launches[3:]
+    plan.problem.seqlen_new, plan.splits = 0, 1  # another plan: no new keys, no splits
+    run = kvcache._driver_launcher(kernels, 0x99, template)
     run(plan, pointers[::-1], False)  # no new keys, no rows: nothing to launch
     run(plan, pointers[::-1], True)
     assert len(driver.launches) == 4 and driver.launches[-1][0][0] == 0xA

@@ -356,14 +356,16 @@ class KVCachePlan:
                                            dtype=cupy.float32)
         return self._lse_scratch
 
-    def launch(self, q, k_cache, v_cache, k_new, v_new, out, lse) -> None:
+    def launch(self, q, k_cache, v_cache, k_new, v_new, out, lse, pointers=None) -> None:
         """Launch on the current stream with these arrays (shaped and strided as the plan's; q,
-        out and the new keys C-contiguous)."""
+        out and the new keys C-contiguous); ``pointers``: their addresses, where the caller has
+        them."""
         problem = self.problem
         if problem.batch == 0:
             return
-        pointers = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, k_new.data.ptr if k_new is not None else 0,
-                    v_new.data.ptr if v_new is not None else 0, out.data.ptr, lse.data.ptr)
+        if pointers is None:
+            pointers = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, k_new.data.ptr if k_new is not None else 0,
+                        v_new.data.ptr if v_new is not None else 0, out.data.ptr, lse.data.ptr)
         if self._driver is not None:
             self._driver(self, pointers, bool(out.size))
             return
@@ -396,8 +398,9 @@ def _driver_launcher(kernels, stream: int, template: bytes):
     arguments.write(0, template)
     buffer, shift, argv = arguments.buffer, arguments.shift, arguments.argv_address
     lock = threading.Lock()
+    plan_launches: dict = {}  # attend_rows -> the plan's launches, made once (the spec's sizes are computed)
 
-    def run(plan, pointers, attend_rows: bool) -> None:
+    def launches_of(plan, attend_rows: bool) -> tuple:
         problem = plan.problem
         launches = []
         if problem.seqlen_new:
@@ -406,6 +409,10 @@ def _driver_launcher(kernels, stream: int, template: bytes):
             launches.append((attend, *plan.grid, plan.spec.threads, plan.spec.smem_bytes))
             if plan.splits > 1:
                 launches.append((combine, plan.combine_grid[0], 1, 1, 128, 0))
+        return plan_launches.setdefault(attend_rows, tuple(launches))
+
+    def run(plan, pointers, attend_rows: bool) -> None:
+        launches = plan_launches.get(attend_rows) or launches_of(plan, attend_rows)
         with lock:  # one parameter block for every thread that launches this plan
             _POINTERS.pack_into(buffer, shift, *pointers)
             for handle, gx, gy, gz, threads, smem in launches:
