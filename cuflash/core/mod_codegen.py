@@ -181,6 +181,11 @@ def generate(graph: Graph) -> str:
 _ROW, _COL, _PAIR, _FREE, _BH = "row", "col", "pair", "free", "bh"
 
 
+def _node_args(node) -> tuple:
+    """The node ids a node reads (a load's index nodes; none for constants and symbols)."""
+    return () if node.op in ("const", "sym") else node.args[1:] if node.op == "load" else node.args
+
+
 def node_classes(graph: Graph) -> list[str]:
     """Each node's class by the symbols it depends on: "free" (constants and symbols), "bh" (b and h
     at most), "row" (q_idx with b or h), "col" (kv_idx with b or h) or "pair" (the rest)."""
@@ -192,8 +197,7 @@ def node_classes(graph: Graph) -> list[str]:
         elif node.op == "sym":
             d = frozenset((node.args[0],))
         else:
-            args = node.args[1:] if node.op == "load" else node.args
-            d = frozenset().union(*(deps[j] for j in args))
+            d = frozenset().union(*(deps[j] for j in _node_args(node)))
         deps.append(d)
         if node.op in ("const", "sym"):
             classes.append(_FREE)
@@ -215,8 +219,7 @@ def generate_split(graph: Graph) -> str:
     their results. Follows :func:`generate`'s source (the arrays' struct)."""
     nodes, fn = graph.nodes, function_name(graph)
     classes = node_classes(graph)
-    uses = {j for i, node in enumerate(nodes) if classes[i] == _PAIR and node.op != "load" for j in node.args}
-    uses |= {j for i, node in enumerate(nodes) if classes[i] == _PAIR and node.op == "load" for j in node.args[1:]}
+    uses = {j for i, node in enumerate(nodes) if classes[i] == _PAIR for j in _node_args(node)}
     uses.add(graph.output)
     # The nodes of b and h alone are computed in both parts (where they need them) and passed on
     # by the row's.
@@ -249,11 +252,6 @@ def generate_split(graph: Graph) -> str:
     lines.append(f"    return {names[graph.output]};")
     lines.append("}")
     return "\n".join(lines) + "\n"
-
-
-def _node_args(node) -> tuple:
-    """The node ids a node reads (a load's index nodes; none for constants and symbols)."""
-    return () if node.op in ("const", "sym") else node.args[1:] if node.op == "load" else node.args
 
 
 def _rebuilt(graph: Graph, output: int, replace: dict) -> Graph:
