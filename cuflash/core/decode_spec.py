@@ -120,8 +120,18 @@ class DecodeSpec:
         return self.head_dim
 
     @property
+    def swizzled(self) -> bool:
+        """16-bit ring stages of unpadded rows, each row's chunks permuted by XOR with row % 8
+        (warp_mma.cuh's chunk_offset), at head dims 64 and 128: a padded pitch splits the copies
+        of a warp into more L2 requests than whole rows do. Beyond 128 the swizzled addresses of
+        the key tile's products spill registers."""
+        return not self.fp8 and self.head_dim in (64, 128)
+
+    @property
     def src_pitch(self) -> int:
-        return self.src_row_bytes if self.fp8 else self.smem_row_bytes
+        if self.fp8:
+            return self.src_row_bytes
+        return self.chunks * _CHUNK if self.swizzled else self.smem_row_bytes
 
     @property
     def stage_bytes(self) -> int:

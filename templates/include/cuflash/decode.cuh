@@ -121,7 +121,7 @@ __device__ __forceinline__ void load_key_tile(const CacheRows<kPaged>& rows, con
                 valid = kPrefetched ? rows.offsets(key, pages[it], k_off, v_off) : rows.locate(key, k_off, v_off);
                 bad |= !valid;
             }
-            const u32 dst = row * pitch + chunk * 16;
+            const u32 dst = row * pitch + (Cfg::kSwizzled ? chunk ^ (row % 8) : chunk) * 16;
             cp_async_16(k_dst + dst, k + k_off + chunk * 16, valid);
             cp_async_16(v_dst + dst, v + v_off + chunk * 16, valid);
         }
@@ -168,16 +168,17 @@ __device__ __forceinline__ void convert_key_tile(u32 dst, u32 src, int tid) {
 
 // acc[16 x 8*kNT] += A[16 x 16*kKT] * B[8*kNT x 16*kKT]^T: A in registers (k=16 fragments), B
 // row-major [n][k] in shared memory (`b` addresses its element (0, 0)); kNT even.
-template <bool kBF16, int kKT, int kNT, int kBPitch>
+template <bool kBF16, int kKT, int kNT, int kBPitch, bool kBSwizzled>
 __device__ __forceinline__ void warp_gemm_rt(float (&acc)[kNT][4], const u32 (&fa)[kKT][4], u32 b, int lane) {
     static_assert(kNT % 2 == 0, "B rows in pairs of n=8 tiles");
-    const u32 b_lane = b + (lane % 8 + (lane / 16) * 8) * kBPitch + ((lane / 8) % 2) * 16;
+    const u32 b_row = b + (lane % 8 + (lane / 16) * 8) * kBPitch;
 #pragma unroll
-    for (int ks = 0; ks < kKT; ++ks)
+    for (int ks = 0; ks < kKT; ++ks) {
+        const u32 b_ks = b_row + chunk_offset<kBSwizzled>(2 * ks + (lane / 8) % 2, lane);
         mma_k16_step<kBF16>(
             reinterpret_cast<float (&)[1][kNT][4]>(acc), reinterpret_cast<const u32 (&)[1][4]>(fa[ks]),
-            [&](u32 (&fb)[4], int np) { ldmatrix_x4(fb, b_lane + np * 16 * kBPitch + ks * 32); },
-            [&](u32 (&)[2]) {});
+            [&](u32 (&fb)[4], int np) { ldmatrix_x4(fb, b_ks + np * 16 * kBPitch); }, [&](u32 (&)[2]) {});
+    }
 }
 
 // The keys [lo, hi) query row r may attend. Its token r / group sits at position
@@ -203,6 +204,9 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
     constexpr int kWarpKeys = BN / WK;
     constexpr int kNT = kWarpKeys / 8, kOT = D / 8;
     constexpr int kPitch = Cfg::kSmemRowBytes;
+    // K and V tiles: the ring's stages (swizzled for 16-bit caches), or an FP8 cache's fp16 tiles.
+    constexpr int kKVPitch = Cfg::kFp8 ? kPitch : Cfg::kSrcPitch;
+    constexpr bool kSwz = Cfg::kSwizzled;
     constexpr int kThreads = Cfg::kWarps * 32;
     static_assert(kWarpKeys % 16 == 0, "each key group takes whole k=16 steps of P V");
 
@@ -368,9 +372,10 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
         float s[kNT][4];
         zero_fragments(s);
         if constexpr (Cfg::kQInRegs)
-            warp_gemm_rt<Cfg::kMmaBF16, D / 16, kNT, kPitch>(s, q_frag, k_tile + wk * kWarpKeys * kPitch, lane);
+            warp_gemm_rt<Cfg::kMmaBF16, D / 16, kNT, kKVPitch, kSwz>(s, q_frag, k_tile + wk * kWarpKeys * kKVPitch, lane);
         else
-            warp_gemm_nt<Cfg::kMmaBF16, D, kNT, kPitch, kPitch>(s, q_warp, k_tile + wk * kWarpKeys * kPitch, lane);
+            warp_gemm_nt<Cfg::kMmaBF16, D, kNT, kPitch, kKVPitch, kSwz>(s, q_warp, k_tile + wk * kWarpKeys * kKVPitch,
+                                                                       lane);
         const bool masked = t * BN < unmasked_lo || (t + 1) * BN > unmasked_hi;
         const int key_base = t * BN + wk * kWarpKeys + 2 * (lane % 4);
 #pragma unroll
@@ -412,7 +417,8 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
         }
         u32 packed[kNT][2];
         pack_fragments<Cfg::kMmaBF16, kNT>(packed, s);
-        warp_gemm_rn<Cfg::kMmaBF16, kNT / 2, kOT, kPitch>(o, as_operand(packed), v_tile + wk * kWarpKeys * kPitch, lane);
+        warp_gemm_rn<Cfg::kMmaBF16, kNT / 2, kOT, kKVPitch, kSwz>(o, as_operand(packed),
+                                                                  v_tile + wk * kWarpKeys * kKVPitch, lane);
     }
     cp_async_wait<0>();
     const bool bad = __syncthreads_or(bad_page) || bad_len;

@@ -9,6 +9,15 @@
 
 namespace cuflash {
 
+// Byte offset of 16-byte chunk `chunk` in a row of a tile read by ldmatrix at lane `lane`, whose
+// row is lane % 8 modulo 8. Swizzled tiles have unpadded rows (a multiple of 8 chunks) with each
+// row's chunks permuted by XOR with row % 8: every ldmatrix phase stays conflict-free, and the
+// cp.async copies that fill the rows stay aligned to whole sectors.
+template <bool kSwizzled>
+__device__ __forceinline__ u32 chunk_offset(int chunk, int lane) {
+    return static_cast<u32>(kSwizzled ? chunk ^ (lane % 8) : chunk) * 16;
+}
+
 // One k=16 step of acc[16*kMT x 8*kNT] += A * B: a[mt] is the A fragment of row tile mt; the B
 // fragments come in n=8 tile pairs, load_pair(b, np) filling b[0..1] (tile 2np) and b[2..3]
 // (tile 2np+1), and an odd last tile from load_last(b) (b[0..1]).
@@ -59,22 +68,24 @@ __device__ __forceinline__ void mma_k8_step(float (&acc)[kMT][kNT][4], const u32
 // acc[16*kMT x 8*kNT] += A[16*kMT x kK] * B[8*kNT x kK]^T, both operands row-major in shared
 // memory: `a` addresses A's element (0, 0), `b` B's element (0, 0); kK is a multiple of 8 (a k=8
 // step closes a head dim that is 8 mod 16). B rows are loaded 16 at a time, an odd last 8 apart.
-template <bool kBF16, int kMT, int kNT, int kK, int kAPitch, int kBPitch>
+template <bool kBF16, int kMT, int kNT, int kK, int kAPitch, int kBPitch, bool kBSwizzled = false>
 __device__ __forceinline__ void warp_gemm_nt(float (&acc)[kMT][kNT][4], u32 a, u32 b, int lane) {
     static_assert(kK % 8 == 0, "8-column k steps");
+    static_assert(!kBSwizzled || (kK % 16 == 0 && kNT % 2 == 0), "a swizzled B takes whole k=16 steps and n=8 tile pairs");
     // The odd last n=8 tile: x2 as (n 0-7, k lo), (n 0-7, k hi); x1 (k=8 step): rows n 0-7.
     const u32 b_last = b + (lane % 8 + (kNT - 1) * 8) * kBPitch;
     // ldmatrix.x4 lane addresses: A as (rows 0-7 | 8-15) x (k 0-7 | 8-15); B as (n 0-7, k lo),
     // (n 0-7, k hi), (n 8-15, k lo), (n 8-15, k hi). x2 (the k=8 step): lanes 0-15 -> rows 0-15.
     const u32 a_lane = a + (lane % 8 + ((lane / 8) % 2) * 8) * kAPitch + (lane / 16) * 16;
-    const u32 b_lane = b + (lane % 8 + (lane / 16) * 8) * kBPitch + ((lane / 8) % 2) * 16;
+    const u32 b_row = b + (lane % 8 + (lane / 16) * 8) * kBPitch;
 #pragma unroll 2
     for (int ks = 0; ks < kK / 16; ++ks) {
         u32 fa[kMT][4];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(fa[mt], a_lane + mt * 16 * kAPitch + ks * 32);
+        const u32 b_ks = b_row + chunk_offset<kBSwizzled>(2 * ks + (lane / 8) % 2, lane);
         mma_k16_step<kBF16>(
-            acc, fa, [&](u32 (&fb)[4], int np) { ldmatrix_x4(fb, b_lane + np * 16 * kBPitch + ks * 32); },
+            acc, fa, [&](u32 (&fb)[4], int np) { ldmatrix_x4(fb, b_ks + np * 16 * kBPitch); },
             [&](u32 (&fb)[2]) { ldmatrix_x2(fb, b_last + ((lane / 8) % 2) * 16 + ks * 32); });
     }
     if constexpr (kK % 16) {
@@ -89,9 +100,10 @@ __device__ __forceinline__ void warp_gemm_nt(float (&acc)[kMT][kNT][4], u32 a, u
 }
 
 // The same product for one 16-row tile.
-template <bool kBF16, int kK, int kNT, int kAPitch, int kBPitch>
+template <bool kBF16, int kK, int kNT, int kAPitch, int kBPitch, bool kBSwizzled = false>
 __device__ __forceinline__ void warp_gemm_nt(float (&acc)[kNT][4], u32 a, u32 b, int lane) {
-    warp_gemm_nt<kBF16, 1, kNT, kK, kAPitch, kBPitch>(reinterpret_cast<float (&)[1][kNT][4]>(acc), a, b, lane);
+    warp_gemm_nt<kBF16, 1, kNT, kK, kAPitch, kBPitch, kBSwizzled>(reinterpret_cast<float (&)[1][kNT][4]>(acc), a, b,
+                                                                   lane);
 }
 
 // acc[16*kMT x 8*kNT] += A[16*kMT x kK] * B[kK x 8*kNT] with both operands stored k-major in
@@ -118,16 +130,19 @@ __device__ __forceinline__ void warp_gemm_tt(float (&acc)[kMT][kNT][4], u32 a, u
 
 // acc[16 x 8*kNT] += A[16 x 16*kKT] * B[16*kKT x 8*kNT], A in registers (k=16 fragments), B
 // row-major [k][n] in shared memory, read transposed: `b` addresses B's element (0, 0).
-template <bool kBF16, int kKT, int kNT, int kBPitch>
+template <bool kBF16, int kKT, int kNT, int kBPitch, bool kBSwizzled = false>
 __device__ __forceinline__ void warp_gemm_rn(float (&acc)[kNT][4], const u32 (&fa)[kKT][4], u32 b, int lane) {
+    static_assert(!kBSwizzled || kNT % 2 == 0, "a swizzled B takes n=8 tile pairs");
     // x4.trans: (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15).
-    const u32 b_lane = b + (lane % 8 + ((lane / 8) % 2) * 8) * kBPitch + (lane / 16) * 16;
-    const u32 x2_lane = b + (lane % 8 + ((lane / 8) % 2) * 8) * kBPitch;
+    const u32 b_row = b + (lane % 8 + ((lane / 8) % 2) * 8) * kBPitch;
+    const u32 x2_lane = b_row;
 #pragma unroll
     for (int kk = 0; kk < kKT; ++kk)
         mma_k16_step<kBF16>(
             reinterpret_cast<float (&)[1][kNT][4]>(acc), reinterpret_cast<const u32 (&)[1][4]>(fa[kk]),
-            [&](u32 (&fb)[4], int np) { ldmatrix_x4_trans(fb, b_lane + kk * 16 * kBPitch + np * 32); },
+            [&](u32 (&fb)[4], int np) {
+                ldmatrix_x4_trans(fb, b_row + kk * 16 * kBPitch + chunk_offset<kBSwizzled>(2 * np + lane / 16, lane));
+            },
             [&](u32 (&fb)[2]) { ldmatrix_x2_trans(fb, x2_lane + kk * 16 * kBPitch + (kNT - 1) * 16); });
 }
 
