@@ -128,6 +128,12 @@ class DecodeSpec:
         return not self.fp8 and self.head_dim in (64, 128)
 
     @property
+    def fp8_in_registers(self) -> bool:
+        """An FP8 cache at head dim 128 goes from its staged codes straight into the products'
+        fragments (no fp16 tiles in shared memory); its stages are swizzled for those reads."""
+        return self.fp8 and self.head_dim == 128
+
+    @property
     def src_pitch(self) -> int:
         if self.fp8:
             return self.src_row_bytes
@@ -148,13 +154,16 @@ class DecodeSpec:
 
     @property
     def smem_stages(self) -> int:
-        """Offset of the ring: after Q (and, FP8, the converted K and V tiles)."""
-        return self.smem_v16 + self.block_n * self.smem_row_bytes if self.fp8 else self.smem_k16
+        """Offset of the ring: after Q (and, FP8 through shared memory, the converted K and V tiles)."""
+        fp16_tiles = self.fp8 and not self.fp8_in_registers
+        return self.smem_v16 + self.block_n * self.smem_row_bytes if fp16_tiles else self.smem_k16
 
     @property
     def padded_rows(self) -> int:
         """16-bit rows from the start of shared memory (their padding chunk is zeroed once)."""
-        return self.block_m + (2 * self.block_n if self.fp8 else 2 * self.block_n * self.num_stages)
+        if self.fp8:
+            return self.block_m + (0 if self.fp8_in_registers else 2 * self.block_n)
+        return self.block_m + 2 * self.block_n * self.num_stages
 
     @property
     def smem_row_shift(self) -> int:

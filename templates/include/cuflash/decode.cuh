@@ -77,6 +77,19 @@ __device__ __forceinline__ CacheRows<Cfg::kPaged> cache_rows(const typename Cfg:
     return cache;
 }
 
+// Where chunk `chunk` of row `row` of a ring stage sits: 16-bit stages permute each row's chunks
+// by XOR with row % 8 (kSwizzled); FP8 stages read as fragments (kFp8Regs) by XOR with
+// (row & 1) | (row >> 1 & 6), which keeps both products' 16-byte reads conflict-free.
+template <class Cfg>
+__device__ __forceinline__ int stage_chunk(int row, int chunk) {
+    if constexpr (Cfg::kSwizzled)
+        return chunk ^ (row % 8);
+    else if constexpr (Cfg::kFp8Regs)
+        return chunk ^ ((row & 1) | ((row >> 1) & 6));
+    else
+        return chunk;
+}
+
 // How a block's threads share the copies of a key tile (kBlockN rows of kSrcChunks 16-byte
 // chunks): where the threads tile the rows evenly (kEven), each keeps one chunk column and steps
 // down kStep rows kIters times, so the page ids of its rows can be read a tile ahead.
@@ -121,7 +134,7 @@ __device__ __forceinline__ void load_key_tile(const CacheRows<kPaged>& rows, con
                 valid = kPrefetched ? rows.offsets(key, pages[it], k_off, v_off) : rows.locate(key, k_off, v_off);
                 bad |= !valid;
             }
-            const u32 dst = row * pitch + (Cfg::kSwizzled ? chunk ^ (row % 8) : chunk) * 16;
+            const u32 dst = row * pitch + stage_chunk<Cfg>(row, chunk) * 16;
             cp_async_16(k_dst + dst, k + k_off + chunk * 16, valid);
             cp_async_16(v_dst + dst, v + v_off + chunk * 16, valid);
         }
@@ -132,6 +145,77 @@ __device__ __forceinline__ void load_key_tile(const CacheRows<kPaged>& rows, con
 __device__ __forceinline__ void e4m3x4_to_fp16x4(u32 codes, u32& lo, u32& hi) {
     asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.rn.f16x2.e4m3x2 %0, a;\ncvt.rn.f16x2.e4m3x2 %1, b;\n}\n"
         : "=r"(lo), "=r"(hi) : "r"(codes));
+}
+
+// Four FP8 codes (byte i = element i) -> fp16 pairs lo (elements 0, 1) and hi (2, 3), as
+// convert_key_tile converts them.
+template <class Cfg>
+__device__ __forceinline__ void fp8x4_fragments(u32 codes, u32& lo, u32& hi) {
+    if constexpr (Cfg::kE4M3 && Cfg::kFp8Cvt)
+        e4m3x4_to_fp16x4(codes, lo, hi);
+    else
+        fp8x4_to_fp16x4<Cfg::kE4M3>(codes, lo, hi);
+}
+
+// FP8 stages read straight into fragments (kFp8Regs, head dim 128). The products run over
+// relabelled keys and dims, so that each thread's codes sit in whole 16-byte chunks:
+// - column j of n=8 tile nt of S is key fp8_key(nt, j) of the warp's slice, which puts the four
+//   keys a thread needs for a k=16 step of P V (rows 2c, 2c+1, 2c+8, 2c+9, c = lane % 4) in rows
+//   4c to 4c+3 of the V stage;
+// - k-step ks of Q K^T takes dims 32c + 4ks + {0, 1} (k 2c, 2c+1) and {2, 3} (k 2c+8, 2c+9): a
+//   thread's K codes of a key are bytes 32c to 32c+31 of its row;
+// - column n of n=8 tile ot of the output is dim fp8_dim(ot, n) = 16n + ot: a thread's V codes of
+//   a key are bytes 16g to 16g+15 (g = lane / 4), transposed four keys by four dims in registers.
+__device__ __forceinline__ int fp8_key(int nt, int j) { return 16 * (nt / 2) + 4 * (j / 2) + 2 * (nt % 2) + j % 2; }
+__device__ __forceinline__ int fp8_dim(int ot, int n) { return 16 * n + ot; }
+
+// s[kNT] += Q K^T over the warp's keys: q_frag from q_fp8_fragments, `k` the K stage's first row
+// of the warp's slice (row pitch 128 bytes).
+template <class Cfg, int kNT>
+__device__ __forceinline__ void fp8_scores(float (&s)[kNT][4], const u32 (&q_frag)[8][4], u32 k, int row0, int lane) {
+    const int g = lane / 4, c = lane % 4;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+        const int row = row0 + fp8_key(nt, g);
+        u32 w[2][4];
+        ld_shared_v4(w[0], k + row * 128 + stage_chunk<Cfg>(row, 2 * c) * 16);
+        ld_shared_v4(w[1], k + row * 128 + stage_chunk<Cfg>(row, 2 * c + 1) * 16);
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+            u32 b0, b1;
+            fp8x4_fragments<Cfg>(w[ks / 4][ks % 4], b0, b1);
+            mma_16816<false>(s[nt], q_frag[ks], b0, b1);
+        }
+    }
+}
+
+// o[16] += P V over the warp's keys: p_frag the P fragments (k=16 steps), `v` the V stage.
+template <class Cfg, int kKT>
+__device__ __forceinline__ void fp8_values(float (&o)[16][4], const u32 (&p_frag)[kKT][4], u32 v, int row0, int lane) {
+    const int g = lane / 4, c = lane % 4;
+#pragma unroll
+    for (int kk = 0; kk < kKT; ++kk) {
+        u32 w[4][4];  // [key 4c + r][dims 16g + 4j .. + 3]
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int row = row0 + 16 * kk + 4 * c + r;
+            ld_shared_v4(w[r], v + row * 128 + stage_chunk<Cfg>(row, g) * 16);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            // 4 keys x 4 dims -> per dim, its 4 keys' codes (byte r = key 4c + r)
+            const u32 a0 = __byte_perm(w[0][j], w[1][j], 0x5140), a1 = __byte_perm(w[0][j], w[1][j], 0x7362);
+            const u32 a2 = __byte_perm(w[2][j], w[3][j], 0x5140), a3 = __byte_perm(w[2][j], w[3][j], 0x7362);
+            const u32 t[4] = {__byte_perm(a0, a2, 0x5410), __byte_perm(a0, a2, 0x7632), __byte_perm(a1, a3, 0x5410),
+                              __byte_perm(a1, a3, 0x7632)};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                u32 b0, b1;
+                fp8x4_fragments<Cfg>(t[i], b0, b1);
+                mma_16816<false>(o[4 * j + i], p_frag[kk], b0, b1);
+            }
+        }
+    }
 }
 
 // Convert this thread's copies of a staged FP8 tile (rows of kHeadDimStored codes) into the fp16
@@ -345,7 +429,17 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
     const float softcap = p.softcap_log2, inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
     const u32 q_warp = q_tile + wm * 16 * kPitch;
     u32 q_frag[Cfg::kQInRegs ? D / 16 : 1][4];  // Q's A fragments, where registers allow
-    if constexpr (Cfg::kQInRegs) {
+    if constexpr (Cfg::kFp8Regs) {
+        // k-step ks: dims 32c + 4ks + {0, 1} and {2, 3} (fp8_key's comment)
+        const u32 at = q_warp + (lane / 4) * kPitch + (32 * (lane % 4)) * 2;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            q_frag[ks][0] = static_cast<u32>(ld_shared(at + 8 * ks));
+            q_frag[ks][1] = static_cast<u32>(ld_shared(at + 8 * kPitch + 8 * ks));
+            q_frag[ks][2] = static_cast<u32>(ld_shared(at + 8 * ks + 4));
+            q_frag[ks][3] = static_cast<u32>(ld_shared(at + 8 * kPitch + 8 * ks + 4));
+        }
+    } else if constexpr (Cfg::kQInRegs) {
         const u32 a_lane = q_warp + (lane % 8 + ((lane / 8) % 2) * 8) * kPitch + (lane / 16) * 16;
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(q_frag[ks], a_lane + ks * 32);
@@ -355,7 +449,7 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
         cp_async_wait<Cfg::kStages - 2>();
         __syncthreads();
         u32 k_tile, v_tile;
-        if constexpr (Cfg::kFp8) {
+        if constexpr (Cfg::kFp8 && !Cfg::kFp8Regs) {
             const int s = (t - t0) % Cfg::kStages;
             convert_key_tile<Cfg>(base + Cfg::kSmemK16, stage_k(s), tid);
             convert_key_tile<Cfg>(base + Cfg::kSmemV16, stage_v(s), tid);
@@ -371,7 +465,9 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
 
         float s[kNT][4];
         zero_fragments(s);
-        if constexpr (Cfg::kQInRegs)
+        if constexpr (Cfg::kFp8Regs)
+            fp8_scores<Cfg>(s, q_frag, k_tile, wk * kWarpKeys, lane);
+        else if constexpr (Cfg::kQInRegs)
             warp_gemm_rt<Cfg::kMmaBF16, D / 16, kNT, kKVPitch, kSwz>(s, q_frag, k_tile + wk * kWarpKeys * kKVPitch, lane);
         else
             warp_gemm_nt<Cfg::kMmaBF16, D, kNT, kPitch, kKVPitch, kSwz>(s, q_warp, k_tile + wk * kWarpKeys * kKVPitch,
@@ -387,7 +483,8 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
                 for (int e = 0; e < 2; ++e) {
                     float x = s[nt][2 * r + e] * row_scale[r];
                     if (softcap > 0.f) x = softcap * tanh_approx(x * inv_softcap);
-                    const int key = key_base + nt * 8 + e;
+                    const int key = Cfg::kFp8Regs ? key_base - 2 * (lane % 4) + fp8_key(nt, 2 * (lane % 4) + e)
+                                                  : key_base + nt * 8 + e;
                     if (masked && (key < range[r].lo || key >= range[r].hi)) x = neg_inf();
                     s[nt][2 * r + e] = x;
                     top = fmaxf(top, x);
@@ -417,8 +514,11 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
         }
         u32 packed[kNT][2];
         pack_fragments<Cfg::kMmaBF16, kNT>(packed, s);
-        warp_gemm_rn<Cfg::kMmaBF16, kNT / 2, kOT, kKVPitch, kSwz>(o, as_operand(packed),
-                                                                  v_tile + wk * kWarpKeys * kKVPitch, lane);
+        if constexpr (Cfg::kFp8Regs)
+            fp8_values<Cfg>(o, as_operand(packed), v_tile, wk * kWarpKeys, lane);
+        else
+            warp_gemm_rn<Cfg::kMmaBF16, kNT / 2, kOT, kKVPitch, kSwz>(o, as_operand(packed),
+                                                                      v_tile + wk * kWarpKeys * kKVPitch, lane);
     }
     cp_async_wait<0>();
     const bool bad = __syncthreads_or(bad_page) || bad_len;
@@ -500,17 +600,39 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
             u32* dst = reinterpret_cast<u32*>(static_cast<unsigned short*>(p.out) + b * p.o_batch_stride
                                               + static_cast<long long>(q_first + token) * p.o_row_stride
                                               + head * p.o_head_stride) + lane % 4;
+            if constexpr (Cfg::kFp8Regs) {
+                // columns 2c + e of tiles ot and ot + 1: dims fp8_dim(ot, 2c + e) and the next
+                u32* row_out = dst - lane % 4;
 #pragma unroll
-            for (int ot = 0; ot < kOT; ++ot)
-                if (ot * 8 < Cfg::kHeadDimStored)
-                    dst[ot * 4] = pack2<Cfg::kBF16>(o[ot][2 * r] * factor, o[ot][2 * r + 1] * factor);
+                for (int e = 0; e < 2; ++e)
+#pragma unroll
+                    for (int ot = 0; ot < kOT; ot += 2)
+                        row_out[fp8_dim(ot, 2 * (lane % 4) + e) / 2]
+                            = pack2<Cfg::kBF16>(o[ot][2 * r + e] * factor, o[ot + 1][2 * r + e] * factor);
+            } else {
+#pragma unroll
+                for (int ot = 0; ot < kOT; ++ot)
+                    if (ot * 8 < Cfg::kHeadDimStored)
+                        dst[ot * 4] = pack2<Cfg::kBF16>(o[ot][2 * r] * factor, o[ot][2 * r + 1] * factor);
+            }
             if (lane % 4 == 0) p.lse[state] = lse;
         } else {
             const long long part = static_cast<long long>(split) * p.batch * p.heads * seqlen_q + state;
             float2* dst = reinterpret_cast<float2*>(p.o_part + part * Cfg::kHeadDimStored) + lane % 4;
+            if constexpr (Cfg::kFp8Regs) {
+                float2* row_out = dst - lane % 4;
 #pragma unroll
-            for (int ot = 0; ot < kOT; ++ot)
-                if (ot * 8 < Cfg::kHeadDimStored) dst[ot * 4] = make_float2(o[ot][2 * r] * factor, o[ot][2 * r + 1] * factor);
+                for (int e = 0; e < 2; ++e)
+#pragma unroll
+                    for (int ot = 0; ot < kOT; ot += 2)
+                        row_out[fp8_dim(ot, 2 * (lane % 4) + e) / 2]
+                            = make_float2(o[ot][2 * r + e] * factor, o[ot + 1][2 * r + e] * factor);
+            } else {
+#pragma unroll
+                for (int ot = 0; ot < kOT; ++ot)
+                    if (ot * 8 < Cfg::kHeadDimStored)
+                        dst[ot * 4] = make_float2(o[ot][2 * r] * factor, o[ot][2 * r + 1] * factor);
+            }
             if (lane % 4 == 0) p.lse_part[part] = lse;
         }
     }

@@ -64,6 +64,10 @@ __device__ __forceinline__ int ld_shared(u32 addr) {
 __device__ __forceinline__ void ld_shared_v2(u32 (&r)[2], u32 addr) {
     asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr) : "memory");
 }
+__device__ __forceinline__ void ld_shared_v4(u32 (&r)[4], u32 addr) {
+    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
 __device__ __forceinline__ void st_shared_v4(u32 addr, u32 a, u32 b, u32 c, u32 d) {
     asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" :: "r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
