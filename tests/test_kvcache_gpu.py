@@ -149,6 +149,18 @@ def test_fp8_caches(fp8_format, dtype, per_head):
     _check(q, kc, vc, lens, table, new, dtype=dtype, fp8_format=fp8_format, descales=descales)
 
 
+@pytest.mark.parametrize("fp8_format", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("seqlen_q, num_splits", [(1, 3), (5, None), (16, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp8_contiguous_caches_with_more_rows_and_splits(fp8_format, seqlen_q, num_splits, head_dim):
+    rng = np.random.default_rng(seqlen_q * 10 + head_dim)
+    lens = rng.integers(seqlen_q, 900, size=3)
+    q, kc, vc, table, _ = _make(rng, batch=3, seqlen_q=seqlen_q, heads=8, heads_k=2, head_dim=head_dim, dtype="bf16",
+                                lengths=lens, capacity=1000, fp8_format=fp8_format)
+    _check(q, kc, vc, lens, table, None, dtype="bf16", fp8_format=fp8_format, num_splits=num_splits,
+           window_size=(200, -1) if seqlen_q == 5 else (-1, -1))
+
+
 def test_rows_with_no_key_and_more_queries_than_keys():
     rng = np.random.default_rng(3)
     lens = np.array([0, 2, 9])

@@ -49,11 +49,14 @@ def test_split_policy():
     # short sequences keep at least 4 key tiles per split
     assert decode_splits(8, 8, 132) == 2
     assert decode_splits(8, 3, 132) == 1
-    # one block per multiprocessor for a contiguous 16-bit cache and one row group (decode), two else
+    # one block per multiprocessor for a contiguous cache and one row group (decode; FP8 at head
+    # dim 128, whose codes go straight into the fragments), two else
     from cuflash.core.policy import decode_blocks_per_sm
     assert decode_splits(8, 2048, 132, per_sm=1) == 16
     assert decode_blocks_per_sm(decode_spec(128, "bf16", "bf16", False, 4, "sm90a")) == 1
-    for cache, paged, rows in (("e4m3", False, 4), ("bf16", True, 4), ("bf16", False, 64)):
+    assert decode_blocks_per_sm(decode_spec(128, "bf16", "e4m3", False, 4, "sm90a")) == 1
+    assert decode_blocks_per_sm(decode_spec(64, "bf16", "e4m3", False, 4, "sm90a")) == 2
+    for cache, paged, rows in (("e4m3", True, 4), ("bf16", True, 4), ("bf16", False, 64)):
         assert decode_blocks_per_sm(decode_spec(128, "bf16", cache, paged, rows, "sm90a")) == 2
 
 

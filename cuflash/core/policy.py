@@ -231,8 +231,8 @@ DECODE_MAX_STAGES = 4
 
 #: Splits of the key range fill one wave of this many blocks per multiprocessor, and keep at
 #: least this many key tiles each (the merge's reads stay small beside the cache's). One block per
-#: SM streams a contiguous 16-bit cache faster with one row group (decode); paged and FP8 caches and
-#: more query rows (more work per byte) run faster at two.
+#: SM streams a contiguous cache faster with one row group (decode; FP8 where its codes go straight
+#: into the fragments); paged caches and more query rows (more work per byte) run faster at two.
 DECODE_BLOCKS_PER_SM = 2
 DECODE_BLOCKS_PER_SM_STREAMING = 1
 DECODE_MIN_TILES_PER_SPLIT = 4
@@ -240,7 +240,7 @@ DECODE_MIN_TILES_PER_SPLIT = 4
 
 def decode_blocks_per_sm(spec) -> int:
     """Blocks per multiprocessor that a decode spec's splits fill (see DECODE_BLOCKS_PER_SM)."""
-    streaming = not spec.paged and not spec.fp8 and spec.warps_m == 1
+    streaming = not spec.paged and spec.warps_m == 1 and (not spec.fp8 or spec.fp8_in_registers)
     return DECODE_BLOCKS_PER_SM_STREAMING if streaming else DECODE_BLOCKS_PER_SM
 
 
