@@ -69,6 +69,7 @@ _SAMPLE = [decode_spec(d, t, c, paged, rows, arch) for arch in ("sm80", "sm90a")
            for d, t, c, paged, rows in ((64, "bf16", "bf16", False, 16), (72, "fp16", "fp16", True, 32),
                                         (128, "bf16", "bf16", True, 16), (128, "bf16", "bf16", False, 64),
                                         (128, "bf16", "e4m3", True, 16), (128, "fp16", "e5m2", False, 32),
+                                        (128, "bf16", "e4m3", False, 64),
                                         (256, "bf16", "bf16", True, 64), (256, "bf16", "e4m3", False, 16),
                                         (96, "bf16", "bf16", True, 32))]
 _SAMPLE += [decode_spec(d, t, t, False, 64, "sm90a", varlen=True) for d, t in ((64, "bf16"), (128, "fp16"), (256, "bf16"))]
