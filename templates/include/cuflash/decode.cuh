@@ -147,8 +147,8 @@ __device__ __forceinline__ void e4m3x4_to_fp16x4(u32 codes, u32& lo, u32& hi) {
         : "=r"(lo), "=r"(hi) : "r"(codes));
 }
 
-// Four FP8 codes (byte i = element i) -> fp16 pairs lo (elements 0, 1) and hi (2, 3), as
-// convert_key_tile converts them.
+// Four FP8 codes (byte i = element i) -> fp16 pairs lo (elements 0, 1) and hi (2, 3): e4m3 by
+// the conversion instruction where kFp8Cvt, else by fp8_tiles.cuh's bit moves.
 template <class Cfg>
 __device__ __forceinline__ void fp8x4_fragments(u32 codes, u32& lo, u32& hi) {
     if constexpr (Cfg::kE4M3 && Cfg::kFp8Cvt)
@@ -235,13 +235,8 @@ __device__ __forceinline__ void convert_key_tile(u32 dst, u32 src, int tid) {
             ld_shared_v2(codes[1], src + row * Cfg::kSrcRowBytes + chunk * 16 + 8);
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
-                if constexpr (Cfg::kE4M3 && Cfg::kFp8Cvt) {
-                    e4m3x4_to_fp16x4(codes[j][0], h[j][0], h[j][1]);
-                    e4m3x4_to_fp16x4(codes[j][1], h[j][2], h[j][3]);
-                } else {
-                    fp8x4_to_fp16x4<Cfg::kE4M3>(codes[j][0], h[j][0], h[j][1]);
-                    fp8x4_to_fp16x4<Cfg::kE4M3>(codes[j][1], h[j][2], h[j][3]);
-                }
+                fp8x4_fragments<Cfg>(codes[j][0], h[j][0], h[j][1]);
+                fp8x4_fragments<Cfg>(codes[j][1], h[j][2], h[j][3]);
             }
             const u32 at = dst + row * Cfg::kSmemRowBytes + chunk * 32;
             st_shared_v4(at, h[0][0], h[0][1], h[0][2], h[0][3]);
@@ -596,43 +591,33 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
         // LSE [batch, heads, seqlen_q], or varlen [heads, total_q]
         const long long state = Cfg::kVarlen ? static_cast<long long>(head) * p.total_q + q_first + token
                                              : (static_cast<long long>(b) * p.heads + head) * seqlen_q + token;
-        if (p.num_splits == 1) {
-            u32* dst = reinterpret_cast<u32*>(static_cast<unsigned short*>(p.out) + b * p.o_batch_stride
-                                              + static_cast<long long>(q_first + token) * p.o_row_stride
-                                              + head * p.o_head_stride) + lane % 4;
+        // This row's output, columns 2c + e of tiles ot, in pairs of dims: (8 ot + 2c, + 1), or
+        // with FP8 fragments, fp8_dim(ot, 2c + e) and the next (tile ot + 1).
+        auto store_row = [&](auto* row_out, auto pack) {
             if constexpr (Cfg::kFp8Regs) {
-                // columns 2c + e of tiles ot and ot + 1: dims fp8_dim(ot, 2c + e) and the next
-                u32* row_out = dst - lane % 4;
 #pragma unroll
                 for (int e = 0; e < 2; ++e)
 #pragma unroll
                     for (int ot = 0; ot < kOT; ot += 2)
                         row_out[fp8_dim(ot, 2 * (lane % 4) + e) / 2]
-                            = pack2<Cfg::kBF16>(o[ot][2 * r + e] * factor, o[ot + 1][2 * r + e] * factor);
+                            = pack(o[ot][2 * r + e] * factor, o[ot + 1][2 * r + e] * factor);
             } else {
+                auto* dst = row_out + lane % 4;
 #pragma unroll
                 for (int ot = 0; ot < kOT; ++ot)
-                    if (ot * 8 < Cfg::kHeadDimStored)
-                        dst[ot * 4] = pack2<Cfg::kBF16>(o[ot][2 * r] * factor, o[ot][2 * r + 1] * factor);
+                    if (ot * 8 < Cfg::kHeadDimStored) dst[ot * 4] = pack(o[ot][2 * r] * factor, o[ot][2 * r + 1] * factor);
             }
+        };
+        if (p.num_splits == 1) {
+            store_row(reinterpret_cast<u32*>(static_cast<unsigned short*>(p.out) + b * p.o_batch_stride
+                                             + static_cast<long long>(q_first + token) * p.o_row_stride
+                                             + head * p.o_head_stride),
+                      [](float x, float y) { return pack2<Cfg::kBF16>(x, y); });
             if (lane % 4 == 0) p.lse[state] = lse;
         } else {
             const long long part = static_cast<long long>(split) * p.batch * p.heads * seqlen_q + state;
-            float2* dst = reinterpret_cast<float2*>(p.o_part + part * Cfg::kHeadDimStored) + lane % 4;
-            if constexpr (Cfg::kFp8Regs) {
-                float2* row_out = dst - lane % 4;
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-#pragma unroll
-                    for (int ot = 0; ot < kOT; ot += 2)
-                        row_out[fp8_dim(ot, 2 * (lane % 4) + e) / 2]
-                            = make_float2(o[ot][2 * r + e] * factor, o[ot + 1][2 * r + e] * factor);
-            } else {
-#pragma unroll
-                for (int ot = 0; ot < kOT; ++ot)
-                    if (ot * 8 < Cfg::kHeadDimStored)
-                        dst[ot * 4] = make_float2(o[ot][2 * r] * factor, o[ot][2 * r + 1] * factor);
-            }
+            store_row(reinterpret_cast<float2*>(p.o_part + part * Cfg::kHeadDimStored),
+                      [](float x, float y) { return make_float2(x, y); });
             if (lane % 4 == 0) p.lse_part[part] = lse;
         }
     }

@@ -135,7 +135,6 @@ __device__ __forceinline__ void warp_gemm_rn(float (&acc)[kNT][4], const u32 (&f
     static_assert(!kBSwizzled || kNT % 2 == 0, "a swizzled B takes n=8 tile pairs");
     // x4.trans: (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15).
     const u32 b_row = b + (lane % 8 + ((lane / 8) % 2) * 8) * kBPitch;
-    const u32 x2_lane = b_row;
 #pragma unroll
     for (int kk = 0; kk < kKT; ++kk)
         mma_k16_step<kBF16>(
@@ -143,7 +142,7 @@ __device__ __forceinline__ void warp_gemm_rn(float (&acc)[kNT][4], const u32 (&f
             [&](u32 (&fb)[4], int np) {
                 ldmatrix_x4_trans(fb, b_row + kk * 16 * kBPitch + chunk_offset<kBSwizzled>(2 * np + lane / 16, lane));
             },
-            [&](u32 (&fb)[2]) { ldmatrix_x2_trans(fb, x2_lane + kk * 16 * kBPitch + (kNT - 1) * 16); });
+            [&](u32 (&fb)[2]) { ldmatrix_x2_trans(fb, b_row + kk * 16 * kBPitch + (kNT - 1) * 16); });
 }
 
 // C fragments (fp32) -> 16-bit pairs, per n=8 tile: [nt][0] holds row lane/4, [nt][1] row
