@@ -31,7 +31,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         window_size: ``(left, right)``: a query at position i sees keys i - left to i + right
             (sliding-window attention, as Mistral's); -1 for unbounded. Causal: right is 0.
         softcap: ``softcap * tanh(score / softcap)`` on the scaled scores (Gemma 2); 0 for none.
-        num_splits: split each sequence's keys over this many blocks, merged by a second kernel;
+        num_splits: split each sequence's keys over this many blocks, merged by the last to finish;
             None chooses from the multiprocessor count, the batch, heads and the cache's capacity.
         return_lse: also return the natural-log LSE, float32 [batch, heads, seqlen_q].
         fp8_format: ``"e4m3"`` or ``"e5m2"`` for a cache of FP8 codes (:func:`cuflash.quantize_fp8`),

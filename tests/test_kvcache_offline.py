@@ -83,7 +83,7 @@ def test_sample_of_specs_compiles_without_spills():
     assert all(regs <= 255 for _, regs, _ in reports)
 
 
-def test_sources_name_their_three_kernels():
+def test_sources_name_their_kernels():
     spec = decode_spec(128, "bf16", "e4m3", True, 16, "sm90a")
     source = generate(spec)
     for name in spec.kernel_names:

@@ -313,26 +313,25 @@ def test_kvcache_plans_launch_their_kernels_on_one_kept_block(monkeypatch):
 
     driver = fake_device.FakeDriver(sizes=[DECODE_STRUCT.size])
     monkeypatch.setattr(cupy.cuda.driver, "launchKernel", driver)
-    kernels = tuple(fake_device.FakeKernel(ptr) for ptr in (0xA, 0xC, 0xB))  # attend, combine, append
+    kernels = tuple(fake_device.FakeKernel(ptr) for ptr in (0xA, 0xB))  # attend, append
     template = bytes(range(256)) * (DECODE_STRUCT.size // 256) + bytes(DECODE_STRUCT.size % 256)
     run = kvcache._driver_launcher(kernels, 0x99, template)
     plan = SimpleNamespace(problem=SimpleNamespace(seqlen_new=3, heads_k=2, batch=4), grid=(8, 1, 5),
-                           spec=SimpleNamespace(threads=256, smem_bytes=70000), splits=5, combine_grid=(12,))
+                           spec=SimpleNamespace(threads=256, smem_bytes=70000), splits=5)
     pointers = tuple(0x1000 * (i + 1) for i in range(7))
     run(plan, pointers, True)
     want = kvcache._POINTERS.pack(*pointers) + template[kvcache._POINTERS.size:]
     assert [launch_[0] for launch_ in driver.launches] == [
-        (0xB, (3, 2, 4), (128, 1, 1), 0, 0x99), (0xA, (8, 1, 5), (256, 1, 1), 70000, 0x99),
-        (0xC, (12, 1, 1), (128, 1, 1), 0, 0x99)]
+        (0xB, (3, 2, 4), (128, 1, 1), 0, 0x99), (0xA, (8, 1, 5), (256, 1, 1), 70000, 0x99)]
     assert all(args == (want,) for _, args in driver.launches)
-    run(plan, pointers, True)  # the launches are made once per plan: the same three again
-    assert [launch_[0] for launch_ in driver.launches[3:]] == [launch_[0] for launch_ in driver.launches[:3]]
-    del driver.launches[3:]
+    run(plan, pointers, True)  # the launches are made once per plan: the same two again
+    assert [launch_[0] for launch_ in driver.launches[2:]] == [launch_[0] for launch_ in driver.launches[:2]]
+    del driver.launches[2:]
     plan.problem.seqlen_new, plan.splits = 0, 1  # another plan: no new keys, no splits
     run = kvcache._driver_launcher(kernels, 0x99, template)
     run(plan, pointers[::-1], False)  # no new keys, no rows: nothing to launch
     run(plan, pointers[::-1], True)
-    assert len(driver.launches) == 4 and driver.launches[-1][0][0] == 0xA
+    assert len(driver.launches) == 3 and driver.launches[-1][0][0] == 0xA
     assert driver.launches[-1][1][0][:56] == kvcache._POINTERS.pack(*pointers[::-1])
 
 

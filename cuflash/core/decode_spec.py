@@ -1,9 +1,9 @@
 """The KV-cache attention's specializations (decode, speculative verification, chunked prefill).
 
-A :class:`DecodeSpec` names one module of three kernels (decode.cuh): the attention over the
-cache (one block per batch, kv head, tile of query rows and split of the keys), the merge of the
-splits' partial results, and the append of new keys and values into the cache. Python computes
-the shared-memory layout; the template fills it in.
+A :class:`DecodeSpec` names one module of two kernels (decode.cuh): the attention over the
+cache (one block per batch, kv head, tile of query rows and split of the keys; the last split of
+a row tile to finish merges the splits' partial results), and the append of new keys and values
+into the cache. Python computes the shared-memory layout; the template fills it in.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ QUERY_DTYPES = ("fp16", "bf16")
 CACHE_DTYPES = ("fp16", "bf16", "e4m3", "e5m2")
 #: Warps of the attention kernel; they split into row groups of 16 rows and key groups.
 WARPS = 4
-#: Most splits of the key range the merge kernel takes.
+#: Most splits of the key range one merge takes.
 MAX_SPLITS = 128
 
 
@@ -79,8 +79,8 @@ class DecodeSpec:
                 f"n{self.block_n}s{self.num_stages}_{self.arch}")
 
     @property
-    def kernel_names(self) -> tuple[str, str, str]:
-        return (f"{self.name}_attend", f"{self.name}_combine", f"{self.name}_append")
+    def kernel_names(self) -> tuple[str, str]:
+        return (f"{self.name}_attend", f"{self.name}_append")
 
     @property
     def threads(self) -> int:

@@ -273,14 +273,17 @@ _workspaces: dict = {}
 _retired: list = []
 
 
-def _workspace(cupy, floats: int, key):
-    """A float32 buffer of at least `floats` per (device, stream), kept for the process: a graph
-    that captured a launch keeps pointing at it. A bigger need takes a new one and keeps the old."""
+def _workspace(cupy, size: int, key, dtype="float32"):
+    """A buffer of at least `size` elements per (device, stream, dtype), kept for the process: a
+    graph that captured a launch keeps pointing at it. A bigger need takes a new one and keeps the
+    old. The uint32 one (the splits' counts) starts at zero, and the kernels leave it at zero."""
+    key = key + (dtype,)
     buf = _workspaces.get(key)
-    if buf is None or buf.size < floats:
+    if buf is None or buf.size < size:
         if buf is not None:
             _retired.append(buf)
-        buf = _workspaces[key] = cupy.empty(max(floats, 1), dtype=cupy.float32)
+        make = cupy.zeros if dtype == "uint32" else cupy.empty
+        buf = _workspaces[key] = make(max(size, 1), dtype=dtype)
     return buf
 
 
@@ -292,9 +295,10 @@ _POINTERS = struct.Struct("<7Q")
 class KVCachePlan:
     """The launches of one call shape (the caller keys plans by everything but the arrays'
     addresses): the kernels, their grids, and the parameter block with all but the first seven
-    pointers filled in. Append (with new keys), attend, merge the splits (more than one)."""
+    pointers filled in. Append (with new keys), then attend (the last split of each row tile to
+    finish merges the splits' partials)."""
 
-    __slots__ = ("spec", "problem", "kernels", "splits", "template", "grid", "combine_grid", "buffers", "_lse_scratch",
+    __slots__ = ("spec", "problem", "kernels", "splits", "template", "grid", "buffers", "_lse_scratch",
                  "_driver", "_stream", "spare")
 
     def __init__(self, kernels, spec: DecodeSpec, problem: KVCacheProblem, *, page_table, cache_seqlens, splits,
@@ -313,19 +317,22 @@ class KVCachePlan:
             k_factor = v_factor = 1.0
         boost = _E4M3_FACTOR if problem.cache_dtype == "e4m3" and not spec.fp8_exact_convert else 1.0
         rows = problem.batch * problem.heads * problem.seqlen_q
-        o_part = lse_part = 0
+        o_part = lse_part = counts = 0
         self.buffers = (page_table, cache_seqlens, k_array, v_array, *cu_seqlens)
+        self.grid = (problem.batch * problem.heads_k, ceil_div(problem.rows, spec.block_m), splits)
         if splits > 1:
             ws = _workspace(cupy, splits * rows * (problem.head_dim + 1), (problem.device_id, stream))
             o_part, lse_part = ws.data.ptr, ws.data.ptr + 4 * splits * rows * problem.head_dim
-            self.buffers += (ws,)
+            tiles = _workspace(cupy, self.grid[0] * self.grid[1], (problem.device_id, stream), "uint32")
+            counts = tiles.data.ptr
+            self.buffers += (ws, tiles)
         d, h = problem.head_dim, problem.heads
         # q and out: C-contiguous bshd, or packed [total_q, heads, d] (varlen)
         q_strides = (0 if problem.varlen else problem.seqlen_q * h * d, h * d, d)
         new_strides = (problem.seqlen_new * problem.heads_k * d, problem.heads_k * d, d)
         size = problem.cache_dtype in ("e4m3", "e5m2") and 1 or 2
         raw = DECODE_STRUCT.pack(
-            0, 0, 0, 0, 0, 0, 0, o_part, lse_part,
+            0, 0, 0, 0, 0, 0, 0, o_part, lse_part, counts,
             page_table.data.ptr if page_table is not None else 0,
             cache_seqlens.data.ptr if cache_seqlens is not None else 0,
             k_array.data.ptr if k_array is not None else 0, v_array.data.ptr if v_array is not None else 0,
@@ -340,8 +347,6 @@ class KVCachePlan:
             problem.scale * _LOG2E * k_factor * boost, v_factor * boost, problem.total_q, problem.total_k,
         )
         self.template = raw
-        self.grid = (problem.batch * problem.heads_k, ceil_div(problem.rows, spec.block_m), splits)
-        self.combine_grid = (ceil_div(rows, 4),)
         self._lse_scratch = None
         self._stream = stream
         self._driver = _driver_launcher(kernels, stream, raw)
@@ -372,14 +377,12 @@ class KVCachePlan:
         raw = bytearray(self.template)
         _POINTERS.pack_into(raw, 0, *pointers)
         params = (np.frombuffer(raw, dtype=_PARAMS),)
-        attend, combine, append = self.kernels
+        attend, append = self.kernels
         if problem.seqlen_new:
             append((problem.seqlen_new, problem.heads_k, problem.batch), (128, 1, 1), params)
         if not out.size:
             return
         attend(self.grid, (self.spec.threads, 1, 1), params, shared_mem=self.spec.smem_bytes)
-        if self.splits > 1:
-            combine(self.combine_grid, (128, 1, 1), params)
 
 
 def _driver_launcher(kernels, stream: int, template: bytes):
@@ -391,7 +394,7 @@ def _driver_launcher(kernels, stream: int, template: bytes):
         from cupy.cuda import driver
         launch_kernel, error = driver.launchKernel, driver.CUDADriverError
         # CuPy's RawKernel holds the loaded function (its .kernel) once it is compiled
-        append, attend, combine = (int(k.kernel.ptr) for k in (kernels[2], kernels[0], kernels[1]))
+        attend, append = (int(k.kernel.ptr) for k in kernels)
     except (ImportError, AttributeError, TypeError, ValueError):
         return None
     arguments = DriverArguments([len(template)])
@@ -407,8 +410,6 @@ def _driver_launcher(kernels, stream: int, template: bytes):
             launches.append((append, problem.seqlen_new, problem.heads_k, problem.batch, 128, 0))
         if attend_rows:
             launches.append((attend, *plan.grid, plan.spec.threads, plan.spec.smem_bytes))
-            if plan.splits > 1:
-                launches.append((combine, plan.combine_grid[0], 1, 1, 128, 0))
         return plan_launches.setdefault(attend_rows, tuple(launches))
 
     def run(plan, pointers, attend_rows: bool) -> None:

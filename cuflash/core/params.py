@@ -69,6 +69,7 @@ DECODE_PARAM_FIELDS = (
     ("q", "const void*", "u8"), ("k_cache", "const void*", "u8"), ("v_cache", "const void*", "u8"),
     ("k_new", "const void*", "u8"), ("v_new", "const void*", "u8"),
     ("out", "void*", "u8"), ("lse", "float*", "u8"), ("o_part", "float*", "u8"), ("lse_part", "float*", "u8"),
+    ("split_counts", "unsigned*", "u8"),  # splits finished per row tile (zero between launches)
     ("page_table", "const int*", "u8"), ("cache_seqlens", "const int*", "u8"),
     # FP8 caches: descales per kv head (descale_head_stride 1) or per tensor (0); null: 1
     ("k_descale", "const float*", "u8"), ("v_descale", "const float*", "u8"),

@@ -64,7 +64,7 @@ _HEADERS = {"mma": "fwd_mma.cuh", "wgmma": "fwd_wgmma.cuh", "simt": "fwd_simt.cu
 @functools.lru_cache(maxsize=512)
 def generate(spec: KernelSpec | BwdSpec | DecodeSpec) -> str:
     """CUDA source of one specialization: a forward spec's kernel is ``spec.name``; a backward
-    or KV-cache spec's three kernels are ``spec.kernel_names``."""
+    or KV-cache spec's kernels are ``spec.kernel_names``."""
     if isinstance(spec, DecodeSpec):
         return _environment().get_template("decode.cu.j2").render(
             spec=spec, name=spec.name, names=spec.kernel_names, param_fields=DECODE_PARAM_FIELDS,

@@ -7,7 +7,7 @@
 // group taking its slice of every key tile with its own online softmax; the key groups merge
 // through shared memory at the end. A split covers an equal share of its sequence's key tiles
 // and, with more than one split, leaves float32 partials (output normalized by its own sum, and
-// its natural-log LSE) that decode_combine merges.
+// its natural-log LSE) that the row tile's last split to finish merges (merge_splits).
 //
 // Lengths and page ids are read on the device and checked there: a sequence whose length is
 // negative or passes the cache's capacity, or whose keys sit on a page id outside the cache,
@@ -272,6 +272,74 @@ __device__ __forceinline__ KeyRange key_range(const Params& p, int r, int seqlen
     const int hi = p.window_right >= 0 ? min(kv_len, max(0, position + p.window_right + 1)) : kv_len;
     const int lo = p.window_left >= 0 ? min(hi, max(0, position - p.window_left)) : 0;
     return {lo, hi};
+}
+
+// The last block of a row tile's splits to finish merges their partials into the output: each
+// split's stores are fenced before its count; the block that brings the count to num_splits
+// reads every split's partials (from L2) and resets the count for the next launch. One warp per
+// query row, weights exp(LSE_s - LSE); a NaN in any split makes the row NaN; a row no split
+// attends gives 0 and -inf. `scratch`: shared memory no longer in use (4 KB).
+template <class Cfg>
+__device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, float* scratch, int bh, int row0,
+                                          int row_end, int seqlen_q) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    constexpr int kWarps = Cfg::kWarps;
+    int* last = reinterpret_cast<int*>(scratch + kWarps * Cfg::kMaxSplits);
+    unsigned* count = p.split_counts + static_cast<long long>(bh) * gridDim.y + blockIdx.y;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *last = atomicAdd(count, 1u) == static_cast<unsigned>(p.num_splits - 1);
+    __syncthreads();
+    if (!*last) return;
+    __threadfence();
+    if (threadIdx.x == 0) *count = 0u;
+    const int splits = p.num_splits, group = p.group, hk = bh % p.heads_k, b = bh / p.heads_k;
+    const long long states = static_cast<long long>(p.batch) * p.heads * seqlen_q;
+    float* weights = scratch + warp * Cfg::kMaxSplits;
+    for (int row = row0 + warp; row < row_end; row += kWarps) {
+        const int token = row / group, head = hk * group + row % group;
+        const long long state = (static_cast<long long>(b) * p.heads + head) * seqlen_q + token;
+        float top = neg_inf();
+        bool nan = false;
+        for (int s = lane; s < splits; s += 32) {
+            const float x = __ldcg(p.lse_part + s * states + state);
+            nan |= x != x;
+            top = fmaxf(top, x);
+            weights[s] = x;
+        }
+        top = group_max<32>(top);
+        nan = __any_sync(0xffffffffu, nan);
+        const float pivot = top == neg_inf() ? 0.f : top;
+        float total = 0.f;
+        for (int s = lane; s < splits; s += 32) {
+            const float w = __expf(weights[s] - pivot);
+            weights[s] = w;
+            total += w;
+        }
+        total = group_sum<32>(total);
+        __syncwarp();
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        const float qnan = __int_as_float(0x7fffffff);
+        u32* out = reinterpret_cast<u32*>(static_cast<unsigned short*>(p.out) + b * p.o_batch_stride
+                                          + static_cast<long long>(token) * p.o_row_stride + head * p.o_head_stride);
+        // Four dims per lane and step: 16-byte reads of each split's row, 8-byte stores.
+        for (int d4 = lane; d4 < Cfg::kHeadDimStored / 4; d4 += 32) {
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int s = 0; s < splits; ++s) {
+                const float w = weights[s];
+                if (w > 0.f) {
+                    const float4 x = __ldcg(reinterpret_cast<const float4*>(
+                        p.o_part + (s * states + state) * Cfg::kHeadDimStored) + d4);
+                    acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
+                }
+            }
+            const float f = nan ? qnan : inv;
+            out[2 * d4] = pack2<Cfg::kBF16>(acc.x * f, acc.y * f);
+            out[2 * d4 + 1] = pack2<Cfg::kBF16>(acc.z * f, acc.w * f);
+        }
+        if (lane == 0) p.lse[state] = nan ? qnan : (total > 0.f ? pivot + __logf(total) : neg_inf());
+        __syncwarp();
+    }
 }
 
 template <class Cfg>
@@ -564,7 +632,7 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
             }
         }
         __syncthreads();
-        if (wk > 0) return;
+        if (wk == 0)
 #pragma unroll
         for (int w = 1; w < WK; ++w)
 #pragma unroll
@@ -584,7 +652,7 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = row0 + wm * 16 + lane / 4 + 8 * r;
-        if (row >= rows) continue;
+        if (wk > 0 || row >= rows) continue;  // key group 0 holds the merged rows
         const int token = row / group, head = hk * group + row % group;
         const float factor = bad ? nan : (l[r] > 0.f ? v_scale / l[r] : 0.f);
         const float lse = bad ? nan : (l[r] > 0.f ? (m[r] + log2_approx(l[r])) * 0.69314718055994531f : neg_inf());
@@ -621,52 +689,11 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
             if (lane % 4 == 0) p.lse_part[part] = lse;
         }
     }
-}
-
-// Merge the splits' partials of one query row per warp: weights exp(LSE_s - LSE); a NaN in any
-// split makes the row NaN; a row no split attends gives 0 and -inf.
-template <class Cfg>
-__device__ __forceinline__ void decode_combine(const typename Cfg::Params& p) {
-    __shared__ float weights[4][Cfg::kMaxSplits];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const long long rows = static_cast<long long>(p.batch) * p.heads * p.seqlen_q;
-    const long long row = static_cast<long long>(blockIdx.x) * 4 + warp;
-    if (row >= rows) return;
-    const int splits = p.num_splits;
-    float top = neg_inf();
-    bool nan = false;
-    for (int s = lane; s < splits; s += 32) {
-        const float x = p.lse_part[s * rows + row];
-        nan |= x != x;
-        top = fmaxf(top, x);
+    if constexpr (!Cfg::kVarlen) {
+        if (p.num_splits > 1)
+            merge_splits<Cfg>(p, reinterpret_cast<float*>(smem + Cfg::kSmemStages), b * p.heads_k + hk, row0,
+                              min(rows, row0 + BM), seqlen_q);
     }
-    top = group_max<32>(top);
-    nan = __any_sync(0xffffffffu, nan);
-    const float pivot = top == neg_inf() ? 0.f : top;
-    float total = 0.f;
-    for (int s = lane; s < splits; s += 32) {
-        const float w = __expf(p.lse_part[s * rows + row] - pivot);
-        weights[warp][s] = w;
-        total += w;
-    }
-    total = group_sum<32>(total);
-    __syncwarp();
-    const int token = static_cast<int>(row % p.seqlen_q);
-    const long long bh = row / p.seqlen_q;
-    const int head = static_cast<int>(bh % p.heads), b = static_cast<int>(bh / p.heads);
-    unsigned short* out = static_cast<unsigned short*>(p.out) + b * p.o_batch_stride + token * p.o_row_stride
-                          + head * p.o_head_stride;
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    const float qnan = __int_as_float(0x7fffffff);
-    for (int d = lane; d < Cfg::kHeadDimStored; d += 32) {
-        float acc = 0.f;
-        for (int s = 0; s < splits; ++s) {
-            const float w = weights[warp][s];
-            if (w > 0.f) acc += w * p.o_part[(s * rows + row) * Cfg::kHeadDimStored + d];
-        }
-        out[d] = static_cast<unsigned short>(pack2<Cfg::kBF16>(nan ? qnan : acc * inv, 0.f) & 0xffffu);
-    }
-    if (lane == 0) p.lse[row] = nan ? qnan : (total > 0.f ? pivot + __logf(total) : neg_inf());
 }
 
 // Write the new keys and values of token blockIdx.x into the cache at the sequence's length (the
