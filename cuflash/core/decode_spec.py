@@ -170,7 +170,8 @@ class DecodeSpec:
         """Offset of the per-row powers of two of bf16 queries converted to fp16 (FP8 caches)."""
         key_groups = WARPS // self.warps_m
         merge = 4 * (2 * key_groups * self.block_m + (key_groups - 1) * self.block_m * self.padded_head_dim)
-        return self.smem_stages + max(self.num_stages * self.stage_bytes, merge)
+        splits = 4 * (self.block_m * MAX_SPLITS + 1)  # the splits' merge: weights per row and split
+        return self.smem_stages + max(self.num_stages * self.stage_bytes, merge, splits)
 
     @property
     def smem_bytes(self) -> int:

@@ -276,69 +276,92 @@ __device__ __forceinline__ KeyRange key_range(const Params& p, int r, int seqlen
 
 // The last block of a row tile's splits to finish merges their partials into the output: each
 // split's stores are fenced before its count; the block that brings the count to num_splits
-// reads every split's partials (from L2) and resets the count for the next launch. One warp per
-// query row, weights exp(LSE_s - LSE); a NaN in any split makes the row NaN; a row no split
-// attends gives 0 and -inf. `scratch`: shared memory no longer in use (4 KB).
+// reads every split's partials (from L2) and resets the count for the next launch. First one
+// warp per query row: its weights exp(LSE_s - LSE) / sum in shared memory (NaN for every split
+// when one split is NaN, 0 where no split attends) and its LSE; then every thread takes (row,
+// 4 dims) items, kBatch at a time, so that many splits' partial rows are in flight at once.
+// `scratch`: shared memory no longer in use (block_m * kMaxSplits floats and one int).
 template <class Cfg>
 __device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, float* scratch, int bh, int row0,
-                                          int row_end, int seqlen_q) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    constexpr int kWarps = Cfg::kWarps;
-    int* last = reinterpret_cast<int*>(scratch + kWarps * Cfg::kMaxSplits);
+                                             int row_end, int seqlen_q) {
+    constexpr int kWarps = Cfg::kWarps, kThreads = 32 * kWarps, kBatch = 4;
+    constexpr int kQuads = Cfg::kHeadDimStored / 4;  // 4-dim groups of a row
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    int* last = reinterpret_cast<int*>(scratch + 16 * Cfg::kWarpsM * Cfg::kMaxSplits);
     unsigned* count = p.split_counts + static_cast<long long>(bh) * gridDim.y + blockIdx.y;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) *last = atomicAdd(count, 1u) == static_cast<unsigned>(p.num_splits - 1);
+    if (tid == 0) *last = atomicAdd(count, 1u) == static_cast<unsigned>(p.num_splits - 1);
     __syncthreads();
     if (!*last) return;
     __threadfence();
-    if (threadIdx.x == 0) *count = 0u;
+    if (tid == 0) *count = 0u;
     const int splits = p.num_splits, group = p.group, hk = bh % p.heads_k, b = bh / p.heads_k;
+    const int n_rows = row_end - row0;
     const long long states = static_cast<long long>(p.batch) * p.heads * seqlen_q;
-    float* weights = scratch + warp * Cfg::kMaxSplits;
-    for (int row = row0 + warp; row < row_end; row += kWarps) {
-        const int token = row / group, head = hk * group + row % group;
-        const long long state = (static_cast<long long>(b) * p.heads + head) * seqlen_q + token;
+    const float qnan = __int_as_float(0x7fffffff);
+    auto state_of = [&](int r) {
+        const int row = row0 + r, token = row / group, head = hk * group + row % group;
+        return (static_cast<long long>(b) * p.heads + head) * seqlen_q + token;
+    };
+    for (int r = warp; r < n_rows; r += kWarps) {
+        float* w = scratch + r * splits;
+        const long long state = state_of(r);
         float top = neg_inf();
         bool nan = false;
         for (int s = lane; s < splits; s += 32) {
             const float x = __ldcg(p.lse_part + s * states + state);
             nan |= x != x;
             top = fmaxf(top, x);
-            weights[s] = x;
+            w[s] = x;
         }
         top = group_max<32>(top);
         nan = __any_sync(0xffffffffu, nan);
         const float pivot = top == neg_inf() ? 0.f : top;
         float total = 0.f;
         for (int s = lane; s < splits; s += 32) {
-            const float w = __expf(weights[s] - pivot);
-            weights[s] = w;
-            total += w;
+            w[s] = __expf(w[s] - pivot);
+            total += w[s];
         }
         total = group_sum<32>(total);
-        __syncwarp();
-        const float inv = total > 0.f ? 1.f / total : 0.f;
-        const float qnan = __int_as_float(0x7fffffff);
-        u32* out = reinterpret_cast<u32*>(static_cast<unsigned short*>(p.out) + b * p.o_batch_stride
-                                          + static_cast<long long>(token) * p.o_row_stride + head * p.o_head_stride);
-        // Four dims per lane and step: 16-byte reads of each split's row, 8-byte stores.
-        for (int d4 = lane; d4 < Cfg::kHeadDimStored / 4; d4 += 32) {
-            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-            for (int s = 0; s < splits; ++s) {
-                const float w = weights[s];
-                if (w > 0.f) {
-                    const float4 x = __ldcg(reinterpret_cast<const float4*>(
-                        p.o_part + (s * states + state) * Cfg::kHeadDimStored) + d4);
-                    acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
-                }
-            }
-            const float f = nan ? qnan : inv;
-            out[2 * d4] = pack2<Cfg::kBF16>(acc.x * f, acc.y * f);
-            out[2 * d4 + 1] = pack2<Cfg::kBF16>(acc.z * f, acc.w * f);
-        }
+        const float inv = nan ? qnan : (total > 0.f ? 1.f / total : 0.f);
+        for (int s = lane; s < splits; s += 32) w[s] *= inv;
         if (lane == 0) p.lse[state] = nan ? qnan : (total > 0.f ? pivot + __logf(total) : neg_inf());
-        __syncwarp();
+    }
+    __syncthreads();
+    const int items = n_rows * kQuads;
+    const long long split_step = states * Cfg::kHeadDimStored;
+    for (int i0 = tid; i0 < items; i0 += kBatch * kThreads) {
+        float4 acc[kBatch];
+        const float* src[kBatch];
+        const float* w[kBatch];
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+            const int item = min(i0 + k * kThreads, items - 1), r = item / kQuads;
+            src[k] = p.o_part + state_of(r) * Cfg::kHeadDimStored + 4 * (item - r * kQuads);
+            w[k] = scratch + r * splits;
+            acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll 4
+        for (int s = 0; s < splits; ++s) {
+#pragma unroll
+            for (int k = 0; k < kBatch; ++k) {
+                const float4 x = __ldcg(reinterpret_cast<const float4*>(src[k] + s * split_step));
+                const float ws = w[k][s];
+                acc[k].x += ws * x.x; acc[k].y += ws * x.y; acc[k].z += ws * x.z; acc[k].w += ws * x.w;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+            const int item = i0 + k * kThreads;
+            if (item >= items) break;
+            const int r = item / kQuads, row = row0 + r, token = row / group, head = hk * group + row % group;
+            u32* out = reinterpret_cast<u32*>(static_cast<unsigned short*>(p.out) + b * p.o_batch_stride
+                                              + static_cast<long long>(token) * p.o_row_stride
+                                              + head * p.o_head_stride) + 2 * (item - r * kQuads);
+            out[0] = pack2<Cfg::kBF16>(acc[k].x, acc[k].y);
+            out[1] = pack2<Cfg::kBF16>(acc[k].z, acc[k].w);
+        }
     }
 }
 
