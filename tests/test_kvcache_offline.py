@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cuflash.core.compile import compile_offline
-from cuflash.core.decode_spec import DecodeSpec
+from cuflash.core.decode_spec import MAX_SPLITS, DecodeSpec
 from cuflash.core.policy import all_decode_specs, decode_spec, decode_splits
 from cuflash.core.render import generate
 from cuflash.serving import attention_with_kvcache_reference
@@ -20,6 +20,8 @@ def test_default_specs_cover_every_head_dim_and_fit():
     for spec in specs:
         assert spec.smem_bytes <= 232448 and spec.num_stages >= 2
         assert spec.block_n % (16 * (4 // spec.warps_m)) == 0
+        # the splits' merge reuses the ring for a weight per row and split, and one flag
+        assert spec.smem_row_shift - spec.smem_stages >= 4 * (spec.block_m * MAX_SPLITS + 1)
     assert len({s.name for s in specs}) == len(specs)
 
 
