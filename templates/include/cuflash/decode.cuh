@@ -300,9 +300,14 @@ __device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, floa
     const int n_rows = row_end - row0;
     const long long states = static_cast<long long>(p.batch) * p.heads * seqlen_q;
     const float qnan = __int_as_float(0x7fffffff);
-    auto state_of = [&](int r) {
-        const int row = row0 + r, token = row / group, head = hk * group + row % group;
-        return (static_cast<long long>(b) * p.heads + head) * seqlen_q + token;
+    // Row r of the tile: its query token and head, its state (LSE index) and its output row.
+    auto token_of = [&](int r) { return (row0 + r) / group; };
+    auto head_of = [&](int r) { return hk * group + (row0 + r) % group; };
+    auto state_of = [&](int r) { return (static_cast<long long>(b) * p.heads + head_of(r)) * seqlen_q + token_of(r); };
+    auto out_of = [&](int r) {
+        return reinterpret_cast<u32*>(static_cast<unsigned short*>(p.out) + b * p.o_batch_stride
+                                      + static_cast<long long>(token_of(r)) * p.o_row_stride
+                                      + head_of(r) * p.o_head_stride);
     };
     for (int r = warp; r < n_rows; r += kWarps) {
         float* w = scratch + r * splits;
@@ -355,10 +360,8 @@ __device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, floa
         for (int k = 0; k < kBatch; ++k) {
             const int item = i0 + k * kThreads;
             if (item >= items) break;
-            const int r = item / kQuads, row = row0 + r, token = row / group, head = hk * group + row % group;
-            u32* out = reinterpret_cast<u32*>(static_cast<unsigned short*>(p.out) + b * p.o_batch_stride
-                                              + static_cast<long long>(token) * p.o_row_stride
-                                              + head * p.o_head_stride) + 2 * (item - r * kQuads);
+            const int r = item / kQuads;
+            u32* out = out_of(r) + 2 * (item - r * kQuads);
             out[0] = pack2<Cfg::kBF16>(acc[k].x, acc[k].y);
             out[1] = pack2<Cfg::kBF16>(acc[k].z, acc[k].w);
         }
@@ -655,18 +658,19 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
             }
         }
         __syncthreads();
-        if (wk == 0)
+        if (wk == 0) {  // key group 0 adds the others' outputs; every warp goes on to the merge
 #pragma unroll
-        for (int w = 1; w < WK; ++w)
+            for (int w = 1; w < WK; ++w)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float* src = parts + ((w - 1) * BM + wm * 16 + lane / 4 + 8 * r) * D + 2 * (lane % 4);
+                for (int r = 0; r < 2; ++r) {
+                    const float* src = parts + ((w - 1) * BM + wm * 16 + lane / 4 + 8 * r) * D + 2 * (lane % 4);
 #pragma unroll
-                for (int ot = 0; ot < kOT; ++ot) {
-                    o[ot][2 * r] += src[ot * 8];
-                    o[ot][2 * r + 1] += src[ot * 8 + 1];
+                    for (int ot = 0; ot < kOT; ++ot) {
+                        o[ot][2 * r] += src[ot * 8];
+                        o[ot][2 * r + 1] += src[ot * 8 + 1];
+                    }
                 }
-            }
+        }
     }
 
     float v_scale = p.out_scale;
