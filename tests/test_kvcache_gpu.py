@@ -92,6 +92,20 @@ def test_decode_contiguous(dtype, head_dim, seqlen_q, heads, heads_k):
     _check(q, kc, vc, lens, table, new, dtype=dtype)
 
 
+@pytest.mark.parametrize("page_size", [None, 16, 48])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_q,seqlen_new,num_splits", [(16, 0, None), (10, 3, 3)])
+def test_tiles_of_64_rows(page_size, head_dim, seqlen_q, seqlen_new, num_splits):
+    """Row tiles of 64 query rows, whole and part-filled (on Hopper one warpgroup's wgmma products
+    over swizzled stages), contiguous and paged, with appends and forced splits."""
+    rng = np.random.default_rng(head_dim + seqlen_q + (page_size or 0))
+    lens = rng.integers(1, 900, size=3)
+    q, kc, vc, table, new = _make(rng, batch=3, seqlen_q=seqlen_q, heads=16, heads_k=4, head_dim=head_dim,
+                                  dtype="bf16", lengths=lens, capacity=960, page_size=page_size,
+                                  seqlen_new=seqlen_new)
+    _check(q, kc, vc, lens, table, new, dtype="bf16", num_splits=num_splits)
+
+
 @pytest.mark.parametrize("page_size", [1, 16, 256, 48])
 @pytest.mark.parametrize("seqlen_new", [0, 1, 5])
 @pytest.mark.parametrize("causal", [True, False])

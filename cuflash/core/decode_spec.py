@@ -128,6 +128,14 @@ class DecodeSpec:
         return not self.fp8 and self.head_dim in (64, 128)
 
     @property
+    def wgmma(self) -> bool:
+        """Hopper, 16-bit caches at head dim 128, 64 rows: the block is one warpgroup whose
+        products are wgmma, reading each K and V tile from shared memory once for all its rows
+        (mma.sync reads it once per warp); its stages take wgmma's 128-byte swizzled layout."""
+        return (self.arch == "sm90a" and not self.fp8 and self.head_dim == 128 and self.warps_m == WARPS
+                and self.block_n == 64)
+
+    @property
     def fp8_in_registers(self) -> bool:
         """An FP8 cache at head dim 128 goes from its staged codes straight into the products'
         fragments (no fp16 tiles in shared memory); its stages are swizzled for those reads."""
@@ -175,7 +183,9 @@ class DecodeSpec:
 
     @property
     def smem_bytes(self) -> int:
-        return self.smem_row_shift + (4 * self.block_m if self.fp8 and self.dtype == "bf16" else 0)
+        """With room to align the start to 1024 bytes (wgmma's swizzle atoms) where wgmma reads it."""
+        return (self.smem_row_shift + (4 * self.block_m if self.fp8 and self.dtype == "bf16" else 0)
+                + (1024 if self.wgmma else 0))
 
     @property
     def q_in_registers(self) -> bool:

@@ -15,6 +15,7 @@
 #pragma once
 #include "cuflash/warp_mma.cuh"
 #include "cuflash/fp8_tiles.cuh"
+#include "cuflash/wgmma.cuh"
 
 namespace cuflash {
 
@@ -134,7 +135,8 @@ __device__ __forceinline__ void load_key_tile(const CacheRows<kPaged>& rows, con
                 valid = kPrefetched ? rows.offsets(key, pages[it], k_off, v_off) : rows.locate(key, k_off, v_off);
                 bad |= !valid;
             }
-            const u32 dst = row * pitch + stage_chunk<Cfg>(row, chunk) * 16;
+            const u32 dst = Cfg::kWgmma ? swizzled_offset(row, chunk, Cfg::kBlockN)
+                                        : row * pitch + stage_chunk<Cfg>(row, chunk) * 16;
             cp_async_16(k_dst + dst, k + k_off + chunk * 16, valid);
             cp_async_16(v_dst + dst, v + v_off + chunk * 16, valid);
         }
@@ -279,7 +281,7 @@ __device__ __forceinline__ KeyRange key_range(const Params& p, int r, int seqlen
 // reads every split's partials (from L2) and resets the count for the next launch. First one
 // warp per query row: its weights exp(LSE_s - LSE) / sum in shared memory (NaN for every split
 // when one split is NaN, 0 where no split attends) and its LSE; then every thread takes (row,
-// 4 dims) items, kBatch at a time, so that many splits' partial rows are in flight at once.
+// 4 dims) items, kBatch at a time, with eight splits' rows of each in flight at once.
 // `scratch`: shared memory no longer in use (block_m * kMaxSplits floats and one int).
 template <class Cfg>
 __device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, float* scratch, int bh, int row0,
@@ -296,8 +298,8 @@ __device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, floa
     if (!*last) return;
     __threadfence();
     if (tid == 0) *count = 0u;
-    const int splits = p.num_splits, group = p.group, hk = bh % p.heads_k, b = bh / p.heads_k;
-    const int n_rows = row_end - row0;
+    const int group = p.group, hk = bh % p.heads_k, b = bh / p.heads_k;
+    const int n_rows = row_end - row0, n = p.num_splits;
     const long long states = static_cast<long long>(p.batch) * p.heads * seqlen_q;
     const float qnan = __int_as_float(0x7fffffff);
     // Row r of the tile: its query token and head, its state (LSE index) and its output row.
@@ -310,11 +312,11 @@ __device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, floa
                                       + head_of(r) * p.o_head_stride);
     };
     for (int r = warp; r < n_rows; r += kWarps) {
-        float* w = scratch + r * splits;
+        float* w = scratch + r * n;
         const long long state = state_of(r);
         float top = neg_inf();
         bool nan = false;
-        for (int s = lane; s < splits; s += 32) {
+        for (int s = lane; s < n; s += 32) {
             const float x = __ldcg(p.lse_part + s * states + state);
             nan |= x != x;
             top = fmaxf(top, x);
@@ -324,13 +326,13 @@ __device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, floa
         nan = __any_sync(0xffffffffu, nan);
         const float pivot = top == neg_inf() ? 0.f : top;
         float total = 0.f;
-        for (int s = lane; s < splits; s += 32) {
+        for (int s = lane; s < n; s += 32) {
             w[s] = __expf(w[s] - pivot);
             total += w[s];
         }
         total = group_sum<32>(total);
         const float inv = nan ? qnan : (total > 0.f ? 1.f / total : 0.f);
-        for (int s = lane; s < splits; s += 32) w[s] *= inv;
+        for (int s = lane; s < n; s += 32) w[s] *= inv;
         if (lane == 0) p.lse[state] = nan ? qnan : (total > 0.f ? pivot + __logf(total) : neg_inf());
     }
     __syncthreads();
@@ -344,11 +346,11 @@ __device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, floa
         for (int k = 0; k < kBatch; ++k) {
             const int item = min(i0 + k * kThreads, items - 1), r = item / kQuads;
             src[k] = p.o_part + state_of(r) * Cfg::kHeadDimStored + 4 * (item - r * kQuads);
-            w[k] = scratch + r * splits;
+            w[k] = scratch + r * n;
             acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
-#pragma unroll 4
-        for (int s = 0; s < splits; ++s) {
+#pragma unroll 8
+        for (int s = 0; s < n; ++s) {
 #pragma unroll
             for (int k = 0; k < kBatch; ++k) {
                 const float4 x = __ldcg(reinterpret_cast<const float4*>(src[k] + s * split_step));
@@ -370,7 +372,7 @@ __device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, floa
 
 template <class Cfg>
 __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) {
-    extern __shared__ __align__(128) unsigned char smem[];
+    extern __shared__ __align__(128) unsigned char smem_raw[];
     constexpr int D = Cfg::kHeadDim;  // padded to 16
     constexpr int BM = 16 * Cfg::kWarpsM, BN = Cfg::kBlockN;
     constexpr int WK = Cfg::kWarps / Cfg::kWarpsM;
@@ -412,7 +414,12 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
     if (Cfg::kVarlen && row0 >= rows) return;  // the grid covers the longest sequence
     const int kv_keys = bad_len ? 0 : kv_len;  // keys the copies may read
 
-    const u32 base = smem_addr(smem);
+    // kWgmma: the stages start on 1024-byte boundaries (wgmma's swizzle atoms).
+    static_assert(!Cfg::kWgmma || (Cfg::kSmemStages % 1024 == 0 && Cfg::kStageBytes % 2048 == 0 && WK == 1),
+                  "wgmma stages on swizzle atoms, one key group");
+    const u32 raw_base = smem_addr(smem_raw);
+    const u32 base = Cfg::kWgmma ? (raw_base + 1023u) & ~1023u : raw_base;
+    unsigned char* smem = smem_raw + (base - raw_base);
     const u32 q_tile = base + Cfg::kSmemQ;
     // Zero the padding chunk of every 16-bit row (head dims of 8 mod 16): copies never write it.
     if constexpr (Cfg::kChunks > Cfg::kHeadDimStored / 8) {
@@ -536,6 +543,7 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
 
     for (int t = t0; t < t1; ++t) {
         cp_async_wait<Cfg::kStages - 2>();
+        if constexpr (Cfg::kWgmma) fence_proxy_async();  // cp.async wrote through the generic proxy
         __syncthreads();
         u32 k_tile, v_tile;
         if constexpr (Cfg::kFp8 && !Cfg::kFp8Regs) {
@@ -553,14 +561,26 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
         if constexpr (kPrefetch) fetch_pages<Cfg>(cache, pages, (t + Cfg::kStages) * BN, kv_keys, tid);
 
         float s[kNT][4];
-        zero_fragments(s);
-        if constexpr (Cfg::kFp8Regs)
-            fp8_scores<Cfg>(s, q_frag, k_tile, wk * kWarpKeys, lane);
-        else if constexpr (Cfg::kQInRegs)
-            warp_gemm_rt<Cfg::kMmaBF16, D / 16, kNT, kKVPitch, kSwz>(s, q_frag, k_tile + wk * kWarpKeys * kKVPitch, lane);
-        else
-            warp_gemm_nt<Cfg::kMmaBF16, D, kNT, kPitch, kKVPitch, kSwz>(s, q_warp, k_tile + wk * kWarpKeys * kKVPitch,
-                                                                       lane);
+        if constexpr (Cfg::kWgmma) {  // the warpgroup's 64 rows at once; Q's fragments are wgmma's A
+            const u64 k_desc = smem_desc(k_tile, 16, 1024);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks)
+                Cfg::wgmma_qk(s, q_frag[ks], desc_advance(k_desc, (ks / 4) * BN * 128 + (ks % 4) * 32), ks);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operands(s);
+        } else {
+            zero_fragments(s);
+            if constexpr (Cfg::kFp8Regs)
+                fp8_scores<Cfg>(s, q_frag, k_tile, wk * kWarpKeys, lane);
+            else if constexpr (Cfg::kQInRegs)
+                warp_gemm_rt<Cfg::kMmaBF16, D / 16, kNT, kKVPitch, kSwz>(s, q_frag, k_tile + wk * kWarpKeys * kKVPitch,
+                                                                         lane);
+            else
+                warp_gemm_nt<Cfg::kMmaBF16, D, kNT, kPitch, kKVPitch, kSwz>(s, q_warp, k_tile + wk * kWarpKeys * kKVPitch,
+                                                                           lane);
+        }
         const bool masked = t * BN < unmasked_lo || (t + 1) * BN > unmasked_hi;
         const int key_base = t * BN + wk * kWarpKeys + 2 * (lane % 4);
 #pragma unroll
@@ -603,7 +623,17 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
         }
         u32 packed[kNT][2];
         pack_fragments<Cfg::kMmaBF16, kNT>(packed, s);
-        if constexpr (Cfg::kFp8Regs)
+        if constexpr (Cfg::kWgmma) {
+            const u64 v_desc = smem_desc(v_tile, BN * 128, 1024);
+            const auto& pa = as_operand(packed);
+            fence_operands(o);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) Cfg::wgmma_pv(o, pa[kk], desc_advance(v_desc, kk * 2048), 1);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operands(o);
+        } else if constexpr (Cfg::kFp8Regs)
             fp8_values<Cfg>(o, as_operand(packed), v_tile, wk * kWarpKeys, lane);
         else
             warp_gemm_rn<Cfg::kMmaBF16, kNT / 2, kOT, kKVPitch, kSwz>(o, as_operand(packed),
