@@ -127,3 +127,13 @@ def test_hopper_backward_uses_warpgroup_mma(head_dim, tmp_path):
         assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16", code) and "UTMALDG.4D" in code
         assert "UBLKRED.G.S.ADD.F32" in code and "REDG.E.ADD.F32" not in code
         assert "LDG.E.STRONG.GPU" in code and "REDG.E.ADD.S32.STRONG.GPU" in code
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_tiles_of_64_rows_use_warpgroup_mma_on_hopper(paged, tmp_path):
+    """KV-cache tiles of 64 query rows at head dim 128: wgmma on sm90a (S and P V), mma.sync on sm80."""
+    from cuflash.core.policy import decode_spec
+    code = sass(decode_spec(128, "bf16", "bf16", paged, 64, "sm90a"), tmp_path)
+    assert re.search(r"HGMMA\.64x64x16\.F32\.BF16", code) and re.search(r"HGMMA\.64x128x16\.F32\.BF16", code)
+    assert "LDGSTS" in code
+    assert "HGMMA" not in sass(decode_spec(128, "bf16", "bf16", paged, 64, "sm80"), tmp_path)
