@@ -4,8 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuflash import reference
-from cuflash.reference import attention_reference, causal_mask, simulate_tiled, tile_schedule
+from cuflash import simulate
+from cuflash.reference import attention_reference, causal_mask
+from cuflash.simulate import simulate_tiled, tile_schedule
 from cuflash.testing import seqlen_pairs
 
 BLOCK_M = st.sampled_from((16, 64, 128))
@@ -126,7 +127,7 @@ def test_unmasked_tile_with_masked_pairs_is_reported(monkeypatch):
     def unmasked(*args):
         return [(m, [(n, False) for n, _ in tiles]) for m, tiles in tile_schedule(*args)]
 
-    monkeypatch.setattr(reference, "tile_schedule", unmasked)
+    monkeypatch.setattr(simulate, "tile_schedule", unmasked)
     q = k = v = np.ones((1, 1, 32, 8))
     with pytest.raises(RuntimeError, match="unmasked"):
         simulate_tiled(q, k, v, causal=True, block_m=16, block_n=16)

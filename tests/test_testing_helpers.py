@@ -8,7 +8,7 @@ from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 from cuflash.core import dtypes, spec
-from cuflash.reference import simulate_tiled
+from cuflash.simulate import simulate_tiled
 from cuflash.testing import (AWKWARD_SEQLENS, MAX_PROBLEM_WORK, TOLERANCES, AttentionProblem,
                              assert_attention_close, attention_problems,
                              register_hypothesis_profiles, seqlen_pairs, seqlens, to_numpy)

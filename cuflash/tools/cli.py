@@ -274,7 +274,8 @@ def _demo_offline() -> int:
     print(f"   shared memory: {report.smem_bytes} bytes")
     print(f"   cubin: {len(cubin)} bytes")
 
-    from cuflash.reference import attention_reference, simulate_tiled
+    from cuflash.reference import attention_reference
+    from cuflash.simulate import simulate_tiled
     batch, heads, seqlen_q, seqlen_k, head_dim = 1, 2, 113, 239, 64
     rng = np.random.default_rng(0)
     q = rng.standard_normal((batch, heads, seqlen_q, head_dim))
