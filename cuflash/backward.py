@@ -18,7 +18,7 @@ from .core import modset as _modset
 from .core.bwd_spec import BwdSpec
 from .core.launch import launch_backward, rows_padded
 from .core.policy import default_bwd_spec
-from .core.validate import aligned_copy, aligned_for_async_copy, readable_by_tma, validate_backward
+from .core.validate import aligned_copy, aligned_for_async_copy, readable_by_tma, validate_backward, validate_sinks
 from .forward import _arch, _on_device, _out_strides, attention
 
 
@@ -34,7 +34,7 @@ def select_bwd_spec(bp) -> BwdSpec:
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, layout="bhsd", deterministic=False,
-                       spec=None, score_mod=None, mask_mod=None, block_mask=None):
+                       spec=None, score_mod=None, mask_mod=None, block_mask=None, sinks=None):
     """Gradients ``(dq, dk, dv)`` of :func:`cuflash.attention` with respect to q, k and v.
 
     Args:
@@ -49,19 +49,32 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, lay
             deterministic.
         spec: force a :class:`cuflash.BwdSpec` (for tuning and comparisons); it must match the
             problem's head_dim, dtype, causality and ``deterministic``, and the device's target.
+        sinks: the forward's attention sinks (whose LSE includes them); their gradient is
+            returned too.
 
     Returns:
-        ``(dq, dk, dv)`` with the shapes, dtype and layout of q, k and v (contiguous). With
-        grouped-query attention dk and dv sum the query heads that share a kv head. Rows that
-        attend nothing contribute no gradient (zeros, never NaN). Runs on the current CuPy stream.
+        ``(dq, dk, dv)`` with the shapes, dtype and layout of q, k and v (contiguous); with
+        ``sinks``, ``(dq, dk, dv, dsinks)``, dsinks in the sinks' dtype. With grouped-query
+        attention dk and dv sum the query heads that share a kv head. Rows that attend nothing
+        contribute no gradient (zeros, never NaN). Runs on the current CuPy stream.
     """
     return _attention_backward(dout, q, k, v, out, lse, None, causal=causal, scale=scale, layout=layout,
                                deterministic=deterministic, spec=spec, score_mod=score_mod, mask_mod=mask_mod,
-                               block_mask=block_mask)
+                               block_mask=block_mask, sinks=sinks)
+
+
+def _sinks_grad(sinks, lse, delta):
+    """d loss / d sinks[h] = -sum over (batch, row) of P_sink * rowsum(dO * O), where P_sink =
+    exp(sinks[h] - lse) is the share of a row's probability its sink took; in the sinks' dtype."""
+    import cupy
+
+    s = sinks[None, :, None]
+    share = cupy.where(cupy.isneginf(s) & cupy.isneginf(lse), 0, cupy.exp(s - lse))
+    return (-(share * delta).sum(axis=(0, 2))).astype(sinks.dtype)
 
 
 def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout, deterministic, spec,
-                        score_mod=None, mask_mod=None, block_mask=None):
+                        score_mod=None, mask_mod=None, block_mask=None, sinks=None):
     """:func:`attention_backward`, writing into ``grads`` = (dq, dk, dv) when given: C-contiguous
     arrays shaped and typed like q, k and v (the torch bridge's)."""
     import cupy
@@ -69,13 +82,15 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
     bp = validate_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
                            deterministic=deterministic)
     problem = bp.forward
+    sinks32 = None if sinks is None else validate_sinks(sinks, problem)
     with _on_device(problem.device_id):
         dq, dk, dv = grads or (cupy.empty(q.shape, dtype=q.dtype), cupy.empty(k.shape, dtype=k.dtype),
                                cupy.empty(v.shape, dtype=v.dtype))
         if problem.empty or problem.seqlen_k == 0 or problem.heads_k == 0:
             for x in (dq, dk, dv):
                 x.fill(0)
-            return dq, dk, dv
+            # with no key every row's output is 0, so rowsum(dO * O) and the sinks' gradient are too
+            return (dq, dk, dv) if sinks is None else (dq, dk, dv, cupy.zeros(sinks.shape, dtype=sinks.dtype))
         spec = select_bwd_spec(bp) if spec is None else _check_forced_spec(spec, bp)
         mods = _modset.prepare(score_mod, _sparsity.mask_mod_of(block_mask, mask_mod, problem), problem.device_id)
         sparse = b""
@@ -110,6 +125,9 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
                        dv=_out_strides(dv, layout))
         kernels = _compile.get_kernel(spec, problem.device_id)
         launch_backward(kernels, spec, bp, tensors, strides, _modset.kernel_argument(mods, sparse))
+        if sinks is not None:  # the preprocess left each row's rowsum(dO * O) in stats[1]
+            delta = stats[1].reshape(problem.batch, problem.heads, padded)[:, :, :problem.seqlen_q]
+            return dq, dk, dv, _sinks_grad(sinks32, lse, delta).astype(sinks.dtype)
     return dq, dk, dv
 
 
@@ -140,9 +158,9 @@ def _check_forced_spec(spec, bp) -> BwdSpec:
 
 
 def attention_with_grad(q, k, v, *, causal=False, scale=None, layout="bhsd", deterministic=False, family=None,
-                        score_mod=None, mask_mod=None, block_mask=None):
-    """The forward output and a function mapping ``dout`` to ``(dq, dk, dv)``, for training
-    without a framework::
+                        score_mod=None, mask_mod=None, block_mask=None, sinks=None):
+    """The forward output and a function mapping ``dout`` to ``(dq, dk, dv)`` (with ``sinks``:
+    ``(dq, dk, dv, dsinks)``), for training without a framework::
 
         out, backward = cuflash.attention_with_grad(q, k, v, causal=True)
         dq, dk, dv = backward(dout)
@@ -150,7 +168,7 @@ def attention_with_grad(q, k, v, *, causal=False, scale=None, layout="bhsd", det
     The function keeps q, k, v, the output and its LSE alive until it is dropped.
     """
     out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, layout=layout, family=family,
-                         score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+                         score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, sinks=sinks)
     if block_mask is not None and mask_mod is None:
         mask_mod = block_mask.graph
     traced = (_modset.prepare(score_mod, mask_mod, q.data.device_id)
@@ -159,7 +177,7 @@ def attention_with_grad(q, k, v, *, causal=False, scale=None, layout="bhsd", det
     def backward(dout):
         return attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
                                   deterministic=deterministic, score_mod=traced and traced.score,
-                                  mask_mod=traced and traced.mask)
+                                  mask_mod=traced and traced.mask, sinks=sinks)
 
     return out, backward
 

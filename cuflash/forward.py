@@ -11,7 +11,7 @@ from .core import modset as _modset
 from .core.launch import LaunchPlan, launch, lse_scratch, outputs_unused
 from .core.policy import FP8_WGMMA_MIN_HEAD_DIM, SHORT_SEQLEN, default_spec
 from .core.spec import KernelSpec
-from .core.validate import Problem, aligned_copy, aligned_for_async_copy, readable_by_tma, validate, validate_fp8_scales
+from .core.validate import Problem, aligned_copy, aligned_for_async_copy, readable_by_tma, validate, validate_fp8_scales, validate_sinks
 
 _arch_of_device: dict[int, str] = {}
 
@@ -63,7 +63,7 @@ _UNKEYED = object()  # _attention's key where the caller has not computed it
 
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd", family=None, spec=None,
               fp8_format=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None, score_mod=None,
-              mask_mod=None, block_mask=None):
+              mask_mod=None, block_mask=None, sinks=None):
     """Scaled dot-product attention, ``softmax(scale * q @ k^T) @ v``, without materializing the scores.
 
     Args:
@@ -102,6 +102,10 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             this batch, heads and lengths): the Hopper kernel skips its empty tiles and the
             mask_mod's evaluation on its full ones. Its mask_mod is the call's when mask_mod is
             not given.
+        sinks: attention sinks (gpt-oss): a CuPy array [heads] of logits, one per query head, each
+            added to its rows' softmax sums as ``exp(sinks[h])``: a share of the probability that
+            attends no value. The LSE includes it; a row with no key then gives O = 0 and LSE =
+            its sink. Any float dtype (read as float32); fp16 and bf16 inputs.
 
     Returns:
         The output in q's dtype (FP8: ``out_dtype``) and layout (rows with no key to attend are
@@ -109,7 +113,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     """
     key = _UNKEYED
     if score_mod is None and mask_mod is None and block_mask is None and fp8_format is None and q_descale is None \
-            and k_descale is None and v_descale is None and out_dtype is None:
+            and k_descale is None and v_descale is None and out_dtype is None and sinks is None:
         # a repeated plain call: straight to its plan
         cupy = _cupy or _import_cupy()
         key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec)
@@ -120,12 +124,13 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
                 return result
     return _attention(q, k, v, None, causal=causal, scale=scale, return_lse=return_lse, layout=layout, family=family,
                       spec=spec, fp8_format=fp8_format, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                      out_dtype=out_dtype, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, key=key)
+                      out_dtype=out_dtype, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, key=key,
+                      sinks=sinks)
 
 
 def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, spec, fp8_format, q_descale,
                k_descale, v_descale, out_dtype, score_mod=None, mask_mod=None, block_mask=None, keep=None,
-               key=_UNKEYED):
+               key=_UNKEYED, sinks=None):
     """:func:`attention`, writing into ``outputs`` = (out, lse) when given: C-contiguous arrays of
     the output's shape and q's dtype, and float32 [batch, heads, seqlen_q] (the torch bridge's).
     ``keep``: a list the call's launch plan is appended to, where it has one. ``key``: the call's
@@ -135,6 +140,8 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
     if key is _UNKEYED:
         key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec) \
             if _without_fp8(fp8_format, q_descale, k_descale, v_descale, out_dtype) else None
+    if sinks is not None:
+        key = None  # the sinks' address is in the parameter block
     if key is not None and (score_mod is not None or mask_mod is not None or block_mask is not None):
         # A call with mods has a plan when its mods trace to graphs kept for their function and
         # captured values (the same graphs, arrays and block mask: the same kernel argument).
@@ -173,6 +180,8 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
         scales = validate_fp8_scales(problem, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                                      out_dtype=out_dtype)
     out_tag = scales.out_dtype.tag if scales else None
+    if sinks is not None:
+        sinks = validate_sinks(sinks, problem)
     mask_mod = _sparsity.mask_mod_of(block_mask, mask_mod, problem)
     mods = _modset.prepare(score_mod, mask_mod, problem.device_id)
     sparse = b""  # the block mask's visit lists, after the mods' arrays in the kernel's last argument
@@ -185,6 +194,7 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
             if block_mask is not None and spec.warp_specialized:
                 spec = spec.replace(block_sparse=True)
                 sparse = _sparsity.kernel_tables(block_mask, spec.block_m, spec.block_n, problem.causal)[2]
+        spec = _with_sinks(spec, sinks, problem)
         if prepared_v is not None and not (spec.fp8 and spec.warp_specialized):
             raise ValueError(f"a prepared V is read by the Hopper FP8 kernel only (sm90a, head dims that are multiples "
                              f"of 16 from {FP8_WGMMA_MIN_HEAD_DIM}); "
@@ -195,7 +205,7 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
             pass
         elif problem.seqlen_k == 0:
             out.fill(0)
-            lse.fill(-cupy.inf)
+            lse[...] = -cupy.inf if sinks is None else sinks[None, :, None]
         else:
             if problem.scale <= 0:
                 q, k, scale = _positive_scale(q, k, problem.scale)
@@ -225,8 +235,21 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
                     keep.append(plan)
             else:
                 launch(kernel, spec, problem, q, k, v_operand, out, lse, _out_strides(out, layout), scales,
-                       _modset.kernel_argument(mods, sparse))
+                       _modset.kernel_argument(mods, sparse), sinks=sinks)
     return (out, lse) if return_lse else out
+
+
+def _with_sinks(spec: KernelSpec, sinks, problem: Problem) -> KernelSpec:
+    """The spec that adds the call's sinks to its rows' sums (its exact-LSE form), or the spec
+    without them; a forced spec with sinks needs the call's."""
+    if sinks is None:
+        if spec.sinks:
+            raise ValueError(f"spec={spec.name} adds attention sinks; pass sinks= (one logit per query head)")
+        return spec
+    if spec.family == "simt" or spec.fp8:
+        raise ValueError(f"sinks run on fp16 and bf16 inputs; this call has {problem.dtype.tag} "
+                         f"(convert q, k and v, or use cuflash.reference)")
+    return spec.replace(sinks=True, lse=True)
 
 
 def _with_mods(spec: KernelSpec, mods, problem: Problem, out_tag) -> KernelSpec:

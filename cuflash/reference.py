@@ -20,8 +20,6 @@ Functions:
 * :func:`attention_reference` -- the float64 ground truth.
 * :func:`attention_naive` -- softmax(QK^T)V written plainly in the input precision; its error
   against the reference is the yardstick of the accuracy rule in :mod:`cuflash.testing`.
-* :func:`simulate_tiled` and :func:`tile_schedule` -- the kernel's own tiled online-softmax
-  algorithm and tile walk, run on the CPU.
 * :func:`attention_backward_reference` -- float64 gradients (dq, dk, dv) of the output.
 * :func:`attention_backward_naive` -- the same gradients in the input precision (the baseline of
   the backward's accuracy rule).
@@ -107,20 +105,33 @@ def _allowed(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
 
 # -- shared softmax pieces ------------------------------------------------------------------------
 
-def _masked_softmax_parts(scores: np.ndarray, allowed: np.ndarray):
+def _sink_logits(sinks, heads: int, dtype):
+    """Attention sinks (one logit per query head) shaped to broadcast over [batch, heads, rows]."""
+    sinks = np.asarray(sinks).astype(dtype)
+    if sinks.shape != (heads,):
+        raise ValueError(f"sinks.shape={sinks.shape} must be (heads,) = ({heads},)")
+    return sinks.reshape(1, heads, 1)
+
+
+def _masked_softmax_parts(scores: np.ndarray, allowed: np.ndarray, sinks=None):
     """Unnormalized softmax of ``scores`` over the last axis, masked by selection.
 
     Returns ``(p, row_max, row_sum, empty)`` where ``empty`` marks rows that attend nothing.
     Selection (not ``scores + (-inf)``) keeps a NaN score at a masked position out of the row.
     The row maximum of an empty row is -inf; it is replaced by 0 before subtracting so that
     ``exp(-inf - (-inf))`` never makes a NaN. A NaN anywhere in an allowed position makes the
-    maximum NaN and so the whole row NaN.
+    maximum NaN and so the whole row NaN. ``sinks`` (:func:`_sink_logits`): each row's sum also
+    holds ``exp(sink - row_max)``, the row max being at least the sink.
     """
     masked = np.where(allowed, scores, -np.inf)
     row_max = masked.max(axis=-1, initial=-np.inf)
+    if sinks is not None:
+        row_max = np.maximum(row_max, sinks)
     row_max = np.where(row_max == -np.inf, 0.0, row_max).astype(scores.dtype)
     p = np.exp(masked - row_max[..., None])
     row_sum = p.sum(axis=-1)
+    if sinks is not None:
+        row_sum = row_sum + np.exp(sinks - row_max).astype(scores.dtype)
     empty = row_sum == 0   # False for NaN rows, so NaN survives the epilogue selections
     return p, row_max, row_sum, empty
 
@@ -149,7 +160,7 @@ def _finish(weighted, row_max, row_sum, empty):
 # -- float64 reference ----------------------------------------------------------------------------
 
 def attention_reference(q, k, v, *, causal: bool = False, scale: float | None = None,
-                        layout: str = "bhsd", score_mod=None, mask_mod=None):
+                        layout: str = "bhsd", score_mod=None, mask_mod=None, sinks=None):
     """Scaled dot-product attention computed in float64.
 
     Args:
@@ -163,10 +174,13 @@ def attention_reference(q, k, v, *, causal: bool = False, scale: float | None = 
         layout: ``"bhsd"`` or ``"bshd"``.
         score_mod, mask_mod: a mod of :mod:`cuflash.mods` (or its traced graph), evaluated in
             float64 on the scaled scores and on the index grids; the mask is and-ed with causal.
+        sinks: attention sinks, one logit per query head added to each row's softmax sum as
+            ``exp(sinks[h])`` (no value); the LSE includes them.
 
     Returns:
         ``(out, lse)``: ``out`` float64 with q's shape and layout; ``lse`` float64
-        ``[batch, heads_q, seqlen_q]`` (natural log). Rows that attend nothing give 0 and -inf.
+        ``[batch, heads_q, seqlen_q]`` (natural log). Rows that attend nothing give 0 and -inf
+        (with sinks: 0 and the sink).
 
     NaN stays where it belongs: a NaN in q row i makes only output row i NaN (unless row i attends
     nothing); a NaN in k or v row j makes NaN only the rows allowed to attend key j.
@@ -178,7 +192,8 @@ def attention_reference(q, k, v, *, causal: bool = False, scale: float | None = 
     with np.errstate(invalid="ignore", over="ignore"):
         scores = (qb @ kb.swapaxes(-1, -2)) * scale
         scores, allowed = _with_mods(scores, allowed, score_mod, mask_mod)
-        p, row_max, row_sum, empty = _masked_softmax_parts(scores, allowed)
+        sink_logits = None if sinks is None else _sink_logits(sinks, heads_q, np.float64)
+        p, row_max, row_sum, empty = _masked_softmax_parts(scores, allowed, sink_logits)
         out, lse = _finish(_weighted_values(p, vb, allowed), row_max, row_sum, empty)
     return _from_bhsd(out, layout), lse
 
@@ -193,7 +208,7 @@ def _with_mods(scores, allowed, score_mod, mask_mod):
 # -- same-precision baseline ----------------------------------------------------------------------
 
 def attention_naive(q, k, v, *, causal: bool = False, scale: float | None = None,
-                    layout: str = "bhsd", score_mod=None, mask_mod=None):
+                    layout: str = "bhsd", score_mod=None, mask_mod=None, sinks=None):
     """softmax(scale * Q K^T) V written plainly in the input precision.
 
     This is what a user gets without a fused kernel, and its error against
@@ -205,7 +220,8 @@ def attention_naive(q, k, v, *, causal: bool = False, scale: float | None = None
     3. the masked softmax of ``S`` in float32, its probabilities rounded to ``T``;
     4. ``O = P V`` accumulated in float32, rounded to ``T``.
 
-    Mods (``score_mod``, ``mask_mod``) apply in float32 between steps 2 and 3.
+    Mods (``score_mod``, ``mask_mod``) apply in float32 between steps 2 and 3; ``sinks`` join
+    step 3's sums in float32.
 
     For float32 inputs every rounding is a no-op, so the whole computation is float32.
 
@@ -229,7 +245,8 @@ def attention_naive(q, k, v, *, causal: bool = False, scale: float | None = None
         scores = (qb @ kb.swapaxes(-1, -2)).astype(io).astype(f32)
         scores = (scores * scale_io).astype(io).astype(f32)
         scores, allowed = _with_mods(scores, allowed, score_mod, mask_mod)
-        p, row_max, row_sum, empty = _masked_softmax_parts(scores, allowed)
+        sink_logits = None if sinks is None else _sink_logits(sinks, heads_q, f32)
+        p, row_max, row_sum, empty = _masked_softmax_parts(scores, allowed, sink_logits)
         safe_sum = np.where(empty, 1, row_sum).astype(f32)
         probs = (p / safe_sum[..., None]).astype(io).astype(f32)
         out = _weighted_values(probs, vb, allowed)
@@ -355,132 +372,6 @@ def attention_fp8_naive(q, k, v, *, causal: bool = False, scale: float | None = 
     return _from_bhsd(out.astype(io), layout), lse.astype(f32)
 
 
-# -- the kernel's algorithm on the CPU ------------------------------------------------------------
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _check_blocks(block_m: int, block_n: int) -> None:
-    for name, value in (("block_m", block_m), ("block_n", block_n)):
-        if not isinstance(value, (int, np.integer)) or value <= 0:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
-
-
-def tile_schedule(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, causal: bool):
-    """The key tiles each query tile visits, in the kernel's order, and which need masking.
-
-    Query tile ``m`` covers rows ``[m * block_m, (m + 1) * block_m)``. It stops at key
-    ``n_end = seqlen_k``, or under the causal mask at
-    ``n_end = min(seqlen_k, m0 + block_m + seqlen_k - seqlen_q)`` (one past the last key its last
-    row may attend), and visits ``ceil(n_end / block_n)`` key tiles from the last down to the first,
-    so the only tiles that need masking come first and the loop's tail runs mask-free.
-
-    A key tile is masked iff it holds a key past ``seqlen_k`` or, under the causal mask, a key past
-    what the tile's first row may attend: ``n0 + block_n > seqlen_k`` or
-    ``causal and n0 + block_n - 1 > m0 + seqlen_k - seqlen_q``.
-
-    Returns ``[(m_block, [(n_block, masked), ...]), ...]`` with one entry per query tile
-    (``ceil(seqlen_q / block_m)`` of them); a query tile whose rows attend nothing has no key tiles.
-    """
-    _check_blocks(block_m, block_n)
-    offset = seqlen_k - seqlen_q
-    schedule = []
-    for m_block in range(_ceil_div(seqlen_q, block_m)):
-        m0 = m_block * block_m
-        n_end = min(seqlen_k, m0 + block_m + offset) if causal else seqlen_k
-        n_tiles = _ceil_div(n_end, block_n) if n_end > 0 else 0
-        tiles = []
-        for n_block in reversed(range(n_tiles)):
-            n0 = n_block * block_n
-            masked = n0 + block_n > seqlen_k or (causal and n0 + block_n - 1 > m0 + offset)
-            tiles.append((n_block, masked))
-        schedule.append((m_block, tiles))
-    return schedule
-
-
-def simulate_tiled(q, k, v, *, causal: bool = False, scale: float | None = None,
-                   layout: str = "bhsd", block_m: int = 128, block_n: int = 64):
-    """The forward kernel's algorithm in float64 NumPy: tiles, online softmax in base 2, epilogue.
-
-    Every (batch, head) pair runs the same walk from :func:`tile_schedule`. Q is zero-padded to a
-    whole number of query tiles and K/V to whole key tiles, as the kernel's zero-filling loads do.
-    Per key tile, with ``x = s * scale * log2(e)``::
-
-        m_new = max(m_old, rowmax(x))
-        m_use = 0 where m_new == -inf else m_new     # a row with nothing seen yet
-        p     = exp2(x - m_use)
-        alpha = exp2(m_old - m_use)
-        l     = l * alpha + rowsum(p)
-        acc   = acc * alpha + p @ v_tile
-
-    Only tiles the schedule marks get the mask applied; every other tile is checked to hold no
-    masked pair (RuntimeError otherwise). Epilogue: ``out = acc / l`` and
-    ``lse = (m_use + log2(l)) * ln(2)``, with ``out = 0`` and ``lse = -inf`` where ``l == 0``
-    (selecting on ``l == 0`` rather than ``l > 0`` lets a NaN row stay NaN).
-
-    Shapes and layouts as in :func:`attention_reference`; returns float64 ``(out, lse)``. Meant for
-    finite inputs: a NaN value row inside a visited masked tile spreads through ``0 * NaN`` here
-    as it does in the kernel.
-    """
-    _check_blocks(block_m, block_n)
-    qb, kb, vb, scale = _prepare(q, k, v, scale, layout, np.float64)
-    batch, heads_q, seqlen_q, head_dim = qb.shape
-    seqlen_k = kb.shape[2]
-    kb, vb = _expand_kv_heads(kb, heads_q), _expand_kv_heads(vb, heads_q)
-    q_rows = _ceil_div(seqlen_q, block_m) * block_m
-    k_rows = max(_ceil_div(seqlen_k, block_n), 1) * block_n
-    qp = np.zeros((batch, heads_q, q_rows, head_dim))
-    qp[:, :, :seqlen_q] = qb
-    kp = np.zeros((batch, heads_q, k_rows, head_dim))
-    kp[:, :, :seqlen_k] = kb
-    vp = np.zeros_like(kp)
-    vp[:, :, :seqlen_k] = vb
-
-    out = np.zeros((batch, heads_q, q_rows, head_dim))
-    lse = np.full((batch, heads_q, q_rows), -np.inf)
-    qk_scale = scale * _LOG2E
-    offset = seqlen_k - seqlen_q
-    with np.errstate(invalid="ignore", over="ignore"):
-        for m_block, tiles in tile_schedule(seqlen_q, seqlen_k, block_m, block_n, causal):
-            m0 = m_block * block_m
-            rows = np.arange(m0, m0 + block_m)[:, None]
-            q_tile = qp[:, :, m0:m0 + block_m]
-            m_old = np.full((batch, heads_q, block_m), -np.inf)
-            l_sum = np.zeros((batch, heads_q, block_m))
-            acc = np.zeros((batch, heads_q, block_m, head_dim))
-            for n_block, masked in tiles:
-                n0 = n_block * block_n
-                cols = np.arange(n0, n0 + block_n)[None, :]
-                allowed = cols < seqlen_k
-                if causal:
-                    allowed = allowed & (cols <= rows + offset)
-                # -- compute qk --
-                x = (q_tile @ kp[:, :, n0:n0 + block_n].swapaxes(-1, -2)) * qk_scale
-                if masked:
-                    x = np.where(allowed, x, -np.inf)
-                elif not allowed.all():
-                    raise RuntimeError(f"tile (m={m_block}, n={n_block}) holds masked pairs but the "
-                                       f"schedule runs it unmasked (seqlen_q={seqlen_q}, "
-                                       f"seqlen_k={seqlen_k}, block_m={block_m}, block_n={block_n})")
-                # -- online softmax --
-                m_new = np.maximum(m_old, x.max(axis=-1))
-                m_use = np.where(m_new == -np.inf, 0.0, m_new)
-                p = np.exp2(x - m_use[..., None])
-                alpha = np.exp2(m_old - m_use)
-                l_sum = l_sum * alpha + p.sum(axis=-1)
-                acc = acc * alpha[..., None] + p @ vp[:, :, n0:n0 + block_n]
-                m_old = m_new
-            # -- epilogue --
-            m_use = np.where(m_old == -np.inf, 0.0, m_old)
-            empty = l_sum == 0
-            inv_l = np.where(empty, 0.0, 1.0 / np.where(empty, 1.0, l_sum))
-            out[:, :, m0:m0 + block_m] = acc * inv_l[..., None]
-            lse[:, :, m0:m0 + block_m] = np.where(
-                empty, -np.inf, (m_use + np.log2(np.where(empty, 1.0, l_sum))) * _LN2)
-    return _from_bhsd(out[:, :, :seqlen_q], layout), lse[:, :, :seqlen_q]
-
-
 # -- cost model -----------------------------------------------------------------------------------
 
 def attention_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
@@ -508,7 +399,7 @@ def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_d
 # -- float64 gradients ----------------------------------------------------------------------------
 
 def attention_backward_reference(dout, q, k, v, *, causal: bool = False, scale: float | None = None,
-                                 layout: str = "bhsd", score_mod=None, mask_mod=None):
+                                 layout: str = "bhsd", score_mod=None, mask_mod=None, sinks=None):
     """Gradients of :func:`attention_reference`'s output, in float64.
 
     Args:
@@ -516,9 +407,13 @@ def attention_backward_reference(dout, q, k, v, *, causal: bool = False, scale: 
         q, k, v, causal, scale, layout, score_mod, mask_mod: as for :func:`attention_reference`
             (a score_mod's derivative with respect to the score, traced as the mod is, scales dS).
 
+        sinks: the forward's attention sinks.
+
     Returns:
-        ``(dq, dk, dv)``, float64, shaped like q, k and v in ``layout``. With grouped-query
-        attention the gradients of the query heads that share a kv head are summed into it.
+        ``(dq, dk, dv)``, float64, shaped like q, k and v in ``layout`` (with ``sinks``: and
+        dsinks, ``-sum over (batch, row) of P_sink * D``, P_sink the row's share of its sink).
+        With grouped-query attention the gradients of the query heads that share a kv head are
+        summed into it.
 
     With ``P = softmax(S)`` (masked entries exactly 0, rows that attend nothing all 0):
     ``dV = P^T dO``, ``dP = dO V^T``, ``D = rowsum(dO * O)``, ``dS = P * (dP - D)``,
@@ -535,12 +430,16 @@ def attention_backward_reference(dout, q, k, v, *, causal: bool = False, scale: 
     with np.errstate(invalid="ignore", over="ignore"):
         raw = (qb @ ke.swapaxes(-1, -2)) * scale
         scores, allowed = _with_mods(raw, allowed, score_mod, mask_mod)
-        p, _, row_sum, empty = _masked_softmax_parts(scores, allowed)
+        sink_logits = None if sinks is None else _sink_logits(sinks, heads_q, np.float64)
+        p, row_max, row_sum, empty = _masked_softmax_parts(scores, allowed, sink_logits)
         p = np.where(empty[..., None], 0.0, p / np.where(empty, 1.0, row_sum)[..., None])
         out = p @ ve
         dv = p.swapaxes(-1, -2) @ dob
         dp = dob @ ve.swapaxes(-1, -2)
         row_dot = (dob * out).sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            sink_share = np.where(empty, 0.0, np.exp(sink_logits - row_max) / np.where(empty, 1.0, row_sum))
+            dsinks = -(sink_share * row_dot[..., 0]).sum(axis=(0, 2))
         ds = p * (dp - row_dot)
         if score_mod is not None:
             from .mods import score_derivative
@@ -551,11 +450,12 @@ def attention_backward_reference(dout, q, k, v, *, causal: bool = False, scale: 
     b, _, _, d = kb.shape
     dk = dk.reshape(b, heads_k, group, seqlen_k, d).sum(axis=2)
     dv = dv.reshape(b, heads_k, group, seqlen_k, d).sum(axis=2)
-    return _from_bhsd(dq, layout), _from_bhsd(dk, layout), _from_bhsd(dv, layout)
+    grads = _from_bhsd(dq, layout), _from_bhsd(dk, layout), _from_bhsd(dv, layout)
+    return grads if sinks is None else grads + (dsinks,)
 
 
 def attention_backward_naive(dout, q, k, v, *, causal: bool = False, scale: float | None = None,
-                             layout: str = "bhsd", score_mod=None, mask_mod=None):
+                             layout: str = "bhsd", score_mod=None, mask_mod=None, sinks=None):
     """The gradients written plainly in the input precision: the baseline of the accuracy rule
     for the backward. For a 16-bit input dtype ``T``, every matmul accumulates in float32 and
     rounds its result to ``T``:
@@ -567,7 +467,8 @@ def attention_backward_naive(dout, q, k, v, *, causal: bool = False, scale: floa
        the scale and after it; grouped-query sums of dK and dV in float32, then rounded.
 
     For float32 inputs every rounding is a no-op. Returns ``(dq, dk, dv)`` in the input dtype,
-    shaped like q, k and v in ``layout``.
+    shaped like q, k and v in ``layout`` (with ``sinks``: and dsinks, float32, from the sinks'
+    shares of the rounded P's sums).
     """
     entry = dtypes.from_numpy(np.asarray(q).dtype)
     io, f32 = entry.numpy, np.float32
@@ -586,12 +487,16 @@ def attention_backward_naive(dout, q, k, v, *, causal: bool = False, scale: floa
     with np.errstate(invalid="ignore", over="ignore"):
         raw = rounded(rounded(qb @ ke.swapaxes(-1, -2)) * scale_io)
         scores, allowed = _with_mods(raw, allowed, score_mod, mask_mod)
-        p, _, row_sum, empty = _masked_softmax_parts(scores, allowed)
+        sink_logits = None if sinks is None else _sink_logits(sinks, heads_q, f32)
+        p, row_max, row_sum, empty = _masked_softmax_parts(scores, allowed, sink_logits)
         p = rounded(np.where(empty[..., None], 0, p / np.where(empty, 1, row_sum)[..., None]))
         out = rounded(p @ ve)
         dv = p.swapaxes(-1, -2) @ dob
         dp = rounded(dob @ ve.swapaxes(-1, -2))
         row_dot = (dob * out).sum(axis=-1, keepdims=True, dtype=f32)
+        if sinks is not None:
+            sink_share = np.where(empty, 0, np.exp(sink_logits - row_max) / np.where(empty, 1, row_sum)).astype(f32)
+            dsinks = -(sink_share * row_dot[..., 0]).sum(axis=(0, 2), dtype=f32)
         ds = p * (dp - row_dot)
         if score_mod is not None:
             from .mods import score_derivative
@@ -603,7 +508,8 @@ def attention_backward_naive(dout, q, k, v, *, causal: bool = False, scale: floa
     b, _, _, d = kb.shape
     dk = rounded(rounded(dk).reshape(b, heads_k, group, seqlen_k, d).sum(axis=2) * scale_io)
     dv = rounded(rounded(dv).reshape(b, heads_k, group, seqlen_k, d).sum(axis=2))
-    return tuple(_from_bhsd(x.astype(io), layout) for x in (dq, dk, dv))
+    grads = tuple(_from_bhsd(x.astype(io), layout) for x in (dq, dk, dv))
+    return grads if sinks is None else grads + (dsinks,)
 
 
 def attention_backward_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,

@@ -169,17 +169,18 @@ def divider(d: int) -> tuple[int, int]:
 
 def pack_params(problem: Problem, q, k, v, out, lse, out_strides, tile_counter: int = 0,
                 scales: Fp8Scales | None = None, plan: SplitPlan | None = None, split=(0, 0),
-                q_tiles: int = 1, band: int = 1) -> np.ndarray:
+                q_tiles: int = 1, band: int = 1, sinks: int = 0) -> np.ndarray:
     """The parameter block as a one-element void array, which CuPy passes by value. ``scales``:
     the descales of an FP8 call; ``plan`` and ``split`` (pointers to the states and flags): how
     the warp-specialized kernel deals out its work; ``q_tiles``: its query tiles per head;
-    ``band``: (batch, head) pairs per band of causal work tiles (band_heads)."""
+    ``band``: (batch, head) pairs per band of causal work tiles (band_heads); ``sinks``: the
+    address of the float32 sink logits (KernelSpec.sinks), else 0."""
     descales = (0, 0, 0) if scales is None else \
         (scales.q_descale.data.ptr, scales.k_descale.data.ptr, scales.v_descale.data.ptr)
     descale_strides = (0, 0, 0, 0) if scales is None else (*scales.q_strides, *scales.kv_strides)
     group = problem.heads // max(problem.heads_k, 1)
     raw = _STRUCT.pack(
-        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, tile_counter, *split, *descales,
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, tile_counter, *split, *descales, sinks,
         *problem.q_strides, *problem.k_strides, *problem.v_strides, *out_strides,
         problem.heads, group,
         problem.seqlen_q, problem.seqlen_k,
@@ -192,11 +193,13 @@ def pack_params(problem: Problem, q, k, v, out, lse, out_strides, tile_counter: 
 
 
 def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides,
-           scales: Fp8Scales | None = None, mods: bytes = b"") -> None:
+           scales: Fp8Scales | None = None, mods: bytes = b"", sinks=None) -> None:
     """Launch on the current CuPy stream. FP8 (``spec.fp8``): ``scales`` holds the descales; for
     the Hopper kernel v is V^T as fp8.v_operand lays it out, for the portable one V itself.
-    ``mods``: the packed arrays of the spec's mods (modset.ModSet.packed), its last argument."""
-    LaunchPlan(kernel, spec, problem, q, k, v, out, lse, out_strides, scales, mods).launch(q, k, v, out, lse)
+    ``mods``: the packed arrays of the spec's mods (modset.ModSet.packed), its last argument;
+    ``sinks``: float32 [heads] (spec.sinks)."""
+    LaunchPlan(kernel, spec, problem, q, k, v, out, lse, out_strides, scales, mods,
+               sinks=sinks).launch(q, k, v, out, lse)
 
 
 class LaunchPlan:
@@ -212,9 +215,11 @@ class LaunchPlan:
                  "maps", "out_map", "mods", "map_problem", "lse_scratch", "outputs", "spare", "_launched", "_driver")
 
     def __init__(self, kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides,
-                 scales: Fp8Scales | None = None, mods: bytes = b"", map_problem: Problem | None = None):
+                 scales: Fp8Scales | None = None, mods: bytes = b"", map_problem: Problem | None = None,
+                 sinks=None):
         """``map_problem``: the problem the tensor maps describe, when not ``problem`` (packed
-        sequences: all rows as one sequence of batch 1; ``mods`` then holds the VarlenArgs)."""
+        sequences: all rows as one sequence of batch 1; ``mods`` then holds the VarlenArgs);
+        ``sinks``: float32 [heads] sink logits (spec.sinks), kept alive with the plan."""
         self.spec, self.problem, self.kernel, self.out_strides = spec, problem, kernel, out_strides
         self.map_problem = map_problem or problem
         self.block, self.smem = (spec.threads, 1, 1), spec.smem_bytes
@@ -229,11 +234,11 @@ class LaunchPlan:
                 buffers += (states, flags)
                 split = (states.data.ptr, flags.data.ptr)
             counter = counter_array.data.ptr
-        self.buffers = buffers + ((scales,) if scales is not None else ())
+        self.buffers = buffers + ((scales,) if scales is not None else ()) + ((sinks,) if sinks is not None else ())
         q_tiles, band = (ceil_div(problem.seqlen_q, spec.block_m), band_heads(spec, problem)) \
             if spec.warp_specialized else (1, 1)
         self.template = pack_params(problem, q, k, v, out, lse, out_strides, counter, scales, plan, split,
-                                    q_tiles, band).tobytes()
+                                    q_tiles, band, sinks.data.ptr if sinks is not None else 0).tobytes()
         self.grid = grid(spec, problem, plan)
         # (pointers, encoded maps) of the last call, read and replaced as one object (threads share plans)
         self.maps = self.out_map = (None, None)

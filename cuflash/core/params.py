@@ -18,6 +18,8 @@ PARAM_FIELDS = (
     # FP8 inputs: descale factors, per tensor (strides 0) or per (batch, head); q's over query
     # heads, k's and v's over key/value heads
     ("q_descale", "const float*", "u8"), ("k_descale", "const float*", "u8"), ("v_descale", "const float*", "u8"),
+    # KernelSpec.sinks: float32 [heads], each query head's sink logit (natural units)
+    ("sinks", "const float*", "u8"),
     ("q_batch_stride", "long long", "i8"), ("q_head_stride", "long long", "i8"), ("q_row_stride", "long long", "i8"),
     ("k_batch_stride", "long long", "i8"), ("k_head_stride", "long long", "i8"), ("k_row_stride", "long long", "i8"),
     ("v_batch_stride", "long long", "i8"), ("v_head_stride", "long long", "i8"), ("v_row_stride", "long long", "i8"),

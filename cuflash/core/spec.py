@@ -94,6 +94,7 @@ class KernelSpec:
     mask_mod: str = ""        # digest of a traced mask_mod; "" for none
     block_sparse: bool = False  # warp-specialized with a mask_mod: key tiles from a block mask's visit lists
     varlen: bool = False      # warp-specialized: packed sequences of their own lengths (cu_seqlens offsets)
+    sinks: bool = False       # one logit per query head added to each row's softmax sum (Params::sinks)
 
     def __post_init__(self):
         if not self.family:
@@ -175,6 +176,9 @@ class KernelSpec:
             problems.append("block_sparse applies to the warp-specialized kernel with a mask_mod")
         if self.varlen and (not self.warp_specialized or self.fp8 or self.score_mod or self.mask_mod):
             problems.append("varlen applies to the warp-specialized kernel on fp16 or bf16, without mods")
+        if self.sinks and (self.family == "simt" or not self.lse):
+            problems.append(f"sinks run on the mma and wgmma kernels with an exact LSE (family={self.family!r}, "
+                            f"lse={self.lse})")
         if self.half_first_tile and self.block_n % (2 * self.pv_k):
             problems.append(f"half_first_tile needs block_n={self.block_n} to be a multiple of 2 x {self.pv_k} "
                             f"(whole k-steps of P V in each half)")
@@ -200,9 +204,10 @@ class KernelSpec:
         mods = (f"_sm{self.score_mod}" if self.score_mod else "") + (f"_mm{self.mask_mod}" if self.mask_mod else "")
         mods += "_bs" if self.block_sparse else ""
         varlen = "_varlen" if self.varlen else ""
+        sinks = "_sinks" if self.sinks else ""
         return (f"fwd_{dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
                 f"w{self.num_warps}s{self.num_stages}{overlap}{family}{lazy}{half}{mask_loop}{early}{no_lse}{mods}"
-                f"{varlen}_{self.arch}")
+                f"{varlen}{sinks}_{self.arch}")
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)

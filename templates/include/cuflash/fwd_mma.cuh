@@ -312,9 +312,10 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p, const typ
                         + work.head * p.o_head_stride;
     float out_scale = 1.f;
     if constexpr (kFp8) out_scale = p.v_descale[kv_descale] * (Cfg::kE4M3 ? 256.f : 1.f);
-    store_output<Cfg::kOutBF16>(acc_o, row_max, row_sum, o, p.o_row_stride,
-                                p.lse + static_cast<long long>(work.bh) * p.seqlen_q, m0 + warp_row0, p.seqlen_q,
-                                lane, scale_log2(), out_scale);
+    const float sink_log2 = Cfg::kSinks ? p.sinks[work.head] * 1.4426950408889634f : 0.f;
+    store_output<Cfg::kOutBF16, 0, 0, Cfg::kSinks>(acc_o, row_max, row_sum, o, p.o_row_stride,
+                                                   p.lse + static_cast<long long>(work.bh) * p.seqlen_q, m0 + warp_row0,
+                                                   p.seqlen_q, lane, scale_log2(), out_scale, sink_log2);
 }
 
 }  // namespace cuflash

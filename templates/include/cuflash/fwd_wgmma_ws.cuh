@@ -506,6 +506,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                                   : p.lse + static_cast<long long>(work.bh) * p.seqlen_q;
         unsigned short* o = static_cast<unsigned short*>(p.o) + work.batch * p.o_batch_stride + work.head * p.o_head_stride;
         if constexpr (kVarlen) o += epi_q_start * p.o_row_stride;
+        const float sink_log2 = Cfg::kSinks ? p.sinks[work.head] * 1.4426950408889634f : 0.f;  // natural -> log2
         const int kind = kind_slot & 3;
         if (kSplitKeys && kind != kWholeTile) {
             // A piece of a tile dealt out by keys (block.cuh): the piece that ends a share leaves
@@ -527,9 +528,9 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 p.split_flags[flag_index] = 0;  // for the next launch
             }
             named_barrier_sync(4 + group, 128);
-            merge_store<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost, kOT>(
+            merge_store<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost, kOT, Cfg::kSinks>(
                 state, own, 128, o, p.o_row_stride, lse_rows, work.m0 + epi_row0, epi_seqlen_q(), epi_lane, scale_log2,
-                out_scale);
+                out_scale, sink_log2);
             continue;
         }
         if constexpr (Cfg::kTmaStore) {
@@ -543,11 +544,11 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             const u32 sO = smem_base + Cfg::kSmemO;
             if (store_leader) bulk_wait_group_read<0>();
             named_barrier_sync(store_barrier, 128);
-            finish_output<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost>(
+            finish_output<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost, Cfg::kSinks>(
                 acc_o, row_max, row_sum, lse_rows, work.m0 + epi_row0, epi_seqlen_q(), epi_lane, scale_log2, out_scale,
                 [&](int row, int nt, u32 packed) {
                     st_shared(sO + swizzled_offset(epi_row0 + row, nt, kBM) + (epi_lane % 4) * 4, static_cast<int>(packed));
-                });
+                }, sink_log2);
             fence_proxy_async();  // written through the generic proxy, read by the TMA store
             named_barrier_sync(store_barrier, 128);
             if (store_leader) {
@@ -558,9 +559,9 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 bulk_commit_group();
             }
         } else {
-            store_output_wide<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost>(
+            store_output_wide<Cfg::kBF16, Cfg::kHeadDimStored / 8, kLog2Boost, Cfg::kSinks>(
                 acc_o, row_max, row_sum, o, p.o_row_stride, lse_rows, work.m0 + epi_row0, epi_seqlen_q(), epi_lane,
-                scale_log2, out_scale);
+                scale_log2, out_scale, sink_log2);
         }
     }
     if constexpr (Cfg::kTmaStore)

@@ -164,14 +164,35 @@ __device__ __forceinline__ float row_lse(float row_max, float sum, float scale_l
     return sum == 0.f ? neg_inf() : (row_max * scale_log2 + log2_approx(sum) - kLog2Boost) * kLn2;
 }
 
-// What the end of a query tile needs per row of the warp: inv, out_scale over the quad-summed
-// sum (0 for a row that saw no key, so that its output is 0), and the LSE. Straight-line code
-// for all rows at once, so that their shuffles and special-function ops overlap. The quotient
-// is __fdividef's (2 ulp), ample for outputs rounded to 16 bits.
-template <int kLog2Boost, int kMT>
+// One row's inv (out_scale over its quad-summed sum; 0 for a row that saw no key, so that its
+// output is 0) and LSE. kSink: the row's softmax sum also holds 2^sink_log2 (a sink logit times
+// log2(e)), which takes a share of the probability and adds no value: the sum and the output are
+// taken to the larger of the exponentials' base and the sink, so that a sink far above every
+// score gives O near 0 and LSE near the sink. A row that saw no key then has O = 0 and LSE =
+// the sink (-inf without one). The quotient is __fdividef's (2 ulp), ample for 16-bit outputs.
+template <int kLog2Boost, bool kSink>
+__device__ __forceinline__ void row_total(float row_max, float sum, float scale_log2, float out_scale,
+                                          float sink_log2, float& inv, float& lse) {
+    if constexpr (kSink) {
+        constexpr float kLn2 = 0.6931471805599453f;
+        const float base = row_max == neg_inf() ? neg_inf() : row_max * scale_log2;
+        const float top = fmaxf(base, sink_log2);
+        const float kept = top == neg_inf() ? 0.f : exp2_approx(base - top);  // the sum's and O's factor
+        const float total = sum * kept + (top == neg_inf() ? 0.f : exp2_approx(sink_log2 - top + kLog2Boost));
+        inv = total == 0.f ? 0.f : __fdividef(out_scale * kept, total);
+        lse = total == 0.f ? neg_inf() : (top + log2_approx(total) - kLog2Boost) * kLn2;
+    } else {
+        inv = sum == 0.f ? 0.f : __fdividef(out_scale, sum);
+        lse = row_lse<kLog2Boost>(row_max, sum, scale_log2);
+    }
+}
+
+// row_total for every row of the warp: straight-line code for all rows at once, so that their
+// shuffles and special-function ops overlap.
+template <int kLog2Boost, bool kSink = false, int kMT>
 __device__ __forceinline__ void row_totals(const float (&row_max)[kMT][2], const float (&row_sum)[kMT][2],
                                            float scale_log2, float out_scale, float (&inv)[kMT][2],
-                                           float (&lse)[kMT][2]) {
+                                           float (&lse)[kMT][2], float sink_log2 = 0.f) {
     float sum[kMT][2];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
@@ -180,10 +201,9 @@ __device__ __forceinline__ void row_totals(const float (&row_max)[kMT][2], const
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            inv[mt][r] = sum[mt][r] == 0.f ? 0.f : __fdividef(out_scale, sum[mt][r]);
-            lse[mt][r] = row_lse<kLog2Boost>(row_max[mt][r], sum[mt][r], scale_log2);
-        }
+        for (int r = 0; r < 2; ++r)
+            row_total<kLog2Boost, kSink>(row_max[mt][r], sum[mt][r], scale_log2, out_scale, sink_log2, inv[mt][r],
+                                         lse[mt][r]);
 }
 
 // Normalize a warp's output rows (to a 16-bit dtype), hand them to write(row, nt, packed), and
@@ -192,14 +212,15 @@ __device__ __forceinline__ void row_totals(const float (&row_max)[kMT][2], const
 // them when 0; fewer when the head dim was padded). Every row is written, those at or past
 // seqlen_q too (write skips them where they have no place); their LSE is not stored.
 // A row whose sum is 0 saw no key: O = 0, LSE = -inf. A NaN sum stays NaN. The rows are
-// multiplied by out_scale (FP8: v's descale); kLog2Boost is softmax_step's.
-template <bool kBF16, int kStoredTiles = 0, int kLog2Boost = 0, int kMT, int kOT, class Write>
+// multiplied by out_scale (FP8: v's descale); kLog2Boost is softmax_step's; kSink, sink_log2:
+// row_total's.
+template <bool kBF16, int kStoredTiles = 0, int kLog2Boost = 0, bool kSink = false, int kMT, int kOT, class Write>
 __device__ __forceinline__ void finish_output(const float (&o)[kMT][kOT][4], const float (&row_max)[kMT][2],
                                               const float (&row_sum)[kMT][2], float* lse_rows, int row0,
                                               int seqlen_q, int lane, float scale_log2, float out_scale,
-                                              Write write) {
+                                              Write write, float sink_log2 = 0.f) {
     float inv[kMT][2], lse[kMT][2];
-    row_totals<kLog2Boost>(row_max, row_sum, scale_log2, out_scale, inv, lse);
+    row_totals<kLog2Boost, kSink>(row_max, row_sum, scale_log2, out_scale, inv, lse, sink_log2);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -246,10 +267,10 @@ __device__ __forceinline__ float4 ld_state(const float4* src) {
     return v;
 }
 
-template <bool kBF16, int kStoredTiles, int kLog2Boost, int kOT>
+template <bool kBF16, int kStoredTiles, int kLog2Boost, int kOT, bool kSink = false>
 __device__ __forceinline__ void merge_store(const float4* first, const float4* second, int stride, unsigned short* out,
                                             long long out_row_stride, float* lse_rows, int row0, int seqlen_q,
-                                            int lane, float scale_log2, float out_scale) {
+                                            int lane, float scale_log2, float out_scale, float sink_log2 = 0.f) {
     constexpr int kGroups = kStoredTiles / 4;  // whole groups of 4 column tiles; the rest: below
     constexpr int kGroupsPerStep = kGroups % 4 == 0 ? 4 : kGroups % 3 == 0 ? 3 : kGroups % 2 == 0 ? 2 : 1;
     const float4 a = ld_state(first + kOT * stride), b = ld_state(second + kOT * stride);  // maxima, sums
@@ -263,14 +284,14 @@ __device__ __forceinline__ void merge_store(const float4* first, const float4* s
         const float base = new_max == neg_inf() ? 0.f : new_max * scale_log2;  // as in softmax_step
         const float wa = exp2_approx(max_a[r] * scale_log2 - base), wb = exp2_approx(max_b[r] * scale_log2 - base);
         const float sum = quad_sum(sum_a[r] * wa + sum_b[r] * wb);
-        const float inv = sum == 0.f ? 0.f : __fdividef(out_scale, sum);
+        float inv, lse;
+        row_total<kLog2Boost, kSink>(new_max, sum, scale_log2, out_scale, sink_log2, inv, lse);
         scale_a[r] = wa * inv;
         scale_b[r] = wb * inv;
         const int row = row0 + lane / 4 + r * 8;
         valid[r] = row < seqlen_q;
         out_row[r] = reinterpret_cast<u32*>(out + (valid[r] ? row : row0) * out_row_stride);
-        if (valid[r] && lane % 4 == 0)
-            lse_rows[row] = row_lse<kLog2Boost>(new_max, sum, scale_log2);
+        if (valid[r] && lane % 4 == 0) lse_rows[row] = lse;
     }
     // This lane's two merged, normalized values of one column tile in row r (the tile's float4
     // from each state), packed.
@@ -306,15 +327,16 @@ __device__ __forceinline__ void merge_store(const float4* first, const float4* s
 }
 
 // finish_output into global memory: out holds the rows, out_row_stride elements apart.
-template <bool kBF16, int kStoredTiles = 0, int kLog2Boost = 0, int kMT, int kOT>
+template <bool kBF16, int kStoredTiles = 0, int kLog2Boost = 0, bool kSink = false, int kMT, int kOT>
 __device__ __forceinline__ void store_output(const float (&o)[kMT][kOT][4], const float (&row_max)[kMT][2],
                                              const float (&row_sum)[kMT][2], unsigned short* out,
                                              long long out_row_stride, float* lse_rows, int row0,
-                                             int seqlen_q, int lane, float scale_log2, float out_scale = 1.f) {
-    finish_output<kBF16, kStoredTiles, kLog2Boost>(
+                                             int seqlen_q, int lane, float scale_log2, float out_scale = 1.f,
+                                             float sink_log2 = 0.f) {
+    finish_output<kBF16, kStoredTiles, kLog2Boost, kSink>(
         o, row_max, row_sum, lse_rows, row0, seqlen_q, lane, scale_log2, out_scale, [&](int row, int nt, u32 packed) {
             if (row0 + row < seqlen_q) reinterpret_cast<u32*>(out + (row0 + row) * out_row_stride)[nt * 4 + lane % 4] = packed;
-        });
+        }, sink_log2);
 }
 
 // store_output with 16-byte stores: the 4 lanes of a quad hold one row's columns 2 (lane % 4)
@@ -324,14 +346,15 @@ __device__ __forceinline__ void store_output(const float (&o)[kMT][kOT][4], cons
 // out_row_stride must allow 16-byte stores (head dims that are multiples of 8, a 16-byte aligned
 // out). The tiles past the last whole group of 4 (head dims of 8, 16 or 24 mod 32) are stored
 // 4 bytes per lane.
-template <bool kBF16, int kStoredTiles = 0, int kLog2Boost = 0, int kOT>
+template <bool kBF16, int kStoredTiles = 0, int kLog2Boost = 0, bool kSink = false, int kOT>
 __device__ __forceinline__ void store_output_wide(const float (&o)[1][kOT][4], const float (&row_max)[1][2],
                                                   const float (&row_sum)[1][2], unsigned short* out,
                                                   long long out_row_stride, float* lse_rows, int row0,
-                                                  int seqlen_q, int lane, float scale_log2, float out_scale) {
+                                                  int seqlen_q, int lane, float scale_log2, float out_scale,
+                                                  float sink_log2 = 0.f) {
     constexpr int kTiles = kStoredTiles ? kStoredTiles : kOT;
     float inv[1][2], lse[1][2];
-    row_totals<kLog2Boost>(row_max, row_sum, scale_log2, out_scale, inv, lse);
+    row_totals<kLog2Boost, kSink>(row_max, row_sum, scale_log2, out_scale, inv, lse, sink_log2);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = row0 + lane / 4 + r * 8;

@@ -1,0 +1,128 @@
+"""Attention sinks on the GPU (forward, backward, with-grad) against the float64 reference."""
+import math
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import reference
+from cuflash.testing import AttentionProblem, assert_attention_close, assert_gradients_close, to_numpy
+
+pytestmark = pytest.mark.gpu
+
+cupy = pytest.importorskip("cupy")
+
+# (batch, heads, heads_k, seqlen_q, seqlen_k, head_dim): GQA, tails, more queries than keys (under
+# a causal mask their first rows see no key) and fewer
+SHAPES = [(2, 4, 2, 113, 239, 128), (1, 4, 1, 239, 113, 64), (2, 2, 2, 1, 300, 96), (1, 8, 2, 64, 64, 128)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_sink_kernels():
+    """The forward and backward specializations these tests run, compiled in parallel first."""
+    from cuflash.core.compile import device_arch
+    from cuflash.core.policy import default_bwd_spec, default_spec
+
+    arch = device_arch()
+    specs = {default_spec(s[5], dtype, causal, arch, family=family, seqlen=max(s[3], s[4])).replace(sinks=True)
+             for s in SHAPES + [(1, 4, 2, 200, 70, 128), (1, 2, 2, 64, 128, 64), (2, 4, 2, 100, 130, 64)]
+             for dtype in ("fp16", "bf16") for causal in (False, True) for family in (None, "mma")}
+    specs |= {default_bwd_spec(s[5], dtype, causal, arch) for s in SHAPES for dtype in ("fp16", "bf16")
+              for causal in (False, True)}
+    cuflash.warmup(sorted(specs, key=lambda spec: spec.name), progress=False)
+
+
+def _sinks(heads, seed):
+    return cupy.asarray(np.random.default_rng(seed).normal(1.0, 2.0, heads).astype(np.float32))
+
+
+def _problem(shape, dtype, causal, layout):
+    batch, heads, heads_k, seqlen_q, seqlen_k, head_dim = shape
+    return AttentionProblem(batch=batch, heads=heads, heads_k=heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                            head_dim=head_dim, dtype=dtype, causal=causal, layout=layout)
+
+
+def _forward(problem, sinks, poison, family=None, seed=0):
+    q, k, v = problem.make_inputs(cupy, seed=seed)
+    q_shape, _ = problem.shapes()
+    poison(math.prod(q_shape) * problem.numpy_dtype.itemsize, problem.batch * problem.heads * problem.seqlen_q * 4)
+    out, lse = cuflash.attention(q, k, v, causal=problem.causal, return_lse=True, layout=problem.layout,
+                                 family=family, sinks=sinks)
+    args = [to_numpy(x) for x in (q, k, v)]
+    ref, ref_lse = reference.attention_reference(*args, causal=problem.causal, layout=problem.layout,
+                                                 sinks=to_numpy(sinks))
+    base, _ = reference.attention_naive(*args, causal=problem.causal, layout=problem.layout, sinks=to_numpy(sinks))
+    assert_attention_close(out, ref, problem.dtype, baseline=base, lse=lse, ref_lse=ref_lse)
+    return (q, k, v), out, lse
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("family", [None, "mma"], ids=["default", "portable"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_matches_the_reference(shape, family, dtype, causal, layout, poison):
+    _forward(_problem(shape, dtype, causal, layout), _sinks(shape[1], sum(shape)), poison, family)
+
+
+def test_rows_with_no_key_give_zero_and_their_sink(poison):
+    problem = _problem((1, 4, 2, 200, 70, 128), "bf16", True, "bhsd")
+    sinks = _sinks(4, 1)
+    _, out, lse = _forward(problem, sinks, poison)
+    seen = 200 - 70  # rows before this one see no key
+    assert not cupy.any(out[:, :, :seen]).item()
+    np.testing.assert_array_equal(to_numpy(lse[:, :, :seen]), np.broadcast_to(to_numpy(sinks)[None, :, None],
+                                                                              (1, 4, seen)))
+
+
+def test_a_sink_far_above_the_scores_takes_the_rows(poison):
+    problem = _problem((1, 2, 2, 64, 128, 64), "fp16", False, "bhsd")
+    sinks = cupy.asarray([80.0, -80.0], dtype=cupy.float32)
+    _, out, lse = _forward(problem, sinks, poison)
+    assert cupy.isfinite(out).all().item() and cupy.isfinite(lse).all().item()
+    assert float(cupy.abs(out[:, 0]).max()) < 1e-20 and float(cupy.abs(lse[:, 0] - 80.0).max()) < 1e-3
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_backward_matches_the_reference(shape, dtype, causal, poison):
+    problem = _problem(shape, dtype, causal, "bshd" if shape[5] == 96 else "bhsd")
+    sinks = _sinks(shape[1], 7)
+    (q, k, v), out, lse = _forward(problem, sinks, poison)
+    dout = problem.make_dout(cupy, seed=3)
+    dq, dk, dv, dsinks = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, layout=problem.layout,
+                                                    sinks=sinks)
+    assert dsinks.shape == sinks.shape and dsinks.dtype == sinks.dtype
+    args = [to_numpy(x) for x in (dout, q, k, v)]
+    kw = dict(causal=causal, layout=problem.layout, sinks=to_numpy(sinks))
+    ref = reference.attention_backward_reference(*args, **kw)
+    base = reference.attention_backward_naive(*args, **kw)
+    assert_gradients_close((dq, dk, dv), ref[:3], dtype, baselines=base[:3])
+    got = to_numpy(dsinks).astype(np.float64)
+    bound = 2 * np.abs(base[3] - ref[3]) + 1e-3 * (1 + np.abs(ref[3]).max())
+    assert (np.abs(got - ref[3]) <= bound).all(), (got, ref[3], base[3])
+
+
+def test_attention_with_grad_takes_sinks():
+    problem = _problem((2, 4, 2, 100, 130, 64), "bf16", True, "bhsd")
+    q, k, v = problem.make_inputs(cupy, seed=11)
+    sinks = _sinks(4, 12).astype(cupy.float16)
+    out, backward = cuflash.attention_with_grad(q, k, v, causal=True, sinks=sinks)
+    dq, dk, dv, dsinks = backward(problem.make_dout(cupy, seed=13))
+    assert dsinks.dtype == cupy.float16 and cupy.isfinite(dsinks).all().item()
+    ref_out, _ = reference.attention_reference(*(to_numpy(x) for x in (q, k, v)), causal=True,
+                                               sinks=to_numpy(sinks).astype(np.float64))
+    assert float(np.abs(to_numpy(out).astype(np.float64) - ref_out).max()) < 2e-2
+
+
+def test_bad_sinks_are_named():
+    q, k, v = _problem((1, 4, 2, 16, 16, 64), "bf16", False, "bhsd").make_inputs(cupy, seed=0)
+    with pytest.raises(TypeError, match="sinks must be a cupy.ndarray"):
+        cuflash.attention(q, k, v, sinks=np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match=r"sinks.shape=\(2,\) must be \(heads,\) = \(4,\)"):
+        cuflash.attention(q, k, v, sinks=cupy.zeros(2, cupy.float32))
+    with pytest.raises(TypeError, match="floating-point"):
+        cuflash.attention(q, k, v, sinks=cupy.zeros(4, cupy.int32))
+    with pytest.raises(ValueError, match="sinks run on fp16 and bf16"):
+        cuflash.attention(*(x.astype(cupy.float32) for x in (q, k, v)), sinks=cupy.zeros(4, cupy.float32))
