@@ -8,7 +8,7 @@ from .core.launch import outputs_unused
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, page_table=None,
                            causal=True, scale=None, window_size=(-1, -1), softcap=0.0, num_splits=None,
-                           return_lse=False, fp8_format=None, k_descale=None, v_descale=None):
+                           return_lse=False, fp8_format=None, k_descale=None, v_descale=None, sinks=None):
     """Attend a few new query tokens per sequence to a KV cache (contiguous or paged).
 
     Args:
@@ -38,6 +38,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
             converted on chip; values are ``codes * descale``.
         k_descale, v_descale: FP8 descales: a positive number, or a float32 CuPy array of shape
             () or (heads_k,) (per kv head).
+        sinks: attention sinks (gpt-oss): a float CuPy array [heads], one logit per query head
+            added to its rows' softmax sums, as for :func:`cuflash.attention`.
 
     Returns:
         The output [batch, seqlen_q, heads, head_dim] in q's dtype (and the LSE). A row with no
@@ -50,7 +52,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     import cupy
 
     key = _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
-                    fp8_format, k_descale, v_descale, window_size, softcap)
+                    fp8_format, k_descale, v_descale, window_size, softcap, sinks)
     plan = _plans.get(key) if key is not None else None
     if plan is not None:
         q_ptr, k_ptr, v_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr
@@ -67,7 +69,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         plan.launch(q, k_cache, v_cache, k_new, v_new, out, lse)
         return out, lse
     return _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale,
-                      num_splits, return_lse, fp8_format, k_descale, v_descale, window_size, softcap)
+                      num_splits, return_lse, fp8_format, k_descale, v_descale, window_size, softcap, sinks)
 
 
 def _new_output(cupy, plan, q):
@@ -91,7 +93,8 @@ def _new_output(cupy, plan, q):
 
 
 def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
-               return_lse, fp8_format, k_descale, v_descale, window_size, softcap):
+               return_lse, fp8_format, k_descale, v_descale, window_size, softcap, sinks):
+    from .core.validate import validate_sinks
     from .forward import _arch, _on_device
 
     if fp8_format is None and (k_descale is not None or v_descale is not None):
@@ -100,7 +103,8 @@ def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page
     problem, q, cache_seqlens, k_new, v_new = _kv.validate_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, page_table=page_table,
         causal=causal, scale=scale, fp8_format=fp8_format, window_size=window_size, softcap=softcap)
-    if any(a is not b for a, b in zip((q, k_new, v_new, cache_seqlens), original)):
+    sinks32 = None if sinks is None else validate_sinks(sinks, problem)
+    if any(a is not b for a, b in zip((q, k_new, v_new, cache_seqlens, sinks32), original + (sinks,))):
         key = None  # copied inputs (the plan would keep a copy of the lengths): the full path again
     descales = tuple(_kv.descale_operand(cupy, name, value, problem.heads_k, problem.device_id)
                      for name, value in (("k_descale", k_descale), ("v_descale", v_descale)))
@@ -112,7 +116,7 @@ def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page
         kernels = _compile.get_kernel(spec, problem.device_id)
         plan = _kv.KVCachePlan(kernels, spec, problem, page_table=page_table, cache_seqlens=cache_seqlens,
                                splits=splits, k_descale=descales[0], v_descale=descales[1],
-                               stream=cupy.cuda.get_current_stream().ptr)
+                               stream=cupy.cuda.get_current_stream().ptr, sinks=sinks32)
         plan.launch(q, k_cache, v_cache, k_new, v_new, out, lse)
         if key is not None:
             if len(_plans) >= _MAX_PLANS:
@@ -129,7 +133,7 @@ _MAX_PLANS = 256
 
 
 def _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
-              fp8_format, k_descale, v_descale, window_size, softcap):
+              fp8_format, k_descale, v_descale, window_size, softcap, sinks):
     """The key of a call's plan, or None for one that always takes the full path (anything but
     CuPy arrays, a length given as a number, descales given as arrays)."""
     nd = cupy.ndarray
@@ -137,7 +141,7 @@ def _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table
         return None
     if not (k_new is None or type(k_new) is nd and type(v_new) is nd) or not (page_table is None or type(page_table) is nd):
         return None
-    if type(k_descale) is nd or type(v_descale) is nd:
+    if type(k_descale) is nd or type(v_descale) is nd or not (sinks is None or type(sinks) is nd):
         return None
     try:
         return (q.shape, q.strides, q.dtype, k_cache.shape, k_cache.strides, k_cache.dtype, v_cache.shape,
@@ -148,7 +152,8 @@ def _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table
                 None if page_table is None else (page_table.data.ptr, page_table.shape, page_table.strides,
                                                  page_table.dtype),
                 causal, scale, num_splits, fp8_format, k_descale, v_descale,
-                tuple(window_size) if isinstance(window_size, list) else window_size, softcap, q.data.device_id,
+                tuple(window_size) if isinstance(window_size, list) else window_size, softcap,
+                None if sinks is None else (sinks.data.ptr, sinks.shape, sinks.strides, sinks.dtype), q.data.device_id,
                 cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr)
     except TypeError:  # something unhashable: the full path names it
         return None

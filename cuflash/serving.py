@@ -80,7 +80,7 @@ def merge_states(outs: Sequence, lses: Sequence, *, layout: str = "bhsd"):
 
 def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, page_table=None,
                                      causal=True, scale=None, window_size=(-1, -1), softcap=0.0, fp8_format=None,
-                                     k_descale=None, v_descale=None, naive=False):
+                                     k_descale=None, v_descale=None, sinks=None, naive=False):
     """What :func:`cuflash.attention_with_kvcache` computes, on NumPy arrays (CuPy arrays are
     copied to the host): the new keys appended to copies of the caches, then each sequence's
     attention over its keys, in float64 (``naive=True``: :func:`cuflash.reference.attention_naive`
@@ -131,7 +131,8 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
         page, row = where(b, np.arange(old + seqlen_new))
         ks = values(k_cache[page, row], k_descale)[None], values(v_cache[page, row], v_descale)[None]
         mods = dict(score_mod=_mods.softcap(softcap) if softcap else None,
-                    mask_mod=_window_mask(window_size, causal, old + seqlen_new - seqlen_q))
+                    mask_mod=_window_mask(window_size, causal, old + seqlen_new - seqlen_q),
+                    sinks=None if sinks is None else to_numpy(sinks))
         if naive:
             kk, vv = (x.astype(q.dtype) for x in ks)
             o, l = reference.attention_naive(q[b:b + 1], kk, vv, causal=causal, scale=scale, layout="bshd", **mods)

@@ -311,6 +311,85 @@ def _readable(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
+# -- attention sinks: operators of their own (a sink logit per query head, differentiable) -------------
+
+def _sinks_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, causal: bool,
+                        scale: float, layout: str, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_rows(q, layout), dtype=torch.float32, device=q.device)
+    with _on_torch_stream(q.device):
+        _attention(_to_cupy(q), _to_cupy(k), _to_cupy(v), (_to_cupy(out), _to_cupy(lse)), causal=causal, scale=scale,
+                   return_lse=True, layout=layout, family=None, spec=None, fp8_format=None, q_descale=None,
+                   k_descale=None, v_descale=None, out_dtype=None, key=None, sinks=_to_cupy(sinks))
+    return out, lse
+
+
+_sinks_op = torch.library.custom_op("cuflash::attention_sinks", mutates_args=())(_sinks_forward_impl)
+
+
+@_sinks_op.register_fake
+def _sinks_fake(q, k, v, sinks, causal, scale, layout, deterministic):
+    return q.new_empty(q.shape), q.new_empty(_rows(q, layout), dtype=torch.float32)
+
+
+def _sinks_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor, sinks: torch.Tensor, causal: bool, scale: float, layout: str,
+                         deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    dsinks = torch.empty(sinks.shape, dtype=sinks.dtype, device=sinks.device)
+    with _on_torch_stream(q.device):
+        result = _attention_backward(*(_to_cupy(x) for x in (dout, q, k, v, out, lse)),
+                                     tuple(_to_cupy(g) for g in grads), causal=causal, scale=scale, layout=layout,
+                                     deterministic=deterministic, spec=None, sinks=_to_cupy(sinks))
+        _to_cupy(dsinks)[...] = result[3]
+    return (*grads, dsinks)
+
+
+_sinks_backward_op = torch.library.custom_op("cuflash::attention_sinks_backward", mutates_args=())(
+    _sinks_backward_impl)
+
+
+@_sinks_backward_op.register_fake
+def _sinks_backward_fake(dout, q, k, v, out, lse, sinks, causal, scale, layout, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), sinks.new_empty(sinks.shape)
+
+
+def _sinks_setup_context(ctx, inputs, output):
+    q, k, v, sinks, causal, scale, layout, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, sinks, out, lse)
+    ctx.options = (causal, scale, layout, deterministic)
+
+
+def _sinks_differentiate(ctx, dout, dlse):
+    q, k, v, sinks, out, lse = ctx.saved_tensors
+    dout = _readable(dout.to(out.dtype))
+    dq, dk, dv, dsinks = _sinks_backward_op(dout, q, k, v, out, lse, sinks, *ctx.options)
+    return dq, dk, dv, dsinks, None, None, None, None
+
+
+torch.library.register_autograd("cuflash::attention_sinks", _sinks_differentiate, setup_context=_sinks_setup_context)
+
+
+class _AttentionSinks(torch.autograd.Function):
+    """The sinks' forward and backward for eager calls (no dispatcher on the way)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, causal, scale, layout, deterministic):
+        out, lse = _sinks_forward_impl(q, k, v, sinks, causal, scale, layout, deterministic)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.options = (causal, scale, layout, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        dout = _readable(dout.to(out.dtype))
+        dq, dk, dv, dsinks = _sinks_backward_impl(dout, q, k, v, out, lse, sinks, *ctx.options)
+        return dq, dk, dv, dsinks, None, None, None, None
+
+
 # -- the call ---------------------------------------------------------------------------------------------
 
 def _check(q, k, v, layout):
@@ -330,7 +409,7 @@ def _check(q, k, v, layout):
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
-              return_lse: bool = False, deterministic: bool = False):
+              return_lse: bool = False, deterministic: bool = False, sinks=None):
     """:func:`cuflash.attention` on CUDA torch tensors, differentiable with respect to q, k and v.
 
     Args:
@@ -343,12 +422,15 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
         return_lse: also return the natural-log LSE, float32 [batch, heads, seqlen_q]; it is not
             differentiated through.
         deterministic: the backward accumulates dQ in a fixed order (bit-identical runs).
+        sinks: attention sinks (gpt-oss), a float tensor [heads] on q's device: one logit per query
+            head added to its rows' softmax sums (see :func:`cuflash.attention`); differentiable
+            (fp16 and bf16 inputs).
 
     Returns:
         The output, contiguous in ``layout`` and q's dtype (and the LSE with ``return_lse``), on
         torch's current stream.
     """
-    if not _is_compiling() and type(q) is _Tensor and type(deterministic) is bool:
+    if not _is_compiling() and type(q) is _Tensor and type(deterministic) is bool and sinks is None:
         # A repeated call that needs no gradient: straight to its plan.
         if scale is None:
             call_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -369,6 +451,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    if sinks is not None:
+        return _attention_with_sinks(q, k, v, sinks, causal, float(scale), layout, return_lse, deterministic)
     args = (_readable(q), _readable(k), _readable(v), causal, float(scale), layout, deterministic)
     # Traced (torch.compile, meta tensors), the operator; eager, the same functions without the
     # dispatcher's per-call cost.
@@ -382,9 +466,30 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
     return (out, lse) if return_lse else out
 
 
+def _attention_with_sinks(q, k, v, sinks, causal, scale, layout, return_lse, deterministic):
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor (one logit per query head), got "
+                        f"{type(sinks).__module__}.{type(sinks).__name__}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device}, q on {q.device}")
+    if not sinks.dtype.is_floating_point:
+        raise TypeError(f"sinks.dtype={sinks.dtype} must be a floating-point dtype")
+    heads = _rows(q, layout)[1]
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks.shape={tuple(sinks.shape)} must be (heads,) = ({heads},): one logit per query head")
+    q, k, v = _readable(q), _readable(k), _readable(v)
+    if _is_compiling() or q.device.type != "cuda":
+        out, lse = _sinks_op(q, k, v, sinks, causal, scale, layout, deterministic)
+    elif (q.requires_grad or k.requires_grad or v.requires_grad or sinks.requires_grad) and torch.is_grad_enabled():
+        out, lse = _AttentionSinks.apply(q, k, v, sinks, causal, scale, layout, deterministic)
+    else:
+        out, lse = _sinks_forward_impl(q, k, v, sinks, causal, scale, layout, deterministic)
+    return (out, lse) if return_lse else out
+
+
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, page_table=None,
                            causal=True, scale=None, window_size=(-1, -1), softcap=0.0, num_splits=None,
-                           return_lse=False, fp8_format=None, k_descale=None, v_descale=None):
+                           return_lse=False, fp8_format=None, k_descale=None, v_descale=None, sinks=None):
     """:func:`cuflash.attention_with_kvcache` on CUDA torch tensors (inference: not differentiable),
     on torch's current device and stream: the caches are read, and appended to, in place; an FP8
     cache is a torch.uint8 tensor of codes, lengths and page tables torch.int32."""
@@ -402,7 +507,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
                           k_new=view(k_new), v_new=view(v_new), page_table=view(page_table), causal=causal,
                           scale=scale, window_size=window_size, softcap=softcap, num_splits=num_splits,
                           return_lse=return_lse, fp8_format=fp8_format, k_descale=view(k_descale),
-                          v_descale=view(v_descale))
+                          v_descale=view(v_descale), sinks=view(sinks))
     return tuple(_to_torch(x) for x in result) if return_lse else _to_torch(result)
 
 
@@ -421,16 +526,23 @@ def transformers_attention(module, query, key, value, attention_mask, dropout: f
                            is_causal=None, **kwargs):
     """An attention function for transformers' ``AttentionInterface``: query, key and value come
     as [batch, heads, seqlen, head_dim]; the output goes back as [batch, seqlen, heads, head_dim].
-    Causal or full attention without a mask runs on cuflash; a call with an explicit mask
-    (padding), dropout, a sliding window or a softcap runs on torch SDPA, with a warning once."""
+    Causal or full attention without a mask runs on cuflash, with the attention sinks of
+    ``s_aux`` (gpt-oss) where given; a call with an explicit mask (padding), dropout, a sliding
+    window or a softcap runs on torch SDPA (with sinks, on :func:`_eager_attention`), with a
+    warning once."""
+    sinks = kwargs.pop("s_aux", None)
     unsupported = [name for name, value_ in (("an attention mask", attention_mask is not None),
                                              ("dropout", bool(dropout) and module.training),
                                              ("a sliding window", kwargs.get("sliding_window") is not None),
                                              ("a softcap", kwargs.get("softcap") is not None)) if value_]
     if unsupported:
+        fallback = "torch SDPA" if sinks is None else "torch (eager, with the sinks)"
+        _warn_once(",".join(unsupported), f"cuflash.torch: a call with {' and '.join(unsupported)} runs on "
+                                          f"{fallback} (cuflash takes causal or full attention without a mask)")
+        if sinks is not None:
+            return _eager_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, sinks,
+                                    kwargs.get("softcap")), None
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        _warn_once(",".join(unsupported), f"cuflash.torch: a call with {' and '.join(unsupported)} runs on torch "
-                                          f"SDPA (cuflash takes causal or full attention without a mask)")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
@@ -438,8 +550,31 @@ def transformers_attention(module, query, key, value, attention_mask, dropout: f
     # when transformers leaves it out (seqlen_q == seqlen_k).
     causal = causal and query.shape[2] > 1
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
-                    scale=scaling, layout="bshd")
+                    scale=scaling, layout="bshd", sinks=sinks)
     return out, None
+
+
+def _eager_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, sinks, softcap):
+    """Attention with sinks in plain torch operations, [batch, seqlen, heads, head_dim] out: the
+    scores, capped, masked (a boolean mask attends where True, a float mask is added), then the
+    softmax over the scores and the head's sink logit, whose share is dropped."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)).float() * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attention_mask is not None:
+        mask = attention_mask[..., :key.shape[2]]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    elif (getattr(module, "is_causal", True) if is_causal is None else is_causal) and query.shape[2] > 1:
+        sq, sk = query.shape[2], key.shape[2]
+        allowed = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(sk - sq)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(value.dtype)
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
 def register_transformers(name: str = TRANSFORMERS_NAME) -> str:

@@ -60,16 +60,17 @@ def _to_device(*xs):
 
 
 def _check(q, kc, vc, lens, table, new, *, dtype, causal=True, num_splits=None, fp8_format=None, descales=(None, None),
-           window_size=(-1, -1), softcap=0.0):
+           window_size=(-1, -1), softcap=0.0, sinks=None):
     dq, dk, dv, dlens, dtable = _to_device(q, kc, vc, np.asarray(lens, dtype=np.int32), table)
     dnew = _to_device(*new) if new else (None, None)
     kwargs = dict(page_table=dtable, causal=causal, fp8_format=fp8_format, window_size=window_size, softcap=softcap)
     out, lse = cuflash.attention_with_kvcache(dq, dk, dv, cache_seqlens=dlens, k_new=dnew[0], v_new=dnew[1],
                                               num_splits=num_splits, return_lse=True, k_descale=descales[0],
-                                              v_descale=descales[1], **kwargs)
+                                              v_descale=descales[1], sinks=None if sinks is None else cupy.asarray(sinks),
+                                              **kwargs)
     ref_kwargs = dict(k_new=None if not new else new[0], v_new=None if not new else new[1], page_table=table,
                       causal=causal, fp8_format=fp8_format, k_descale=descales[0], v_descale=descales[1],
-                      window_size=window_size, softcap=softcap)
+                      window_size=window_size, softcap=softcap, sinks=sinks)
     ref, ref_lse, k_after, v_after = attention_with_kvcache_reference(q, kc, vc, lens, **ref_kwargs)
     naive, naive_lse, _, _ = attention_with_kvcache_reference(q, kc, vc, lens, naive=True, **ref_kwargs)
     assert out.dtype == dq.dtype and out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
@@ -145,6 +146,23 @@ def test_sliding_window_and_softcap(window_size, causal, softcap, num_splits):
     q = (q.astype(np.float32) * 8).astype(q.dtype)  # large scores, where the cap bites
     _check(q, kc, vc, lens, table, new, dtype="bf16", causal=causal, num_splits=num_splits, window_size=window_size,
            softcap=softcap)
+
+
+@pytest.mark.parametrize("page_size,seqlen_q,fp8_format", [(None, 1, None), (16, 4, None), (None, 16, None),
+                                                            (16, 1, "e4m3")])
+@pytest.mark.parametrize("num_splits", [1, 5, None])
+def test_attention_sinks(page_size, seqlen_q, fp8_format, num_splits):
+    """A sink logit per query head in each row's sum, on one split and merged over several, with a
+    sliding window (gpt-oss decode); empty sequences give O = 0 and LSE = the sink."""
+    rng = np.random.default_rng(seqlen_q + (page_size or 0))
+    lens = np.array([0, 1, 300, 1200])
+    q, kc, vc, table, new = _make(rng, batch=4, seqlen_q=seqlen_q, heads=16, heads_k=4, head_dim=64, dtype="bf16",
+                                  lengths=lens, capacity=1280, page_size=page_size, seqlen_new=1,
+                                  fp8_format=fp8_format)
+    sinks = rng.normal(1.0, 2.0, 16).astype(np.float32)
+    out, lse = _check(q, kc, vc, lens, table, new, dtype="bf16", num_splits=num_splits, fp8_format=fp8_format,
+                      sinks=sinks, window_size=(128, -1) if seqlen_q == 4 else (-1, -1))
+    assert np.isfinite(lse).all()
 
 
 @pytest.mark.parametrize("fp8_format", ["e4m3", "e5m2"])

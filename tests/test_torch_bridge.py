@@ -52,6 +52,31 @@ def test_autograd_reaches_the_backward_operator_on_meta_tensors():
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_sinks_operators_and_autograd_on_meta_tensors(layout):
+    b, h, hk, sq, sk, d = 2, 8, 2, 17, 33, 64
+    q = _meta(b, h, sq, d, grad=True) if layout == "bhsd" else _meta(b, sq, h, d, grad=True)
+    k = _meta(b, hk, sk, d, grad=True) if layout == "bhsd" else _meta(b, sk, hk, d, grad=True)
+    sinks = _meta(h, dtype=torch.float32, grad=True)
+    out, lse = ct.attention(q, k, k, causal=True, layout=layout, return_lse=True, sinks=sinks)
+    assert out.shape == q.shape and lse.shape == (b, h, sq) and lse.dtype == torch.float32
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    assert sinks.grad.shape == sinks.shape and sinks.grad.dtype == torch.float32
+
+
+def test_bad_sinks_are_named():
+    m = _meta(1, 4, 8, 64)
+    with pytest.raises(TypeError, match="sinks must be a torch.Tensor"):
+        ct.attention(m, m, m, sinks=[0.0] * 4)
+    with pytest.raises(ValueError, match=r"sinks.shape=\(2,\) must be \(heads,\) = \(4,\)"):
+        ct.attention(m, m, m, sinks=_meta(2, dtype=torch.float32))
+    with pytest.raises(TypeError, match="floating-point"):
+        ct.attention(m, m, m, sinks=_meta(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="sinks is on cpu"):
+        ct.attention(m, m, m, sinks=torch.zeros(4))
+
+
 def test_bad_arguments_are_named():
     q = torch.zeros(1, 2, 8, 64)
     with pytest.raises(ValueError, match="cpu"):

@@ -198,6 +198,79 @@ def test_a_transformers_causal_lm_matches_sdpa(monkeypatch):
     assert grad_error(our_grads) <= 2 * grad_error(eager_grads) + 1e-3
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_sinks_through_the_bridge_match_the_reference(compiled):
+    """Attention sinks on torch tensors: the output, the LSE and every gradient, dsinks included,
+    against the float64 reference, eagerly and under torch.compile."""
+    import numpy as np
+
+    import cuflash.torch as ct
+    from cuflash import reference
+    from cuflash.testing import to_numpy
+
+    problem = AttentionProblem(batch=2, heads=8, heads_k=2, seqlen_q=113, seqlen_k=239, head_dim=64, dtype="bf16",
+                               causal=True, layout="bshd")
+    q, k, v = problem.make_inputs(cupy, seed=5)
+    dout = problem.make_dout(cupy, seed=6)
+    sinks = torch.tensor(np.random.default_rng(7).normal(1.0, 2.0, 8), dtype=torch.float32, device="cuda",
+                         requires_grad=True)
+    tq, tk, tv = (_torch(x).requires_grad_() for x in (q, k, v))
+    fn = torch.compile(ct.attention, fullgraph=True) if compiled else ct.attention
+    out, lse = fn(tq, tk, tv, causal=True, layout="bshd", return_lse=True, sinks=sinks)
+    out.backward(_torch(dout))
+    args = [to_numpy(x) for x in (q, k, v)]
+    kw = dict(causal=True, layout="bshd", sinks=sinks.detach().cpu().numpy())
+    ref, ref_lse = reference.attention_reference(*args, **kw)
+    naive, naive_lse = reference.attention_naive(*args, **kw)
+    assert_attention_close(_cupy(out.detach()), ref, "bf16", baseline=naive, lse=_cupy(lse.detach()),
+                           ref_lse=ref_lse, baseline_lse=naive_lse)
+    ref_grads = reference.attention_backward_reference(to_numpy(dout), *args, **kw)
+    base_grads = reference.attention_backward_naive(to_numpy(dout), *args, **kw)
+    assert_gradients_close(tuple(_cupy(t.grad) for t in (tq, tk, tv)), ref_grads[:3], "bf16",
+                           baselines=base_grads[:3])
+    got = sinks.grad.double().cpu().numpy()
+    bound = 2 * np.abs(base_grads[3] - ref_grads[3]) + 1e-3 * (1 + np.abs(ref_grads[3]).max())
+    assert (np.abs(got - ref_grads[3]) <= bound).all(), (got, ref_grads[3])
+
+
+def test_a_transformers_model_with_sinks_matches_eager(monkeypatch):
+    """A small gpt-oss model (sinks, a sliding layer and a full layer, bf16): cuflash's registered
+    attention (its full layers on cuflash with the sinks) against the model's eager attention,
+    both within twice the eager bf16 model's distance from the float32 one."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "GptOssForCausalLM"):
+        pytest.skip("this transformers has no gpt-oss")
+    import cuflash.torch as ct
+
+    name = ct.register_transformers()
+    calls = []
+    real = ct.attention
+    monkeypatch.setattr(ct, "attention", lambda *a, **kw: calls.append(kw["sinks"] is not None) or real(*a, **kw))
+    config = transformers.GptOssConfig(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                       num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                       num_local_experts=4, num_experts_per_tok=2, sliding_window=64,
+                                       layer_types=["sliding_attention", "full_attention"],
+                                       max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).to(device="cuda")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    tokens = torch.randint(0, 512, (2, 200), device="cuda")
+
+    def run(implementation, dtype):
+        model.to(dtype=dtype).set_attn_implementation(implementation)
+        with torch.no_grad():
+            return model(tokens).logits.float()
+
+    truth = run("eager", torch.float32)
+    eager = run("eager", torch.bfloat16)
+    ours = run(name, torch.bfloat16)
+    assert calls == [True]  # the full layer ran on cuflash, with its sinks
+    floor = (eager - truth).abs().max().item()
+    assert (ours - truth).abs().max().item() <= 2 * floor + 1e-3
+
+
 def test_kvcache_decode_through_the_bridge_matches_cupy():
     """cuflash.torch.attention_with_kvcache on torch tensors (a paged bf16 cache and an FP8 one, with
     an append) gives what the CuPy call gives on the same memory, on torch's stream."""

@@ -302,7 +302,7 @@ class KVCachePlan:
                  "_driver", "_stream", "spare")
 
     def __init__(self, kernels, spec: DecodeSpec, problem: KVCacheProblem, *, page_table, cache_seqlens, splits,
-                 k_descale, v_descale, stream: int, cu_seqlens=(None, None)):
+                 k_descale, v_descale, stream: int, cu_seqlens=(None, None), sinks=None):
         import cupy
 
         self.spec, self.problem, self.kernels, self.splits = spec, problem, kernels, splits
@@ -318,7 +318,7 @@ class KVCachePlan:
         boost = _E4M3_FACTOR if problem.cache_dtype == "e4m3" and not spec.fp8_exact_convert else 1.0
         rows = problem.batch * problem.heads * problem.seqlen_q
         o_part = lse_part = counts = 0
-        self.buffers = (page_table, cache_seqlens, k_array, v_array, *cu_seqlens)
+        self.buffers = (page_table, cache_seqlens, k_array, v_array, *cu_seqlens, sinks)
         self.grid = (problem.batch * problem.heads_k, ceil_div(problem.rows, spec.block_m), splits)
         if splits > 1:
             ws = _workspace(cupy, splits * rows * (problem.head_dim + 1), (problem.device_id, stream))
@@ -336,7 +336,7 @@ class KVCachePlan:
             page_table.data.ptr if page_table is not None else 0,
             cache_seqlens.data.ptr if cache_seqlens is not None else 0,
             k_array.data.ptr if k_array is not None else 0, v_array.data.ptr if v_array is not None else 0,
-            *(c.data.ptr if c is not None else 0 for c in cu_seqlens),
+            *(c.data.ptr if c is not None else 0 for c in cu_seqlens), sinks.data.ptr if sinks is not None else 0,
             *q_strides, *(s // size for s in problem.k_strides), *(s // size for s in problem.v_strides),
             *new_strides, *new_strides, *q_strides,
             problem.batch, problem.heads, problem.heads_k, problem.group, problem.seqlen_q, problem.seqlen_new,

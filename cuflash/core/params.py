@@ -77,6 +77,7 @@ DECODE_PARAM_FIELDS = (
     ("k_descale", "const float*", "u8"), ("v_descale", "const float*", "u8"),
     # varlen: packed sequences, int32 [batch + 1] offsets into q and k/v (total_q, total_k rows)
     ("cu_seqlens_q", "const int*", "u8"), ("cu_seqlens_k", "const int*", "u8"),
+    ("sinks", "const float*", "u8"),  # attention sinks: a logit per query head, null for none
 ) + tuple(
     (f"{t}_{s}_stride", "long long", "i8") for t in ("q", "k", "v", "kn", "vn", "o") for s in ("batch", "row", "head")
 ) + (

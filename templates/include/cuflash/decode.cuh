@@ -322,7 +322,9 @@ __device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, floa
             top = fmaxf(top, x);
             w[s] = x;
         }
-        top = group_max<32>(top);
+        // the head's sink logit joins the sum as a split with no values
+        const float sink = p.sinks ? __ldg(p.sinks + head_of(r)) : neg_inf();
+        top = fmaxf(group_max<32>(top), sink);
         nan = __any_sync(0xffffffffu, nan);
         const float pivot = top == neg_inf() ? 0.f : top;
         float total = 0.f;
@@ -330,7 +332,7 @@ __device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, floa
             w[s] = __expf(w[s] - pivot);
             total += w[s];
         }
-        total = group_sum<32>(total);
+        total = group_sum<32>(total) + __expf(sink - pivot);
         const float inv = nan ? qnan : (total > 0.f ? 1.f / total : 0.f);
         for (int s = lane; s < n; s += 32) w[s] *= inv;
         if (lane == 0) p.lse[state] = nan ? qnan : (total > 0.f ? pivot + __logf(total) : neg_inf());
@@ -711,8 +713,17 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
         const int row = row0 + wm * 16 + lane / 4 + 8 * r;
         if (wk > 0 || row >= rows) continue;  // key group 0 holds the merged rows
         const int token = row / group, head = hk * group + row % group;
-        const float factor = bad ? nan : (l[r] > 0.f ? v_scale / l[r] : 0.f);
-        const float lse = bad ? nan : (l[r] > 0.f ? (m[r] + log2_approx(l[r])) * 0.69314718055994531f : neg_inf());
+        float mr = m[r], lr = l[r], kept = 1.f;
+        if (p.sinks && p.num_splits == 1) {  // the head's sink logit joins the row's sum (split launches: the merge)
+            const float sink = __ldg(p.sinks + head) * 1.4426950408889634f, top = fmaxf(mr, sink);
+            if (top != neg_inf()) {
+                kept = lr > 0.f ? exp2_approx(mr - top) : 0.f;
+                lr = lr * kept + exp2_approx(sink - top);
+                mr = top;
+            }
+        }
+        const float factor = bad ? nan : (lr > 0.f ? v_scale * kept / lr : 0.f);
+        const float lse = bad ? nan : (lr > 0.f ? (mr + log2_approx(lr)) * 0.69314718055994531f : neg_inf());
         // LSE [batch, heads, seqlen_q], or varlen [heads, total_q]
         const long long state = Cfg::kVarlen ? static_cast<long long>(head) * p.total_q + q_first + token
                                              : (static_cast<long long>(b) * p.heads + head) * seqlen_q + token;
