@@ -25,7 +25,7 @@ def _offsets(cupy, name, x, device):
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, causal=False, scale=None,
-                     window_size=(-1, -1), softcap=0.0, return_lse=False):
+                     window_size=(-1, -1), softcap=0.0, return_lse=False, sinks=None):
     """Attention of each packed sequence to its own keys, as FlashAttention's varlen call.
 
     Args:
@@ -41,6 +41,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
             sees keys up to i + m - n). window_size, softcap, scale: as for
             :func:`cuflash.attention_with_kvcache`.
         return_lse: also return the natural-log LSE, float32 [heads, total_q].
+        sinks: attention sinks, a float CuPy array [heads] (see :func:`cuflash.attention`).
 
     Returns:
         The output [total_q, heads, head_dim] in q's dtype (and the LSE). Sequences may be empty;
@@ -90,6 +91,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         problem.window, problem.softcap, True, total_q, total_k)
     if math.ceil(problem.rows / 64) > 65535:
         raise ValueError(f"max_seqlen_q x heads / heads_k = {problem.rows} query rows per kv head is too many")
+    if sinks is not None:
+        from .core.validate import validate_sinks
+        sinks = validate_sinks(sinks, problem)
     with _on_device(device):
         # NaN until written: all-ones bytes are NaN in fp16, bf16 and float32 (a byte memset runs at
         # full bandwidth, unlike a 16-bit fill)
@@ -98,12 +102,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         for x in (out, lse):
             x.data.memset_async(0xFF, x.nbytes)
         if batch and max_seqlen_q and out.size and not _hopper(q, k, v, cu_q, cu_k, out, lse, int(max_seqlen_q),
-                                                               problem):
+                                                               problem, sinks):
             spec = _kv.select_spec(problem, _arch(device))
             kernels = _compile.get_kernel(spec, device)
             plan = _kv.KVCachePlan(kernels, spec, problem, page_table=None, cache_seqlens=None, splits=1,
                                    k_descale=(1.0, None, False), v_descale=(1.0, None, False),
-                                   stream=cupy.cuda.get_current_stream().ptr, cu_seqlens=(cu_q, cu_k))
+                                   stream=cupy.cuda.get_current_stream().ptr, cu_seqlens=(cu_q, cu_k),
+                                   sinks=sinks)
             plan.launch(q4, k4, v4, None, None, out, lse)
     return (out, lse) if return_lse else out
 
@@ -118,7 +123,7 @@ def hopper_spec(head_dim: int, dtype: str, causal: bool, max_seqlen_q: int, arch
     return spec.replace(varlen=True) if spec.warp_specialized else None
 
 
-def _hopper(q, k, v, cu_q, cu_k, out, lse, max_seqlen_q, problem) -> bool:
+def _hopper(q, k, v, cu_q, cu_k, out, lse, max_seqlen_q, problem, sinks=None) -> bool:
     """Run the forward on the Hopper warp-specialized kernel's varlen specialization where it
     applies (sm90a, fp16/bf16, a positive scale, no window or softcap, rows TMA can read, a head
     dim the kernel takes); False where it does not."""
@@ -143,11 +148,13 @@ def _hopper(q, k, v, cu_q, cu_k, out, lse, max_seqlen_q, problem) -> bool:
     spec = hopper_spec(rows.head_dim, rows.dtype.tag, rows.causal, max_seqlen_q, _arch(problem.device_id))
     if spec is None:
         return False
+    if sinks is not None:
+        spec = spec.replace(sinks=True, lse=True)
     kernel = _compile.get_kernel(spec, problem.device_id)
     varlen = struct.pack("<QQii", cu_q.data.ptr, cu_k.data.ptr, q.shape[0], k.shape[0])
     out_strides = (0, out.strides[1] // out.itemsize, out.strides[0] // out.itemsize)
     LaunchPlan(kernel, spec, kernel_problem, q, k, v, out, lse, out_strides, mods=varlen,
-               map_problem=rows).launch(q, k, v, out, lse)
+               map_problem=rows, sinks=sinks).launch(q, k, v, out, lse)
     return True
 
 
@@ -163,14 +170,16 @@ def _host_offsets(name, x, total):
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
-                              deterministic=False, family=None):
-    """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen` (without a window or softcap).
+                              deterministic=False, family=None, sinks=None):
+    """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen` (without a window or softcap), and
+    ``dsinks`` (a fourth, in the sinks' dtype) with ``sinks``.
 
     Args:
         dout: [total_q, heads, head_dim], the gradient of the output.
         q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale: as passed to the forward.
         out, lse: the forward's output and LSE ([heads, total_q], ``return_lse=True``).
         deterministic: dQ in a fixed order (bit-identical runs).
+        sinks: the forward's sinks (its LSE includes them).
         family: ``"wgmma"``: every sequence in one launch of the Hopper K/V-outer kernel's varlen
             specialization (sm90a, fp16/bf16, CuPy arrays, not deterministic); ``"sequences"``:
             each sequence on :func:`cuflash.attention_backward`; None: ``"wgmma"`` where it
@@ -199,8 +208,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         raise ValueError(f"family='wgmma', deterministic={deterministic}: the one-launch varlen backward is "
                          f"not deterministic")
     if family == "wgmma" or (family is None and not deterministic and _one_launch_applies(q)):
-        return _hopper_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, offsets_q, offsets_k, causal,
-                                scale)
+        grads = _hopper_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, offsets_q, offsets_k, causal,
+                                 scale)
+        return grads if sinks is None else (*grads, _sinks_grad(dout, out, lse, sinks))
     dq, dk, dv = (xp.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
     for b in range(offsets_q.size - 1):
         qs, ks = slice(int(offsets_q[b]), int(offsets_q[b + 1])), slice(int(offsets_k[b]), int(offsets_k[b + 1]))
@@ -212,7 +222,22 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         _attention_backward(dout[qs][None], q[qs][None], k[ks][None], v[ks][None], out[qs][None],
                             xp.ascontiguousarray(lse[:, qs])[None], grads, causal=causal, scale=scale, layout="bshd",
                             deterministic=deterministic, spec=None)
-    return dq, dk, dv
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, _sinks_grad(dout, out, lse, sinks))
+
+
+def _sinks_grad(dout, out, lse, sinks):
+    """d loss / d sinks[h] = -sum over rows of exp(sinks[h] - lse) * rowsum(dO * O), in the sinks'
+    dtype (lse [heads, total_q] includes the sinks)."""
+    xp = _xp(out)
+    if not isinstance(sinks, xp.ndarray) or sinks.dtype.kind != "f" and sinks.dtype.name != "bfloat16":
+        raise TypeError(f"sinks must be a float array of q's kind, got {type(sinks).__name__}")
+    if sinks.shape != (lse.shape[0],):
+        raise ValueError(f"sinks.shape={sinks.shape} must be (heads,) = ({lse.shape[0]},)")
+    f32 = xp.float32
+    delta = (dout.astype(f32) * out.astype(f32)).sum(axis=-1).T              # [heads, total_q]
+    s = sinks.astype(f32)[:, None]
+    share = xp.where(xp.isneginf(s) & xp.isneginf(lse), f32(0), xp.exp(s - lse))
+    return (-(share * delta).sum(axis=1)).astype(sinks.dtype)
 
 
 def _one_launch_applies(q) -> bool:
@@ -286,15 +311,15 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
 
 
 def attention_varlen_with_grad(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, causal=False, scale=None,
-                               deterministic=False):
-    """The forward output and a function from ``dout`` to ``(dq, dk, dv)``, as
-    :func:`cuflash.attention_with_grad` for packed sequences."""
+                               deterministic=False, sinks=None):
+    """The forward output and a function from ``dout`` to ``(dq, dk, dv)`` (and ``dsinks`` with
+    ``sinks``), as :func:`cuflash.attention_with_grad` for packed sequences."""
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, causal=causal,
-                                scale=scale, return_lse=True)
+                                scale=scale, return_lse=True, sinks=sinks)
 
     def backward(dout):
         return attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal=causal,
-                                         scale=scale, deterministic=deterministic)
+                                         scale=scale, deterministic=deterministic, sinks=sinks)
     return out, backward
 
 

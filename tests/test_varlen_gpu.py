@@ -139,6 +139,48 @@ def test_varlen_backward_matches_per_sequence_gradients(causal, deterministic):
         assert_gradients_close((dq[None, qs], dk[None, ks], dv[None, ks]), want, "bf16", baselines=naive)
 
 
+@pytest.mark.parametrize("head_dim,window", [(128, (-1, -1)), (64, (-1, -1)), (128, (64, 0))])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_sinks_forward_and_backward(head_dim, window, deterministic):
+    """Attention sinks on packed sequences (the Hopper varlen kernel, or with a window the KV-cache
+    kernel's), and their gradient, against the per-sequence float64 reference."""
+    from cuflash.testing import assert_gradients_close
+
+    rng = np.random.default_rng(head_dim + deterministic)
+    lens_q = np.array([0, 1, 17, 113, 300])
+    lens_k = lens_q if window != (-1, -1) else np.array([9, 1, 40, 113, 300])
+    q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k, 8, 2, head_dim, "bf16")
+    sinks = rng.normal(1.0, 2.0, 8).astype(np.float32)
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    dev = [cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)]
+    if window != (-1, -1):
+        out, lse = cuflash.attention_varlen(*dev, causal=True, window_size=window, return_lse=True,
+                                            sinks=cupy.asarray(sinks))
+        from cuflash.serving import _window_mask
+        mask = _window_mask(window, True, 0)  # equal lengths: positions are row indices
+        ref, ref_lse = _reference(q, k, v, cu_q, cu_k, causal=True, sinks=sinks, mask_mod=mask)
+        naive, naive_lse = _reference(q, k, v, cu_q, cu_k, naive=True, causal=True, sinks=sinks, mask_mod=mask)
+        assert_attention_close(out, ref, "bf16", baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+        return
+    out, backward = cuflash.attention_varlen_with_grad(*dev, causal=True, deterministic=deterministic,
+                                                       sinks=cupy.asarray(sinks))
+    ref, ref_lse = _reference(q, k, v, cu_q, cu_k, causal=True, sinks=sinks)
+    naive, _ = _reference(q, k, v, cu_q, cu_k, naive=True, causal=True, sinks=sinks)
+    assert_attention_close(out, ref, "bf16", baseline=naive)
+    dq, dk, dv, dsinks = (to_numpy(g) for g in backward(cupy.asarray(dout)))
+    want_dsinks = np.zeros(8)
+    for b in range(len(lens_q)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lens_q[b] == 0:
+            continue
+        args = (dout[None, qs], q[None, qs], k[None, ks], v[None, ks])
+        want = reference.attention_backward_reference(*args, causal=True, layout="bshd", sinks=sinks)
+        naive = reference.attention_backward_naive(*args, causal=True, layout="bshd", sinks=sinks)
+        assert_gradients_close((dq[None, qs], dk[None, ks], dv[None, ks]), want[:3], "bf16", baselines=naive[:3])
+        want_dsinks += want[3]
+    assert np.abs(dsinks - want_dsinks).max() <= 2e-2 * (1 + np.abs(want_dsinks).max()), (dsinks, want_dsinks)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_of_many_random_lengths(causal):
     rng = np.random.default_rng(7 + causal)
