@@ -11,7 +11,7 @@ def _brute_force_pairs(variant, seqlen, window, lengths):
     q_idx, kv_idx = np.arange(seqlen)[:, None], np.arange(seqlen)[None, :]
     ids = np.repeat(np.arange(len(lengths)), lengths)
     mask = {"plain": np.ones((seqlen, seqlen), dtype=bool), "softcap": np.ones((seqlen, seqlen), dtype=bool),
-            "causal": q_idx >= kv_idx, "alibi": q_idx >= kv_idx,
+            "causal": q_idx >= kv_idx, "alibi": q_idx >= kv_idx, "sinks": q_idx >= kv_idx,
             "window": (q_idx >= kv_idx) & (q_idx - kv_idx < window),
             "document": (ids[:, None] == ids[None, :]) & (q_idx >= kv_idx)}[variant]
     return int(mask.sum())

@@ -4,11 +4,12 @@ and FlexAttention.
 One problem per (head dim, seqlen), sized as the grid's (batch = total_tokens // seqlen, heads =
 hidden // head_dim), hd128 N=16384 unless ``--head-dims`` / ``--seqlens`` are given. Forward rows:
 plain, causal, softcap 30, ALiBi + causal, sliding window 1024 (causal) and 8 packed documents of
-random lengths (causal); backward rows (of a retained forward): plain, causal, softcap and window.
+random lengths (causal), attention sinks (causal); backward rows (of a retained forward): plain,
+causal, softcap, window and sinks.
 TFLOP/s count the attended pairs only (4·d per pair forward, 2.5x that backward); ``vs_plain`` is
 the variant over its plain cuflash kernel (softcap over non-causal, the others over causal). Where
 torch is importable, ``torch.compile``'d flex_attention with the same mods and a block mask is timed
-in the same interleaved rounds (:mod:`.timing`), its ``ratio`` cuflash / Flex.
+in the same interleaved rounds (:mod:`.timing`), its ``ratio`` cuflash / Flex (sinks: no Flex row).
 """
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ MODS_HEAD_DIM, MODS_SEQLEN = 128, 16384
 SOFTCAP, WINDOW, DOCUMENTS, DOCUMENT_SEED = 30.0, 1024, 8, 0
 #: Variant -> (causal, the plain variant it is compared with), in print order.
 VARIANTS = {"plain": (False, "plain"), "causal": (True, "causal"), "softcap": (False, "plain"),
-            "alibi": (True, "causal"), "window": (True, "causal"), "document": (True, "causal")}
-BACKWARD_VARIANTS = ("plain", "causal", "softcap", "window")
+            "alibi": (True, "causal"), "window": (True, "causal"), "document": (True, "causal"),
+            "sinks": (True, "causal")}
+BACKWARD_VARIANTS = ("plain", "causal", "softcap", "window", "sinks")
 LABELS = {"plain": "plain", "causal": "causal", "softcap": f"softcap {SOFTCAP:g}", "alibi": "alibi causal",
-          "window": f"window {WINDOW} causal", "document": f"{DOCUMENTS} documents causal"}
+          "window": f"window {WINDOW} causal", "document": f"{DOCUMENTS} documents causal",
+          "sinks": "sinks causal"}
 
 
 def document_lengths(seqlen: int, documents: int = DOCUMENTS, seed: int = DOCUMENT_SEED) -> list[int]:
@@ -43,7 +46,7 @@ def attended_pairs(variant: str, seqlen: int, window: int = WINDOW, lengths=()) 
     """(query, key) pairs one (batch, head) of ``variant`` attends, seqlen_q = seqlen_k = ``seqlen``."""
     if variant in ("plain", "softcap"):
         return seqlen * seqlen
-    if variant in ("causal", "alibi"):
+    if variant in ("causal", "alibi", "sinks"):
         return seqlen * (seqlen + 1) // 2
     if variant == "window":   # row i attends min(i + 1, window) keys
         full = min(seqlen, window)
@@ -54,8 +57,11 @@ def attended_pairs(variant: str, seqlen: int, window: int = WINDOW, lengths=()) 
 
 
 def _cuflash_mods(variant, slopes, document_ids) -> dict:
-    """The score_mod / mask_mod keywords of ``variant`` for cuflash (causal comes apart)."""
+    """The score_mod / mask_mod (or sinks) keywords of ``variant`` for cuflash (causal comes apart)."""
     from cuflash import mods
+    if variant == "sinks":  # one logit per head, as gpt-oss learns them
+        import cupy
+        return dict(sinks=cupy.ones(slopes.shape, dtype=cupy.float32))
     if variant == "softcap":
         return dict(score_mod=mods.softcap(SOFTCAP))
     if variant == "alibi":
@@ -145,7 +151,7 @@ def mods_rows(config, torch=None, flex=None, reps=30, flush_l2=True, determinist
                                             deterministic=deterministic, **kwargs)
             except Exception as exc:
                 ours[variant] = _raising(exc)
-            if flex is not None:
+            if flex is not None and variant != "sinks":
                 theirs["flex " + variant] = _flex_call(torch, flex, config, variant, direction, (qt, kt, vt),
                                                        grad_inputs, dt, torch_mods)
         timed = _time_interleaved(ours, theirs, reps, flush_l2)
