@@ -140,8 +140,8 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
     if key is _UNKEYED:
         key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec) \
             if _without_fp8(fp8_format, q_descale, k_descale, v_descale, out_dtype) else None
-    if sinks is not None:
-        key = None  # the sinks' address is in the parameter block
+    if sinks is not None and key is not None:
+        key = key + (_Same(sinks),)  # the sinks' address is in the parameter block
     if key is not None and (score_mod is not None or mask_mod is not None or block_mask is not None):
         # A call with mods has a plan when its mods trace to graphs kept for their function and
         # captured values (the same graphs, arrays and block mask: the same kernel argument).
@@ -181,7 +181,10 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
                                      out_dtype=out_dtype)
     out_tag = scales.out_dtype.tag if scales else None
     if sinks is not None:
-        sinks = validate_sinks(sinks, problem)
+        checked_sinks = validate_sinks(sinks, problem)
+        if checked_sinks is not sinks:
+            key = None  # a float32 copy: the next call copies again
+        sinks = checked_sinks
     mask_mod = _sparsity.mask_mod_of(block_mask, mask_mod, problem)
     mods = _modset.prepare(score_mod, mask_mod, problem.device_id)
     sparse = b""  # the block mask's visit lists, after the mods' arrays in the kernel's last argument
@@ -225,7 +228,7 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
                 v_operand = _fp8.v_operand(v, layout) if spec.fp8 and spec.warp_specialized else v
             if key is not None and problem.scale > 0 and not spec.fp8:
                 plan = LaunchPlan(kernel, spec, problem, q, k, v, out, lse, _out_strides(out, layout), None,
-                                  _modset.kernel_argument(mods, sparse))
+                                  _modset.kernel_argument(mods, sparse), sinks=sinks)
                 plan.launch(q, k, v, out, lse)
                 _keep_outputs(cupy, plan, q.dtype, key[_STREAM])
                 if len(_plans) >= _MAX_PLANS:

@@ -410,3 +410,26 @@ def test_concurrent_calls_on_one_plan_never_share_an_output(device):
         t.join()
     ptrs = [o.data.ptr for mine in outputs for o in mine]
     assert len(set(ptrs)) == len(ptrs)
+
+
+def test_calls_with_sinks_keep_a_plan_per_sinks_array(device):
+    """The same float32 sinks array: one plan, its address in every block; another array, another
+    plan; a call without sinks, a plan of its own."""
+    kernel, driver = device
+    q, k, v = _inputs()
+    sinks = fake_device.fake_array(cupy, (SHAPE[1],), np.float32, 0x4000_0000)
+    cuflash.attention(q, k, v, causal=True, sinks=sinks)
+    plan = next(iter(forward._plans.values()))
+    assert plan.spec.sinks and len(kernel.calls) == 1
+    driver.sizes = _sizes(plan)
+    fields = np.dtype([(n, "<" + f) for n, _, f in __import__("cuflash.core.params", fromlist=["x"]).PARAM_FIELDS])
+    for _ in range(2):
+        out = cuflash.attention(q, k, v, causal=True, sinks=sinks)
+        block = np.frombuffer(driver.launches[-1][1][0][:fields.itemsize], dtype=fields)[0]
+        assert int(block["sinks"]) == 0x4000_0000 and int(block["o"]) == out.data.ptr
+    assert len(kernel.calls) == 1 and len(driver.launches) == 2
+    other = fake_device.fake_array(cupy, (SHAPE[1],), np.float32, 0x4100_0000)
+    cuflash.attention(q, k, v, causal=True, sinks=other)
+    assert len(forward._plans) == 2
+    plain = cuflash.attention(q, k, v, causal=True)
+    assert plain.shape == q.shape and len(forward._plans) == 3
