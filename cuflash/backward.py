@@ -65,12 +65,13 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, lay
 
 def _sinks_grad(sinks, lse, delta):
     """d loss / d sinks[h] = -sum over (batch, row) of P_sink * rowsum(dO * O), where P_sink =
-    exp(sinks[h] - lse) is the share of a row's probability its sink took; in the sinks' dtype."""
+    exp(sinks[h] - lse) is the share of a row's probability its sink took: float32 [heads] from
+    float32 sinks [heads] and lse, delta [batch, heads, rows]."""
     import cupy
 
     s = sinks[None, :, None]
     share = cupy.where(cupy.isneginf(s) & cupy.isneginf(lse), 0, cupy.exp(s - lse))
-    return (-(share * delta).sum(axis=(0, 2))).astype(sinks.dtype)
+    return -(share * delta).sum(axis=(0, 2))
 
 
 def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout, deterministic, spec,
@@ -82,7 +83,7 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
     bp = validate_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
                            deterministic=deterministic)
     problem = bp.forward
-    sinks32 = None if sinks is None else validate_sinks(sinks, problem)
+    sinks32 = None if sinks is None else validate_sinks(sinks, problem.heads, problem.device_id)
     with _on_device(problem.device_id):
         dq, dk, dv = grads or (cupy.empty(q.shape, dtype=q.dtype), cupy.empty(k.shape, dtype=k.dtype),
                                cupy.empty(v.shape, dtype=v.dtype))
@@ -127,7 +128,7 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
         launch_backward(kernels, spec, bp, tensors, strides, _modset.kernel_argument(mods, sparse))
         if sinks is not None:  # the preprocess left each row's rowsum(dO * O) in stats[1]
             delta = stats[1].reshape(problem.batch, problem.heads, padded)[:, :, :problem.seqlen_q]
-            return dq, dk, dv, _sinks_grad(sinks32, lse, delta).astype(sinks.dtype)
+            return dq, dk, dv, _sinks_grad(sinks32, lse, delta).astype(sinks.dtype, copy=False)
     return dq, dk, dv
 
 

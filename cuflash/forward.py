@@ -181,7 +181,7 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
                                      out_dtype=out_dtype)
     out_tag = scales.out_dtype.tag if scales else None
     if sinks is not None:
-        checked_sinks = validate_sinks(sinks, problem)
+        checked_sinks = validate_sinks(sinks, problem.heads, problem.device_id)
         if checked_sinks is not sinks:
             key = None  # a float32 copy: the next call copies again
         sinks = checked_sinks

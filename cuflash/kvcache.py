@@ -103,7 +103,7 @@ def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page
     problem, q, cache_seqlens, k_new, v_new = _kv.validate_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, page_table=page_table,
         causal=causal, scale=scale, fp8_format=fp8_format, window_size=window_size, softcap=softcap)
-    sinks32 = None if sinks is None else validate_sinks(sinks, problem)
+    sinks32 = None if sinks is None else validate_sinks(sinks, problem.heads, problem.device_id)
     if any(a is not b for a, b in zip((q, k_new, v_new, cache_seqlens, sinks32), original + (sinks,))):
         key = None  # copied inputs (the plan would keep a copy of the lengths): the full path again
     descales = tuple(_kv.descale_operand(cupy, name, value, problem.heads_k, problem.device_id)

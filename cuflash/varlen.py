@@ -93,7 +93,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         raise ValueError(f"max_seqlen_q x heads / heads_k = {problem.rows} query rows per kv head is too many")
     if sinks is not None:
         from .core.validate import validate_sinks
-        sinks = validate_sinks(sinks, problem)
+        sinks = validate_sinks(sinks, problem.heads, problem.device_id)
     with _on_device(device):
         # NaN until written: all-ones bytes are NaN in fp16, bf16 and float32 (a byte memset runs at
         # full bandwidth, unlike a 16-bit fill)
@@ -192,9 +192,12 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     Offsets must rise from 0 to the packed row counts (checked, ValueError). The keys of a
     sequence with no queries get zero gradients."""
     from .backward import _attention_backward
+    from .core.validate import validate_sinks
 
     xp = _xp(q)
     total_q, total_k = q.shape[0], k.shape[0]
+    sinks32 = None if sinks is None else validate_sinks(sinks, q.shape[1],
+                                                       getattr(getattr(q, "device", None), "id", -1))
     offsets_q = _host_offsets("cu_seqlens_q", cu_seqlens_q, total_q)
     offsets_k = _host_offsets("cu_seqlens_k", cu_seqlens_k, total_k)
     if offsets_q.size != offsets_k.size:
@@ -210,7 +213,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     if family == "wgmma" or (family is None and not deterministic and _one_launch_applies(q)):
         grads = _hopper_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, offsets_q, offsets_k, causal,
                                  scale)
-        return grads if sinks is None else (*grads, _sinks_grad(dout, out, lse, sinks))
+        return grads if sinks is None else (*grads, _varlen_sinks_grad(dout, out, lse, sinks, sinks32))
     dq, dk, dv = (xp.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
     for b in range(offsets_q.size - 1):
         qs, ks = slice(int(offsets_q[b]), int(offsets_q[b + 1])), slice(int(offsets_k[b]), int(offsets_k[b + 1]))
@@ -222,22 +225,15 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         _attention_backward(dout[qs][None], q[qs][None], k[ks][None], v[ks][None], out[qs][None],
                             xp.ascontiguousarray(lse[:, qs])[None], grads, causal=causal, scale=scale, layout="bshd",
                             deterministic=deterministic, spec=None)
-    return (dq, dk, dv) if sinks is None else (dq, dk, dv, _sinks_grad(dout, out, lse, sinks))
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, _varlen_sinks_grad(dout, out, lse, sinks, sinks32))
 
 
-def _sinks_grad(dout, out, lse, sinks):
-    """d loss / d sinks[h] = -sum over rows of exp(sinks[h] - lse) * rowsum(dO * O), in the sinks'
-    dtype (lse [heads, total_q] includes the sinks)."""
-    xp = _xp(out)
-    if not isinstance(sinks, xp.ndarray) or sinks.dtype.kind != "f" and sinks.dtype.name != "bfloat16":
-        raise TypeError(f"sinks must be a float array of q's kind, got {type(sinks).__name__}")
-    if sinks.shape != (lse.shape[0],):
-        raise ValueError(f"sinks.shape={sinks.shape} must be (heads,) = ({lse.shape[0]},)")
-    f32 = xp.float32
-    delta = (dout.astype(f32) * out.astype(f32)).sum(axis=-1).T              # [heads, total_q]
-    s = sinks.astype(f32)[:, None]
-    share = xp.where(xp.isneginf(s) & xp.isneginf(lse), f32(0), xp.exp(s - lse))
-    return (-(share * delta).sum(axis=1)).astype(sinks.dtype)
+def _varlen_sinks_grad(dout, out, lse, sinks, sinks32):
+    """backward._sinks_grad over the packed rows (lse [heads, total_q]), in the sinks' dtype."""
+    from .backward import _sinks_grad
+
+    delta = (dout.astype("float32") * out.astype("float32")).sum(axis=-1).T  # [heads, total_q]
+    return _sinks_grad(sinks32, lse[None], delta[None]).astype(sinks.dtype, copy=False)
 
 
 def _one_launch_applies(q) -> bool:

@@ -171,9 +171,9 @@ def _descale_array(name, value, shape, device_id):
     return value.astype(cupy.float32, copy=False)
 
 
-def validate_sinks(sinks, problem: Problem):
-    """Attention sinks as the kernels read them: float32, contiguous, one logit per query head on
-    the problem's device (a copy where the array is not that already)."""
+def validate_sinks(sinks, heads: int, device_id: int):
+    """Attention sinks as the kernels read them: float32, contiguous, one logit per each of the
+    ``heads`` query heads, on device ``device_id`` (a copy where the array is not that already)."""
     import cupy
 
     if not isinstance(sinks, cupy.ndarray):
@@ -181,13 +181,13 @@ def validate_sinks(sinks, problem: Problem):
                         f"{type(sinks).__module__}.{type(sinks).__name__}")
     if sinks.dtype.kind != "f" and sinks.dtype != dtypes.DTYPES["bf16"].numpy:
         raise TypeError(f"sinks must be a floating-point array, got sinks.dtype={sinks.dtype}")
-    if sinks.shape != (problem.heads,):
-        raise ValueError(f"sinks.shape={sinks.shape} must be (heads,) = ({problem.heads},): one logit per query head")
-    if sinks.data.device_id != problem.device_id:
-        raise ValueError(f"sinks is on device {sinks.data.device_id}, q on device {problem.device_id}")
+    if sinks.shape != (heads,):
+        raise ValueError(f"sinks.shape={sinks.shape} must be (heads,) = ({heads},): one logit per query head")
+    if sinks.data.device_id != device_id:
+        raise ValueError(f"sinks is on device {sinks.data.device_id}, q on device {device_id}")
     if sinks.dtype == cupy.float32 and sinks.flags.c_contiguous:
         return sinks
-    with cupy.cuda.Device(problem.device_id):
+    with cupy.cuda.Device(device_id):
         return cupy.ascontiguousarray(sinks.astype(cupy.float32))
 
 
