@@ -197,7 +197,7 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
             if block_mask is not None and spec.warp_specialized:
                 spec = spec.replace(block_sparse=True)
                 sparse = _sparsity.kernel_tables(block_mask, spec.block_m, spec.block_n, problem.causal)[2]
-        spec = _with_sinks(spec, sinks, problem)
+        spec = _with_sinks(spec, sinks)
         if prepared_v is not None and not (spec.fp8 and spec.warp_specialized):
             raise ValueError(f"a prepared V is read by the Hopper FP8 kernel only (sm90a, head dims that are multiples "
                              f"of 16 from {FP8_WGMMA_MIN_HEAD_DIM}); "
@@ -242,16 +242,13 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
     return (out, lse) if return_lse else out
 
 
-def _with_sinks(spec: KernelSpec, sinks, problem: Problem) -> KernelSpec:
+def _with_sinks(spec: KernelSpec, sinks) -> KernelSpec:
     """The spec that adds the call's sinks to its rows' sums (its exact-LSE form), or the spec
     without them; a forced spec with sinks needs the call's."""
     if sinks is None:
         if spec.sinks:
             raise ValueError(f"spec={spec.name} adds attention sinks; pass sinks= (one logit per query head)")
         return spec
-    if spec.family == "simt" or spec.fp8:
-        raise ValueError(f"sinks run on fp16 and bf16 inputs; this call has {problem.dtype.tag} "
-                         f"(convert q, k and v, or use cuflash.reference)")
     return spec.replace(sinks=True, lse=True)
 
 

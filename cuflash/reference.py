@@ -311,7 +311,7 @@ def _out_dtype(out_dtype: str) -> np.dtype:
 
 def attention_fp8_reference(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
                             fp8_format: str = "e4m3", q_descale=None, k_descale=None, v_descale=None,
-                            score_mod=None, mask_mod=None):
+                            score_mod=None, mask_mod=None, sinks=None):
     """float64 attention of FP8 inputs: :func:`attention_reference` of their exact values
     ``value(code) * descale``.
 
@@ -322,19 +322,21 @@ def attention_fp8_reference(q, k, v, *, causal: bool = False, scale: float | Non
         q_descale: None (1.0), a number, or float32 ``()`` / ``(batch, heads_q)``.
         k_descale, v_descale: None, a number, or float32 ``()`` / ``(batch, heads_k)``.
         score_mod, mask_mod: as for :func:`attention_reference`, on the descaled scores.
+        sinks: as for :func:`attention_reference` (logits, not descaled).
 
     Returns float64 ``(out, lse)`` as :func:`attention_reference` does; the scores (and so the
     LSE) include the descales.
     """
     qb, kb, vb, scale = _fp8_prepare(q, k, v, scale, layout, fp8_format, (q_descale, k_descale, v_descale),
                                      np.float64)
-    out, lse = attention_reference(qb, kb, vb, causal=causal, scale=scale, score_mod=score_mod, mask_mod=mask_mod)
+    out, lse = attention_reference(qb, kb, vb, causal=causal, scale=scale, score_mod=score_mod, mask_mod=mask_mod,
+                                   sinks=sinks)
     return _from_bhsd(out, layout), lse
 
 
 def attention_fp8_naive(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
                         fp8_format: str = "e4m3", q_descale=None, k_descale=None, v_descale=None,
-                        out_dtype: str = "bf16", score_mod=None, mask_mod=None):
+                        out_dtype: str = "bf16", score_mod=None, mask_mod=None, sinks=None):
     """FP8 attention written plainly in the inputs' precision, with the FP8 kernel's roundings:
     the baseline of the accuracy rule for FP8 inputs. Steps:
 
@@ -346,7 +348,7 @@ def attention_fp8_naive(q, k, v, *, causal: bool = False, scale: float | None = 
     5. ``O = (P V) / l`` accumulated in float32, rounded to ``out_dtype``.
 
     Arguments as for :func:`attention_fp8_reference`, plus ``out_dtype`` ("bf16" or "fp16"). Mods
-    apply in float32 between steps 2 and 3.
+    apply in float32 between steps 2 and 3; ``sinks`` join step 3's sums in float32.
     Returns ``(out, lse)``: ``out`` in ``out_dtype`` and ``layout``, ``lse`` float32
     ``[batch, heads_q, seqlen_q]`` (natural log, from the float32 scores). Rows that attend
     nothing give 0 and -inf.
@@ -365,7 +367,8 @@ def attention_fp8_naive(q, k, v, *, causal: bool = False, scale: float | None = 
         scores = (qb @ kb.swapaxes(-1, -2)) * f32(scale)
         scores, allowed = _with_mods(scores, allowed, score_mod, mask_mod)
         scores = scores.astype(f32)
-        p, row_max, row_sum, empty = _masked_softmax_parts(scores, allowed)
+        sink_logits = None if sinks is None else _sink_logits(sinks, heads_q, f32)
+        p, row_max, row_sum, empty = _masked_softmax_parts(scores, allowed, sink_logits)
         p_scaled = fp8.from_fp8_bits(fp8.to_fp8_bits(p * f32(FP8_P_SCALE), "e4m3"), "e4m3")
         weighted = _weighted_values(p_scaled / f32(FP8_P_SCALE), vb, allowed).astype(f32)
         out, lse = _finish(weighted, row_max, row_sum, empty)

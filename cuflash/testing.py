@@ -339,17 +339,17 @@ class Fp8AttentionProblem(_ProblemGeometry):
             kwargs[name] = to_numpy(kwargs[name])
         return (to_numpy(inputs.q), to_numpy(inputs.k), to_numpy(inputs.v)), kwargs
 
-    def reference(self, inputs: Fp8Inputs):
+    def reference(self, inputs: Fp8Inputs, sinks=None):
         """float64 ``(out, lse)`` of the dequantized inputs
-        (:func:`~cuflash.reference.attention_fp8_reference`)."""
+        (:func:`~cuflash.reference.attention_fp8_reference`), with the call's ``sinks`` if any."""
         args, kwargs = self._numpy_args(inputs)
         kwargs.pop("out_dtype")
-        return reference.attention_fp8_reference(*args, **kwargs)
+        return reference.attention_fp8_reference(*args, sinks=sinks, **kwargs)
 
-    def naive(self, inputs: Fp8Inputs):
+    def naive(self, inputs: Fp8Inputs, sinks=None):
         """``(out, lse)`` of :func:`~cuflash.reference.attention_fp8_naive`: the accuracy baseline."""
         args, kwargs = self._numpy_args(inputs)
-        return reference.attention_fp8_naive(*args, **kwargs)
+        return reference.attention_fp8_naive(*args, sinks=sinks, **kwargs)
 
     def float_reference(self, inputs: Fp8Inputs):
         """float64 ``(out, lse)`` of the float inputs before quantization (and rotation): what

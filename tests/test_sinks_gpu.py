@@ -6,7 +6,8 @@ import pytest
 
 import cuflash
 from cuflash import reference
-from cuflash.testing import AttentionProblem, assert_attention_close, assert_gradients_close, to_numpy
+from cuflash.testing import (AttentionProblem, Fp8AttentionProblem, assert_attention_close, assert_gradients_close,
+                             to_numpy)
 
 pytestmark = pytest.mark.gpu
 
@@ -15,6 +16,7 @@ cupy = pytest.importorskip("cupy")
 # (batch, heads, heads_k, seqlen_q, seqlen_k, head_dim): GQA, tails, more queries than keys (under
 # a causal mask their first rows see no key) and fewer
 SHAPES = [(2, 4, 2, 113, 239, 128), (1, 4, 1, 239, 113, 64), (2, 2, 2, 1, 300, 96), (1, 8, 2, 64, 64, 128)]
+FP8_CASES = (("e4m3", "bf16"), ("e5m2", "fp16"))  # (format, output dtype)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,6 +31,10 @@ def warm_sink_kernels():
              for dtype in ("fp16", "bf16") for causal in (False, True) for family in (None, "mma")}
     specs |= {default_bwd_spec(s[5], dtype, causal, arch) for s in SHAPES for dtype in ("fp16", "bf16")
               for causal in (False, True)}
+    specs |= {default_spec(hd, "fp32", causal, arch).replace(sinks=True) for hd in (64, 128) for causal in (False, True)}
+    specs |= {default_spec(128, fmt, causal, arch, family=family, out_dtype=out, seqlen=239).replace(sinks=True)
+              for fmt, out in FP8_CASES for causal in (False, True) for family in (None, "mma")
+              if family or arch == "sm90a"}
     cuflash.warmup(sorted(specs, key=lambda spec: spec.name), progress=False)
 
 
@@ -137,5 +143,42 @@ def test_bad_sinks_are_named():
         cuflash.attention(q, k, v, sinks=cupy.zeros(2, cupy.float32))
     with pytest.raises(TypeError, match="floating-point"):
         cuflash.attention(q, k, v, sinks=cupy.zeros(4, cupy.int32))
-    with pytest.raises(ValueError, match="sinks run on fp16 and bf16"):
-        cuflash.attention(*(x.astype(cupy.float32) for x in (q, k, v)), sinks=cupy.zeros(4, cupy.float32))
+
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 113, 239, 64), (1, 4, 1, 239, 113, 128)], ids=lambda s: "x".join(map(str, s)))
+def test_float32_forward_and_backward_take_sinks(shape, causal, poison):
+    problem = _problem(shape, "fp32", causal, "bhsd")
+    sinks = _sinks(shape[1], 21)
+    (q, k, v), out, lse = _forward(problem, sinks, poison)
+    dout = problem.make_dout(cupy, seed=22)
+    dq, dk, dv, dsinks = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, sinks=sinks)
+    args = [to_numpy(x) for x in (dout, q, k, v)]
+    kw = dict(causal=causal, sinks=to_numpy(sinks))
+    ref = reference.attention_backward_reference(*args, **kw)
+    base = reference.attention_backward_naive(*args, **kw)
+    assert_gradients_close((dq, dk, dv), ref[:3], "fp32", baselines=base[:3])
+    _assert_dsinks_close(dsinks, ref[3], base[3], dout, out, lse, sinks, "bhsd")
+
+
+@pytest.mark.parametrize("family", [None, "mma"], ids=["default", "portable"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("fmt,out_dtype", FP8_CASES)
+def test_fp8_forward_takes_sinks(fmt, out_dtype, causal, family, poison):
+    from cuflash.core.compile import device_arch
+
+    if family is None and device_arch() != "sm90a":
+        pytest.skip("the Hopper FP8 kernel needs sm_90a")
+    problem = Fp8AttentionProblem(2, 4, 2, 113, 239, 128, fmt, "head", out_dtype, causal=causal,
+                                  layout="bshd" if causal else "bhsd")
+    inputs = problem.make_inputs(cupy, seed=5)
+    sinks = _sinks(4, 6)
+    poison(2 * 2 * 4 * 113 * 128, 2 * 4 * 113 * 4)
+    for return_lse in (True, False):
+        result = cuflash.attention(inputs.q, inputs.k, inputs.v, family=family, sinks=sinks, return_lse=return_lse,
+                                   **problem.attention_kwargs(inputs))
+        out, lse = result if return_lse else (result, None)
+        ref, ref_lse = problem.reference(inputs, sinks=to_numpy(sinks))
+        base, _ = problem.naive(inputs, sinks=to_numpy(sinks))
+        assert_attention_close(out, ref, fmt, baseline=base, lse=lse, ref_lse=None if lse is None else ref_lse)

@@ -176,9 +176,8 @@ class KernelSpec:
             problems.append("block_sparse applies to the warp-specialized kernel with a mask_mod")
         if self.varlen and (not self.warp_specialized or self.fp8 or self.score_mod or self.mask_mod):
             problems.append("varlen applies to the warp-specialized kernel on fp16 or bf16, without mods")
-        if self.sinks and (self.family == "simt" or not self.lse):
-            problems.append(f"sinks run on the mma and wgmma kernels with an exact LSE (family={self.family!r}, "
-                            f"lse={self.lse})")
+        if self.sinks and not self.lse:
+            problems.append("sinks need the kernel's exact LSE (lse=True)")
         if self.half_first_tile and self.block_n % (2 * self.pv_k):
             problems.append(f"half_first_tile needs block_n={self.block_n} to be a multiple of 2 x {self.pv_k} "
                             f"(whole k-steps of P V in each half)")

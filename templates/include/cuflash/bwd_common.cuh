@@ -162,7 +162,6 @@ constexpr int kRowsPerAuxBlock = 8;  // warps (= rows) per block of the two kern
 
 template <class Cfg>
 __device__ __forceinline__ void bwd_preprocess(const typename Cfg::Params& p) {
-    constexpr float kLog2e = 1.4426950408889634f;
     const int lane = threadIdx.x % 32;
     const int row = blockIdx.x * kRowsPerAuxBlock + threadIdx.x / 32;
     const int head = blockIdx.y, batch = blockIdx.z;

@@ -118,7 +118,6 @@ __device__ __forceinline__ void dkdv_warp(const typename Cfg::Params& p, const D
     constexpr int kVMT = kVK / 16, kCT = kNC / 8;
     constexpr bool kMods = Cfg::kScoreMod || Cfg::kMaskMod;  // scores modded: P from them with log2(e)
     constexpr bool kGrad = Cfg::kScoreModGrad;
-    constexpr float kLog2e = 1.4426950408889634f;
     const int lane = tid % 32;
     const int warp = tid / 32;
     const int s_row0 = (warp / kWN) * kTM;           // phase 1: query rows ...
@@ -381,7 +380,7 @@ __device__ __forceinline__ void bwd_dq_mma(const typename Cfg::Params& p, const 
                                             q_idx = m0 + row0 + row;
                                             kv_idx = n0 + col;
                                         });
-        recompute_probs<true>(s, s_lse2, kMods ? 1.4426950408889634f : p.scale_log2, lane, masked, allowed);
+        recompute_probs<true>(s, s_lse2, kMods ? kLog2e : p.scale_log2, lane, masked, allowed);
         u32 fp[kST][2];
         pack_fragments<kBF16>(fp, s);
         float dp[kST][4];

@@ -61,7 +61,6 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                                                const BwdTensorMaps* maps = nullptr) {
     constexpr bool kMods = Cfg::kScoreMod || Cfg::kMaskMod;  // scores modded: P from them with log2(e)
     constexpr bool kGrad = Cfg::kScoreModGrad;
-    constexpr float kModScaleLog2 = 1.4426950408889634f;
     constexpr bool kBF16 = Cfg::kBF16;
     constexpr int kD = Cfg::kHeadDim;
     constexpr int kDStored = Cfg::kHeadDimStored;  // <= kD; dQ's accumulator rows are this wide
@@ -304,7 +303,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
             float dmod[kGrad ? kQT : 1][4];  // d score_mod / d score (kGrad)
             if constexpr (kMods)
                 mod_scores_t<Cfg, kGrad>(st, dmod, mods, p.scale, w.batch, head, lane, key0, m0, mask_elements);
-            recompute_probs<false>(st, s_lse2, kMods ? kModScaleLog2 : p.scale_log2, lane, masked, allowed);
+            recompute_probs<false>(st, s_lse2, kMods ? kLog2e : p.scale_log2, lane, masked, allowed);
             pack_fragments<kBF16>(fp_tiles, st);
             wgmma_wait<0>();
             fence_operands(dpt);
@@ -323,7 +322,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                 float none[1][4];
                 if constexpr (kMods)
                     mod_scores_t<Cfg, false>(sc, none, mods, p.scale, w.batch, head, lane, key0, m0, mask_elements);
-                recompute_probs<false>(sc, s_lse2, kMods ? kModScaleLog2 : p.scale_log2, lane, masked, allowed);
+                recompute_probs<false>(sc, s_lse2, kMods ? kLog2e : p.scale_log2, lane, masked, allowed);
                 pack_fragments<kBF16>(fp_tiles, sc);
                 store_tile(Cfg::kSmemP, fp_tiles);
             }

@@ -715,7 +715,7 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
         const int token = row / group, head = hk * group + row % group;
         float mr = m[r], lr = l[r], kept = 1.f;
         if (p.sinks && p.num_splits == 1) {  // the head's sink logit joins the row's sum (split launches: the merge)
-            const float sink = __ldg(p.sinks + head) * 1.4426950408889634f, top = fmaxf(mr, sink);
+            const float sink = __ldg(p.sinks + head) * kLog2e, top = fmaxf(mr, sink);
             if (top != neg_inf()) {
                 kept = lr > 0.f ? exp2_approx(mr - top) : 0.f;
                 lr = lr * kept + exp2_approx(sink - top);
@@ -723,7 +723,7 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
             }
         }
         const float factor = bad ? nan : (lr > 0.f ? v_scale * kept / lr : 0.f);
-        const float lse = bad ? nan : (lr > 0.f ? (mr + log2_approx(lr)) * 0.69314718055994531f : neg_inf());
+        const float lse = bad ? nan : (lr > 0.f ? (mr + log2_approx(lr)) * kLn2 : neg_inf());
         // LSE [batch, heads, seqlen_q], or varlen [heads, total_q]
         const long long state = Cfg::kVarlen ? static_cast<long long>(head) * p.total_q + q_first + token
                                              : (static_cast<long long>(b) * p.heads + head) * seqlen_q + token;

@@ -126,9 +126,9 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p, const typ
     // With mods the scores are scaled (mod_scale) and modded before the softmax, which then takes
     // them in natural units times the score_mod's output factor.
     constexpr bool kMods = Cfg::kScoreMod || Cfg::kMaskMod;
-    const float mod_scale = (kFp8 ? fp8_scale_log2 : p.scale_log2) * (0.6931471805599453f * Cfg::kScoreInScale);
+    const float mod_scale = (kFp8 ? fp8_scale_log2 : p.scale_log2) * (kLn2 * Cfg::kScoreInScale);
     auto scale_log2 = [&]() {
-        if constexpr (kMods) return 1.4426950408889634f * Cfg::kScoreOutScale;
+        if constexpr (kMods) return kLog2e * Cfg::kScoreOutScale;
         else if constexpr (kFp8) return fp8_scale_log2;
         else return p.scale_log2;
     };
@@ -312,7 +312,7 @@ __device__ __forceinline__ void fwd_mma(const typename Cfg::Params& p, const typ
                         + work.head * p.o_head_stride;
     float out_scale = 1.f;
     if constexpr (kFp8) out_scale = p.v_descale[kv_descale] * (Cfg::kE4M3 ? 256.f : 1.f);
-    const float sink_log2 = Cfg::kSinks ? p.sinks[work.head] * 1.4426950408889634f : 0.f;
+    const float sink_log2 = Cfg::kSinks ? p.sinks[work.head] * kLog2e : 0.f;
     store_output<Cfg::kOutBF16, 0, 0, Cfg::kSinks>(acc_o, row_max, row_sum, o, p.o_row_stride,
                                                    p.lse + static_cast<long long>(work.bh) * p.seqlen_q, m0 + warp_row0,
                                                    p.seqlen_q, lane, scale_log2(), out_scale, sink_log2);

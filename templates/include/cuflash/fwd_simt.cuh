@@ -22,7 +22,6 @@ __device__ __forceinline__ void fwd_simt(const typename Cfg::Params& p) {
     constexpr int kOutCols = (kD + kThreadsPerRow - 1) / kThreadsPerRow;
     constexpr int kQPitch = kD + 1;   // odd pitches: column walks hit distinct banks
     constexpr int kPPitch = kBN + 1;
-    constexpr float kLn2 = 0.6931471805599453f;
     static_assert(kThreadsPerRow <= 32 && (kThreadsPerRow & (kThreadsPerRow - 1)) == 0,
                   "a query row's lanes must be a power-of-two group inside one warp");
 
@@ -106,7 +105,16 @@ __device__ __forceinline__ void fwd_simt(const typename Cfg::Params& p) {
     if (row < p.seqlen_q) {
         float* o = static_cast<float*>(p.o) + work.batch * p.o_batch_stride + work.head * p.o_head_stride
                    + row * p.o_row_stride;
-        const float inv = row_sum == 0.f ? 0.f : 1.f / row_sum;
+        // kSinks: the sum also holds exp(sink), both taken to the larger of the row max and the
+        // sink (as online_softmax.cuh row_total), so a row with no key gives O = 0, LSE = the sink.
+        float top = row_max, kept = 1.f, total = row_sum;
+        if constexpr (Cfg::kSinks) {
+            const float sink_log2 = p.sinks[work.head] * kLog2e;
+            top = fmaxf(row_max, sink_log2);
+            kept = top == neg_inf() ? 0.f : exp2f(row_max - top);
+            total = row_sum * kept + (top == neg_inf() ? 0.f : exp2f(sink_log2 - top));
+        }
+        const float inv = total == 0.f ? 0.f : kept / total;
 #pragma unroll
         for (int c = 0; c < kOutCols; ++c) {
             const int d = sub + c * kThreadsPerRow;
@@ -114,7 +122,7 @@ __device__ __forceinline__ void fwd_simt(const typename Cfg::Params& p) {
         }
         if (sub == 0)
             p.lse[static_cast<long long>(work.bh) * p.seqlen_q + row] =
-                row_sum == 0.f ? neg_inf() : row_max * kLn2 + logf(row_sum);
+                total == 0.f ? neg_inf() : top * kLn2 + logf(total);
     }
 }
 

@@ -204,7 +204,7 @@ __device__ __forceinline__ void fwd_wgmma(const typename Cfg::Params& p) {
     }
     cp_async_wait<0>();
     unsigned short* o = static_cast<unsigned short*>(p.o) + work.batch * p.o_batch_stride + work.head * p.o_head_stride;
-    const float sink_log2 = Cfg::kSinks ? p.sinks[work.head] * 1.4426950408889634f : 0.f;
+    const float sink_log2 = Cfg::kSinks ? p.sinks[work.head] * kLog2e : 0.f;
     store_output<Cfg::kBF16, 0, 0, Cfg::kSinks>(acc_o, row_max, row_sum, o, p.o_row_stride,
                                                 p.lse + static_cast<long long>(work.bh) * p.seqlen_q, m0 + warp_row0,
                                                 p.seqlen_q, lane, p.scale_log2, 1.f, sink_log2);

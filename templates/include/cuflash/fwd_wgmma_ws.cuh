@@ -371,8 +371,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         // With mods the scores are scaled (mod_scale) and modded before the softmax, which then
         // takes them in natural units times the score_mod's output factor.
         constexpr bool kMods = Cfg::kScoreMod || Cfg::kMaskMod;
-        const float mod_scale = scale_log2 * (0.6931471805599453f * Cfg::kScoreInScale);
-        if constexpr (kMods) scale_log2 = 1.4426950408889634f * Cfg::kScoreOutScale;
+        const float mod_scale = scale_log2 * (kLn2 * Cfg::kScoreInScale);
+        if constexpr (kMods) scale_log2 = kLog2e * Cfg::kScoreOutScale;
         constexpr int kLog2Boost = Cfg::kFp8 ? 8 : 0;
         // kLazyRescale: the row max moves only when a tile's max exceeds it by more than the
         // slack (softmax_step), in raw-score units here; max() keeps it finite at a scale of 0.
@@ -506,7 +506,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                                   : p.lse + static_cast<long long>(work.bh) * p.seqlen_q;
         unsigned short* o = static_cast<unsigned short*>(p.o) + work.batch * p.o_batch_stride + work.head * p.o_head_stride;
         if constexpr (kVarlen) o += epi_q_start * p.o_row_stride;
-        const float sink_log2 = Cfg::kSinks ? p.sinks[work.head] * 1.4426950408889634f : 0.f;  // natural -> log2
+        const float sink_log2 = Cfg::kSinks ? p.sinks[work.head] * kLog2e : 0.f;  // natural -> log2
         const int kind = kind_slot & 3;
         if (kSplitKeys && kind != kWholeTile) {
             // A piece of a tile dealt out by keys (block.cuh): the piece that ends a share leaves

@@ -160,7 +160,6 @@ __device__ __forceinline__ void fp8_probs_operand(u32 (&a)[4], const float (&s)[
 // has a sum of at least 1 (its max's own term), where lg2.approx is accurate to 2^-22.
 template <int kLog2Boost>
 __device__ __forceinline__ float row_lse(float row_max, float sum, float scale_log2) {
-    constexpr float kLn2 = 0.6931471805599453f;
     return sum == 0.f ? neg_inf() : (row_max * scale_log2 + log2_approx(sum) - kLog2Boost) * kLn2;
 }
 
@@ -174,8 +173,7 @@ template <int kLog2Boost, bool kSink>
 __device__ __forceinline__ void row_total(float row_max, float sum, float scale_log2, float out_scale,
                                           float sink_log2, float& inv, float& lse) {
     if constexpr (kSink) {
-        constexpr float kLn2 = 0.6931471805599453f;
-        const float base = row_max == neg_inf() ? neg_inf() : row_max * scale_log2;
+            const float base = row_max == neg_inf() ? neg_inf() : row_max * scale_log2;
         const float top = fmaxf(base, sink_log2);
         const float kept = top == neg_inf() ? 0.f : exp2_approx(base - top);  // the sum's and O's factor
         const float total = sum * kept + (top == neg_inf() ? 0.f : exp2_approx(sink_log2 - top + kLog2Boost));

@@ -14,6 +14,10 @@ __device__ __forceinline__ u32 smem_addr(const void* ptr) {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// Natural-log values (logits, LSE) to the kernels' base-2 units and back.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
 // threadIdx.x, read where the call stands: the compiler neither reuses an earlier read nor
 // computes what derives from it ahead of the code before the call.
 __device__ __forceinline__ int thread_index_reread() {
