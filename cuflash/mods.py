@@ -110,15 +110,61 @@ def sliding_window(window: int, causal: bool = True):
 
 def document_mask(document_ids, causal: bool = False):
     """The mask_mod of packed documents: query and key attend when ``document_ids[b, q_idx] ==
-    document_ids[b, kv_idx]`` (int32 [batch, seqlen]; one sequence for queries and keys), and
-    with ``causal`` also q_idx >= kv_idx."""
-    if causal:
+    document_ids[b, kv_idx]`` (integers [batch, seqlen]; one sequence for queries and keys), and
+    with ``causal`` also q_idx >= kv_idx.
+
+    When every id of a row fills one run of consecutive positions (packed documents), the mod
+    reads the bounds of the query's run instead (``kv_idx`` in ``[start, end)``): one or two loads
+    per query row rather than one per key. The ids are then read once, here: after changing them,
+    make a new mask_mod. Other ids are compared as they are when the kernel runs."""
+    bounds = _run_bounds(document_ids)
+    if bounds is not None:
+        starts, ends = bounds
+        if causal:
+            def document_mod(b, h, q_idx, kv_idx):
+                return (kv_idx >= starts[b, q_idx]) & (q_idx >= kv_idx)
+        else:
+            def document_mod(b, h, q_idx, kv_idx):
+                return (kv_idx >= starts[b, q_idx]) & (kv_idx < ends[b, q_idx])
+    elif causal:
         def document_mod(b, h, q_idx, kv_idx):
             return (document_ids[b, q_idx] == document_ids[b, kv_idx]) & (q_idx >= kv_idx)
     else:
         def document_mod(b, h, q_idx, kv_idx):
             return document_ids[b, q_idx] == document_ids[b, kv_idx]
     return document_mod
+
+
+def _run_bounds(ids):
+    """(starts, ends): int32 [batch, seqlen], the first and one past the last position of each
+    position's run of equal ids, on the ids' device (or NumPy for NumPy ids); None unless ids is a
+    2-d integer array whose every id fills a single run in its row."""
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    on_device = cupy is not None and isinstance(ids, cupy.ndarray)
+    if not (on_device or isinstance(ids, np.ndarray)) or ids.ndim != 2 or ids.dtype.kind not in "iu" \
+            or 0 in ids.shape or ids.shape[1] >= 2**31:
+        return None
+    host = cupy.asnumpy(ids) if on_device else ids
+    batch, n = host.shape
+    starts_run = np.ones(host.shape, bool)
+    starts_run[:, 1:] = host[:, 1:] != host[:, :-1]
+    ordered = np.sort(host, axis=1)
+    distinct = 1 + (ordered[:, 1:] != ordered[:, :-1]).sum(axis=1)
+    if (starts_run.sum(axis=1) != distinct).any():
+        return None
+    index = np.arange(n, dtype=np.int64)
+    starts = np.maximum.accumulate(np.where(starts_run, index, 0), axis=1)
+    ends_run = np.ones(host.shape, bool)
+    ends_run[:, :-1] = starts_run[:, 1:]
+    ends = np.minimum.accumulate(np.where(ends_run, index + 1, n)[:, ::-1], axis=1)[:, ::-1]
+    starts, ends = (np.ascontiguousarray(x, dtype=np.int32) for x in (starts, ends))
+    if not on_device:
+        return starts, ends
+    with cupy.cuda.Device(ids.device.id):
+        return cupy.asarray(starts), cupy.asarray(ends)
 
 
 def _combined(masks, op, name):

@@ -102,7 +102,8 @@ def test_combined_masks_in_the_reference():
 
 def test_combinators_capture_the_arrays_of_the_masks_they_combine():
     graph = mods.trace_mask_mod(mods.and_masks(mods.document_mask(DOC), mods.prefix_lm(np.array([3, 4], np.int32))))
-    assert len(graph.arrays) == 2 and graph.array_signature == (("int32", 2), ("int32", 1))
+    # the documents' run starts and ends (DOC's ids each fill one run), then the prefix lengths
+    assert len(graph.arrays) == 3 and graph.array_signature == (("int32", 2), ("int32", 2), ("int32", 1))
     again = mods.trace_mask_mod(mods.and_masks(mods.document_mask(DOC), mods.prefix_lm(np.array([5, 6], np.int32))))
     assert again.digest == graph.digest  # contents are not part of the specialization
     assert "cuflash_mask_mod_" in mods.cuda_source(graph)

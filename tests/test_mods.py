@@ -218,6 +218,22 @@ def test_a_relative_position_table_and_a_document_mask():
     assert np.allclose(out, want[0], atol=1e-12) and np.allclose(lse, want[1], atol=1e-12)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("doc", [
+    np.array([[0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3], [4, 4, 4, 4, 4, 4, 9, 9, 9, 9, 9, 9]], np.int32),  # runs
+    np.array([[0, 0, 1, 1, 0, 0, 2, 2, 1, 1, 1, 1], [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3]], np.int32),  # ids come back
+], ids=["runs", "returning"])
+def test_document_masks_compare_ids_whichever_form_they_take(doc, causal):
+    q, k, v = _qkv(batch=2, heads=2, heads_k=2, seqlen_q=12, seqlen_k=12)
+    mask_mod = mods.document_mask(doc, causal=causal)
+    runs = doc[0, 4] != 0
+    assert len(mods.trace_mask_mod(mask_mod).arrays) == ((1 if causal else 2) if runs else 1)
+    out, lse = reference.attention_reference(q, k, v, mask_mod=mask_mod)
+    b, h, qi, ki = _grids((2, 2, 12, 12))
+    want = _plain(q, k, v, lambda s: s, lambda shape: (doc[b, qi] == doc[b, ki]) & ((qi >= ki) | (not causal)))
+    assert np.allclose(out, want[0], atol=1e-12) and np.allclose(lse, want[1], atol=1e-12)
+
+
 def test_fully_masked_rows_give_zero_and_minus_infinity():
     q, k, v = _qkv(heads=2, heads_k=2, seqlen_q=20, seqlen_k=20)
 
