@@ -101,11 +101,11 @@ def kernel_kinds(mask: BlockMask, block_m: int, block_n: int, causal: bool) -> n
 
 
 def kernel_tables(mask: BlockMask, block_m: int, block_n: int, causal: bool, by_key: bool = False):
-    """(counts, entries, packed) for a kernel with tiles block_m x block_n, made once per tile
-    shape and device and kept with the mask: per query tile the count of key tiles to visit and
-    the entries key tile << 1 | full, ascending (CuPy int32 [b, h, q_tiles] and [b, h, q_tiles,
+    """(counts, entries, packed, order) for a kernel with tiles block_m x block_n, made once per
+    tile shape and device and kept with the mask: per query tile the count of key tiles to visit
+    and the entries key tile << 1 | full, ascending (CuPy int32 [b, h, q_tiles] and [b, h, q_tiles,
     k_tiles]); ``by_key``: per key tile its query tiles, for a key-outer backward. packed: the
-    kernel's BlockSparse struct (cuflash/mods.cuh)."""
+    kernel's BlockSparse struct (cuflash/mods.cuh); order: :func:`heaviest_first` of the counts."""
     import cupy
 
     key = (block_m, block_n, causal, by_key, cupy.cuda.Device().id)
@@ -113,13 +113,21 @@ def kernel_tables(mask: BlockMask, block_m: int, block_n: int, causal: bool, by_
     if found is not None:
         return found
     counts, entries = host_tables(mask, block_m, block_n, causal, by_key)
-    counts_d, entries_d = cupy.asarray(counts), cupy.asarray(entries)
+    counts_d, entries_d, order_d = cupy.asarray(counts), cupy.asarray(entries), cupy.asarray(heaviest_first(counts))
     b, h, q_tiles, k_tiles = entries.shape
-    packed = struct.pack("<QQ4qii", counts_d.data.ptr, entries_d.data.ptr, h * q_tiles if b > 1 else 0,
-                         q_tiles if h > 1 else 0, h * q_tiles * k_tiles if b > 1 else 0,
-                         q_tiles * k_tiles if h > 1 else 0, k_tiles, 0)
-    found = mask._tables[key] = (counts_d, entries_d, packed)
+    packed = struct.pack("<QQQ4qii", counts_d.data.ptr, entries_d.data.ptr, order_d.data.ptr,
+                         h * q_tiles if b > 1 else 0, q_tiles if h > 1 else 0,
+                         h * q_tiles * k_tiles if b > 1 else 0, q_tiles * k_tiles if h > 1 else 0, k_tiles, 0)
+    found = mask._tables[key] = (counts_d, entries_d, packed, order_d)
     return found
+
+
+def heaviest_first(counts: np.ndarray) -> np.ndarray:
+    """Per (batch, head) row of ``counts`` (visits per tile, last axis), its tiles by falling
+    count, the later tile first among equal counts (int32, the shape of counts): a forward that
+    takes its tiles in this order from a shared counter ends on its lightest ones."""
+    n = counts.shape[-1]
+    return np.ascontiguousarray(n - 1 - np.argsort(-counts[..., ::-1], axis=-1, kind="stable"), np.int32)
 
 
 def host_tables(mask: BlockMask, block_m: int, block_n: int, causal: bool, by_key: bool = False):

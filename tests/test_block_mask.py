@@ -129,3 +129,11 @@ def test_kernel_tables_list_the_kernel_tiles_in_c_order(name, by_key):
             assert n == visit.size
             assert list(entries[index][:n] >> 1) == list(visit)
             assert list(entries[index][:n] & 1) == list((kind[index][visit] == FULL).astype(int))
+
+
+def test_tiles_are_taken_heaviest_first_the_later_first_among_equals():
+    from cuflash.sparsity import heaviest_first
+    counts = np.array([[[1, 3, 3, 0, 2], [5, 4, 3, 2, 1]]], np.int32)
+    np.testing.assert_array_equal(heaviest_first(counts), [[[2, 1, 4, 0, 3], [0, 1, 2, 3, 4]]])
+    causal = np.arange(1, 9, dtype=np.int32)[None, None]  # a causal mask's counts: the plain order, last first
+    np.testing.assert_array_equal(heaviest_first(causal)[0, 0], np.arange(8)[::-1])

@@ -72,6 +72,17 @@ struct BlockWork {
         v = static_cast<const T*>(p.v) + batch * p.v_batch_stride + head_k * p.v_head_stride;
     }
 
+    // The same (batch, head)'s query tile q_tile instead (a block mask's order of work).
+    template <class Params>
+    __device__ __forceinline__ void move_to(const Params& p, int q_tile) {
+        const int new_m0 = q_tile * kBlockM;
+        q += static_cast<long long>(new_m0 - m0) * p.q_row_stride;
+        m0 = new_m0;
+        int n_end = p.seqlen_k;
+        if constexpr (kCausal) n_end = min(n_end, m0 + kBlockM + causal_offset);
+        n_tiles = n_end > 0 ? (n_end + kBlockN - 1) / kBlockN : 0;
+    }
+
     // The tile of packed sequence `batch` (varlen): its lengths from the offsets. A sequence whose
     // offsets fall outside the packed rows or decrease, or with more than p.seqlen_q queries (the
     // longest, which sized the work), has no rows: its tiles are skipped and its rows left as they are.

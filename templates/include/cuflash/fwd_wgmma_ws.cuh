@@ -124,6 +124,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     auto work_of = [&](int tile) {
         Work w(p, tile, q_tiles);
         if constexpr (kVarlen) w.set_sequence(p, varlen);
+        if constexpr (Cfg::kBlockSparse)  // the x-th heaviest tile by the block mask's counts
+            w.move_to(p, mods.sparse.nth_heaviest(w.batch, w.head, q_tiles - 1 - w.m0 / kBM));
         return w;
     };
     auto seqlen_q_of = [&](const Work& w) { return kVarlen ? w.seqlen_q : p.seqlen_q; };

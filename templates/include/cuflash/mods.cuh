@@ -8,15 +8,21 @@ namespace cuflash {
 
 // A block mask's visit lists at the kernel's tiles (cuflash.sparsity): per (batch, head, query
 // tile) a count and that many entries, key tile << 1 | full, ascending; strides in elements (0
-// for a broadcast batch or head).
+// for a broadcast batch or head). The forward's `order` (laid out as the counts) lists each
+// (batch, head)'s query tiles by falling count: the forward takes its tiles in that order.
 struct BlockSparse {
     const int* counts;
     const int* entries;
+    const int* order;
     long long count_batch, count_head, entry_batch, entry_head;
     int max_entries, unused;
 
     __device__ __forceinline__ int count(int batch, int head, int q_tile) const {
         return counts[batch * count_batch + head * count_head + q_tile];
+    }
+    // The query tile a (batch, head) takes x-th, heaviest first.
+    __device__ __forceinline__ int nth_heaviest(int batch, int head, int x) const {
+        return order[batch * count_batch + head * count_head + x];
     }
     __device__ __forceinline__ const int* row(int batch, int head, int q_tile) const {
         return entries + batch * entry_batch + head * entry_head + static_cast<long long>(q_tile) * max_entries;
