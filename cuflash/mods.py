@@ -94,6 +94,22 @@ def alibi(slopes):
     return alibi_mod
 
 
+def relative_bias(table):
+    """The score_mod ``score + table[h, d + m - 1]`` of a relative-position bias table [heads,
+    2m - 1] (float; T5-style buckets expanded to distances), d = q_idx - kv_idx clipped to
+    [-(m - 1), m - 1]: distances beyond the table take its end columns. The table is a constant of
+    the kernels (no gradient)."""
+    shape = getattr(table, "shape", None)
+    if shape is None or len(shape) != 2 or shape[1] % 2 == 0:
+        raise ValueError(f"table.shape={shape} must be (heads, 2 m - 1): one column per distance from "
+                         f"-(m - 1) to m - 1")
+    reach = (shape[1] - 1) // 2
+
+    def relative_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, maximum(minimum(q_idx - kv_idx, reach), -reach) + reach]
+    return relative_mod
+
+
 def sliding_window(window: int, causal: bool = True):
     """The mask_mod of a window of ``window`` keys ending at each query (and, without ``causal``,
     as many after it)."""

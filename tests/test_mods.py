@@ -218,6 +218,18 @@ def test_a_relative_position_table_and_a_document_mask():
     assert np.allclose(out, want[0], atol=1e-12) and np.allclose(lse, want[1], atol=1e-12)
 
 
+def test_relative_bias_clips_distances_to_its_table():
+    q, k, v = _qkv(batch=1, heads=3, heads_k=3, seqlen_q=20, seqlen_k=26)
+    table = RNG.standard_normal((3, 9)).astype(np.float32)  # distances -4 .. 4
+    out, lse = reference.attention_reference(q, k, v, score_mod=mods.relative_bias(table))
+    b, h, qi, ki = _grids((1, 3, 20, 26))
+    want = _plain(q, k, v, lambda s: s + table.astype(np.float64)[h, np.clip(qi - ki, -4, 4) + 4],
+                  lambda shape: np.ones(shape, bool))
+    assert np.allclose(out, want[0], atol=1e-12) and np.allclose(lse, want[1], atol=1e-12)
+    with pytest.raises(ValueError, match=r"table.shape=\(3, 8\) must be \(heads, 2 m - 1\)"):
+        mods.relative_bias(np.zeros((3, 8), np.float32))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("doc", [
     np.array([[0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3], [4, 4, 4, 4, 4, 4, 9, 9, 9, 9, 9, 9]], np.int32),  # runs

@@ -51,6 +51,8 @@ def _case(name, rng, batch, heads, seqlen_q, seqlen_k):
         def relative_bias(score, b, h, q_idx, kv_idx):
             return score + table[h, q_idx - kv_idx + offset]
         return relative_bias, None, False
+    if name == "relative_clipped":  # the built-in, its table narrower than the distances
+        return mods.relative_bias(cupy.asarray(rng.standard_normal((heads, 31)).astype(np.float32))), None, True
     if name == "holes":
         def holes(b, h, q_idx, kv_idx):  # every fifth query row attends nothing
             return (q_idx % 5 != 2) & (kv_idx % 3 != 1)
@@ -70,8 +72,8 @@ def _case(name, rng, batch, heads, seqlen_q, seqlen_k):
     raise KeyError(name)
 
 
-CASES = ("softcap", "alibi", "window", "document", "relative_bias", "holes", "composed", "softcap_window", "prefix",
-         "per_head")
+CASES = ("softcap", "alibi", "window", "document", "relative_bias", "relative_clipped", "holes", "composed",
+         "softcap_window", "prefix", "per_head")
 DETERMINISTIC_CASES = ("softcap_window", "relative_bias", "holes")
 
 
