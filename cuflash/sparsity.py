@@ -103,10 +103,9 @@ def kernel_kinds(mask: BlockMask, block_m: int, block_n: int, causal: bool) -> n
 def kernel_tables(mask: BlockMask, block_m: int, block_n: int, causal: bool, by_key: bool = False):
     """(counts, entries, packed, order) for a kernel with tiles block_m x block_n, made once per
     tile shape and device and kept with the mask: per query tile the count of key tiles to visit
-    and the entries key tile << 1 | full (CuPy int32 [b, h, q_tiles] and [b, h, q_tiles,
-    k_tiles]), those that need no mask first, each group ascending (host_tables); ``by_key``: per
-    key tile its query tiles, ascending, for a key-outer backward. packed: the kernel's
-    BlockSparse struct (cuflash/mods.cuh); order: :func:`heaviest_first` of the counts."""
+    and the entries key tile << 1 | full, ascending (CuPy int32 [b, h, q_tiles] and [b, h, q_tiles,
+    k_tiles]); ``by_key``: per key tile its query tiles, for a key-outer backward. packed: the
+    kernel's BlockSparse struct (cuflash/mods.cuh); order: :func:`heaviest_first` of the counts."""
     import cupy
 
     key = (block_m, block_n, causal, by_key, cupy.cuda.Device().id)
@@ -140,16 +139,6 @@ def host_tables(mask: BlockMask, block_m: int, block_n: int, causal: bool, by_ke
     counts, order = _lists(kind)
     full = np.take_along_axis(kind, np.maximum(order, 0), -1) == FULL
     entries = np.where(order >= 0, np.maximum(order, 0) * 2 + full, 0)
-    if not by_key:
-        # The forward visits a list last entry first and masks its leading tiles only: the tiles
-        # that need a mask (partial, the causal diagonal's, the keys' tail) go last, each group
-        # ascending, the padding after them.
-        seqlen_q, seqlen_k = mask.shape[2:]
-        n0 = np.maximum(order, 0) * block_n
-        m0 = np.arange(kind.shape[2])[:, None] * block_m
-        masked = ~full | (n0 + block_n > seqlen_k) | (causal & (n0 + block_n - 1 > m0 + seqlen_k - seqlen_q))
-        group = np.where(order < 0, 2, masked.astype(np.int8))
-        entries = np.take_along_axis(entries, np.argsort(group, axis=-1, kind="stable"), -1)
     return np.ascontiguousarray(counts, np.int32), np.ascontiguousarray(entries, np.int32)
 
 

@@ -387,10 +387,9 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             constexpr bool kHalf = sizeof(s) < sizeof(acc_s);
             fence_operands(s[0]);
             const int n0 = n0_at(i);
-            // kSparse: only the leading, masked loop meets tiles the block mask found partial.
             if constexpr (kMods)
                 apply_mods<Cfg>(s, mods, mod_scale, work.batch, work.head, work.m0 + warp_row0, n0, lane,
-                                !kSparse || (decltype(may_mask)::value && !(entry & 1)));
+                                !kSparse || !(entry & 1));
             if (kHalf || (decltype(may_mask)::value && work.needs_mask(n0, seqlen_k_of(work))))
                 mask_scores<Cfg::kCausal>(s, n0, work.m0 + warp_row0, lane, seqlen_k_of(work), work.causal_offset);
             softmax_step<kLog2Boost, !kSums, kLazy>(s, row_max, row_sum, alphas, scale_log2, slack);
@@ -459,23 +458,15 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
                 probs_registers<Cfg>(probs, acc_s[0]);
             };
             // The tiles that need a mask are the first ones visited: without a causal mask only
-            // the keys' tail (tile 0, above), with one also the diagonal's; kSparse: also those
-            // the block mask found partial (sparsity.host_tables lists them last). Unless
-            // kMaskInLoop, they run in a loop of their own and the loop of the others has no
-            // masking branch: ptxas places the wait for P_{i-1} V_{i-1} where that branch joins,
-            // and without it lets the softmax's max and first exponentials run before the wait.
+            // the keys' tail (tile 0, above), with one also the diagonal's. Unless kMaskInLoop, they
+            // run in a loop of their own and the loop of the others has no masking branch: ptxas
+            // places the wait for P_{i-1} V_{i-1} where that branch joins, and without it lets
+            // the softmax's max and first exponentials run before the wait.
             int i = 1;
-            if constexpr ((Cfg::kCausal || kSparse) && !Cfg::kMaskInLoop) {
-                auto masked = [&](int i) {
-                    if constexpr (kSparse) {
-                        const int e = visit_entry(kt, t_begin + i);
-                        return !(e & 1) || work.needs_mask((e >> 1) * kBN, seqlen_k_of(work));
-                    } else {
-                        return work.needs_mask(first_n0 - i * kBN, seqlen_k_of(work));
-                    }
-                };
-                for (; i < n_tiles && masked(i); ++i) key_step(i, Flag<true>());
-            }
+            if constexpr (Cfg::kCausal && !Cfg::kMaskInLoop)
+                for (; i < n_tiles && work.needs_mask(kSparse ? visit_n0(kt, t_begin + i) : first_n0 - i * kBN,
+                                                      seqlen_k_of(work)); ++i)
+                    key_step(i, Flag<true>());
             for (; i < n_tiles; ++i) key_step(i, Flag<Cfg::kMaskInLoop>());
             const int c = ring + n_tiles - 1;
             if constexpr (Cfg::kEarlyRescale) {
