@@ -164,35 +164,48 @@ def _on_cuda(named, work):
         return tuple(_to_jax(cupy, r) for r in results)
 
 
-def _forward(q, k, v, causal, scale, layout, return_lse):
-    def work(q, k, v):
-        result = _attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=return_lse)
+def _named(**arrays):
+    """(name, array) pairs of the arrays given, leaving out the None ones (absent sinks)."""
+    return tuple((name, x) for name, x in arrays.items() if x is not None)
+
+
+def _sinks_kwargs(rest) -> dict:
+    """The ``sinks=`` of a call whose named arrays ended with the sinks (``rest``: them or nothing)."""
+    return {"sinks": rest[0]} if rest else {}
+
+
+def _forward(q, k, v, sinks, causal, scale, layout, return_lse):
+    def work(q, k, v, *sinks_):
+        result = _attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=return_lse,
+                            **_sinks_kwargs(sinks_))
         return result if return_lse else (result,)
 
-    return _on_cuda((("q", q), ("k", k), ("v", v)), work)
+    return _on_cuda(_named(q=q, k=k, v=v, sinks=sinks), work)
 
 
 def _backward(causal, scale, layout, deterministic, residuals, dout):
-    q, k, v, out, lse = residuals
+    q, k, v, sinks, out, lse = residuals
 
-    def work(dout, q, k, v, out, lse):
+    def work(dout, q, k, v, out, lse, *sinks_):
         return _attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
-                                   deterministic=deterministic)
+                                   deterministic=deterministic, **_sinks_kwargs(sinks_))
 
-    return _on_cuda((("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)), work)
-
-
-# The flags are static (nondiff_argnums); q, k and v are differentiated. One function returns the
-# output alone, the other the LSE too (whose cotangent is ignored, as FlashAttention's).
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _attention_out(q, k, v, causal, scale, layout, deterministic):
-    return _forward(q, k, v, causal, scale, layout, False)[0]
+    grads = _on_cuda(_named(dout=dout, q=q, k=k, v=v, out=out, lse=lse, sinks=sinks), work)
+    return (*grads[:3], grads[3] if sinks is not None else None)
 
 
-def _attention_out_fwd(q, k, v, causal, scale, layout, deterministic):
-    out, lse = _forward(q, k, v, causal, scale, layout, True)
-    return out, (q, k, v, out, lse)
+# The flags are static (nondiff_argnums); q, k, v and the sinks (None: none) are differentiated. One
+# function returns the output alone, the other the LSE too (whose cotangent is ignored, as
+# FlashAttention's).
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention_out(q, k, v, sinks, causal, scale, layout, deterministic):
+    return _forward(q, k, v, sinks, causal, scale, layout, False)[0]
+
+
+def _attention_out_fwd(q, k, v, sinks, causal, scale, layout, deterministic):
+    out, lse = _forward(q, k, v, sinks, causal, scale, layout, True)
+    return out, (q, k, v, sinks, out, lse)
 
 
 def _attention_out_bwd(causal, scale, layout, deterministic, residuals, dout):
@@ -202,14 +215,14 @@ def _attention_out_bwd(causal, scale, layout, deterministic, residuals, dout):
 _attention_out.defvjp(_attention_out_fwd, _attention_out_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _attention_lse(q, k, v, causal, scale, layout, deterministic):
-    return _forward(q, k, v, causal, scale, layout, True)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention_lse(q, k, v, sinks, causal, scale, layout, deterministic):
+    return _forward(q, k, v, sinks, causal, scale, layout, True)
 
 
-def _attention_lse_fwd(q, k, v, causal, scale, layout, deterministic):
-    out, lse = _forward(q, k, v, causal, scale, layout, True)
-    return (out, lse), (q, k, v, out, lse)
+def _attention_lse_fwd(q, k, v, sinks, causal, scale, layout, deterministic):
+    out, lse = _forward(q, k, v, sinks, causal, scale, layout, True)
+    return (out, lse), (q, k, v, sinks, out, lse)
 
 
 def _attention_lse_bwd(causal, scale, layout, deterministic, residuals, cotangents):
@@ -221,8 +234,10 @@ _attention_lse.defvjp(_attention_lse_fwd, _attention_lse_bwd)
 
 # -- the call ----------------------------------------------------------------------------------------
 
-def _check(q, k, v, layout):
-    for name, x in (("q", q), ("k", k), ("v", v)):
+def _check(q, k, v, layout, sinks=None):
+    for name, x in (("q", q), ("k", k), ("v", v), ("sinks", sinks)):
+        if x is None and name == "sinks":
+            continue
         if not isinstance(x, jax.Array):  # tracers are jax.Arrays too: the eager calls name them
             raise TypeError(f"{name} must be a jax.Array, got {type(x).__module__}.{type(x).__name__}")
         if x.dtype not in _DTYPES:
@@ -235,9 +250,9 @@ def _check(q, k, v, layout):
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
-              return_lse: bool = False, deterministic: bool = False):
+              return_lse: bool = False, deterministic: bool = False, sinks=None):
     """:func:`cuflash.attention` on JAX arrays on a CUDA GPU, differentiable with respect to q, k
-    and v (``jax.grad``, ``jax.value_and_grad``, ``jax.vjp``), eagerly only.
+    and v (and the sinks) (``jax.grad``, ``jax.value_and_grad``, ``jax.vjp``), eagerly only.
 
     Args:
         q: [batch, heads, seqlen_q, head_dim] (``layout="bshd"``: [batch, seqlen_q, heads, head_dim]),
@@ -248,6 +263,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
         return_lse: also return the natural-log LSE, float32 [batch, heads, seqlen_q]; it is not
             differentiated through.
         deterministic: the backward accumulates dQ in a fixed order (bit-identical runs).
+        sinks: attention sinks, one logit per query head ([heads], float16, bfloat16 or float32,
+            on q's device), as for :func:`cuflash.attention`; their gradient has their dtype.
 
     Returns:
         The output, in ``layout`` and q's dtype (and the LSE with ``return_lse``), on q's device,
@@ -256,7 +273,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
     Raises:
         TypeError: inside ``jax.jit``, ``jax.vmap`` and the other transformations that trace.
     """
-    _check(q, k, v, layout)
+    _check(q, k, v, layout, sinks)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if not isinstance(deterministic, bool):
@@ -266,7 +283,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
     function = _attention_lse if return_lse else _attention_out
-    return function(q, k, v, causal, float(scale), layout, deterministic)
+    return function(q, k, v, sinks, causal, float(scale), layout, deterministic)
 
 
 __all__ = ["attention", "LAYOUTS"]

@@ -103,14 +103,15 @@ def reference_kernels(monkeypatch):
         calls.append(tuple(name for name, _ in named))
         return tuple(_cpu(r) for r in work(*(np.asarray(x) for _, x in named)))
 
-    def forward(q, k, v, *, causal, scale, layout, return_lse):
-        out, lse = reference.attention_reference(q, k, v, causal=causal, scale=scale, layout=layout)
+    def forward(q, k, v, *, causal, scale, layout, return_lse, **sinks):
+        out, lse = reference.attention_reference(q, k, v, causal=causal, scale=scale, layout=layout, **sinks)
         out, lse = out.astype(q.dtype), lse.astype(np.float32)
         return (out, lse) if return_lse else out
 
-    def backward(dout, q, k, v, out, lse, *, causal, scale, layout, deterministic):
-        grads = reference.attention_backward_reference(dout, q, k, v, causal=causal, scale=scale, layout=layout)
-        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+    def backward(dout, q, k, v, out, lse, *, causal, scale, layout, deterministic, **sinks):
+        grads = reference.attention_backward_reference(dout, q, k, v, causal=causal, scale=scale, layout=layout,
+                                                       **sinks)
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v, *sinks.values())))
 
     monkeypatch.setattr(cj, "_on_cuda", on_host)
     monkeypatch.setattr(cj, "_attention", forward)
@@ -155,6 +156,26 @@ def test_grad_value_and_grad_and_vjp_run_cuflashs_backward_eagerly(reference_ker
         for got, ref in zip(result, want):
             assert got.dtype == jnp.float32 and np.allclose(np.asarray(got), ref, atol=1e-5)
     assert reference_kernels == [FORWARD, BACKWARD] * 3
+
+
+@needs_jax
+def test_sinks_are_an_argument_and_get_their_gradient(reference_kernels):
+    q, k, v, dout = _problem()
+    sinks = np.random.default_rng(1).normal(0.5, 1.0, 4).astype(np.float32)
+    want = reference.attention_backward_reference(dout, q, k, v, causal=True, layout="bshd", sinks=sinks)
+
+    def loss(q, k, v, sinks):
+        return (cj.attention(q, k, v, causal=True, layout="bshd", sinks=sinks) * dout).sum()
+
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*(_cpu(x) for x in (q, k, v, sinks)))
+    for got, ref in zip(grads, want):
+        assert got.dtype == jnp.float32 and np.allclose(np.asarray(got), ref, atol=1e-5)
+    out, lse = cj.attention(*(_cpu(x) for x in (q, k, v)), layout="bshd", return_lse=True, sinks=_cpu(sinks))
+    ref_out, ref_lse = reference.attention_reference(q, k, v, layout="bshd", sinks=sinks)
+    assert np.allclose(np.asarray(out), ref_out, atol=1e-6) and np.allclose(np.asarray(lse), ref_lse, atol=1e-5)
+    assert reference_kernels == [FORWARD + ("sinks",), BACKWARD + ("sinks",), FORWARD + ("sinks",)]
+    with pytest.raises(TypeError, match="sinks must be a jax.Array, got numpy.ndarray"):
+        cj.attention(*(_cpu(x) for x in (q, k, v)), layout="bshd", sinks=sinks)
 
 
 @needs_jax

@@ -65,6 +65,29 @@ def test_forward_and_gradients_against_the_reference(problem, cuda_device):
                            problem.dtype, baselines=problem.backward_naive(dout, q, k, v))
 
 
+def test_sinks_and_their_gradient(cuda_device):
+    import cuflash.jax as cj
+    from cuflash import reference
+    problem = PROBLEMS[0]
+    (q, k, v, dout), (jq, jk, jv, jdout) = _inputs(problem, cuda_device, seed=9)
+    sinks = np.random.default_rng(9).normal(0.5, 1.0, problem.heads).astype(np.float32)
+    out = cj.attention(jq, jk, jv, causal=True, sinks=jax.device_put(sinks, cuda_device))
+    kw = dict(causal=True, sinks=sinks)
+    assert_attention_close(np.asarray(out), reference.attention_reference(q, k, v, **kw)[0], problem.dtype,
+                           baseline=reference.attention_naive(q, k, v, **kw)[0])
+
+    def loss(q, k, v, sinks):
+        out = cj.attention(q, k, v, causal=True, sinks=sinks)
+        return (out.astype(jnp.float32) * jdout.astype(jnp.float32)).sum()
+
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(jq, jk, jv, jax.device_put(sinks, cuda_device))
+    assert grads[3].dtype == jnp.float32 and grads[3].shape == sinks.shape
+    ref = reference.attention_backward_reference(dout, q, k, v, **kw)
+    assert_gradients_close(tuple(np.asarray(g) for g in grads[:3]), ref[:3], problem.dtype,
+                           baselines=reference.attention_backward_naive(dout, q, k, v, **kw)[:3])
+    assert np.allclose(np.asarray(grads[3]), ref[3], atol=0.05 * (1 + np.abs(ref[3]).max()))
+
+
 def test_vjp_with_the_lse_matches_grad_bit_for_bit(cuda_device):
     import cuflash.jax as cj
     problem = PROBLEMS[0]
