@@ -105,7 +105,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
         sinks: attention sinks (gpt-oss): a CuPy array [heads] of logits, one per query head, each
             added to its rows' softmax sums as ``exp(sinks[h])``: a share of the probability that
             attends no value. The LSE includes it; a row with no key then gives O = 0 and LSE =
-            its sink. Any float dtype (read as float32); fp16 and bf16 inputs.
+            its sink. Any float dtype (read as float32); every input dtype (FP8: the forward).
 
     Returns:
         The output in q's dtype (FP8: ``out_dtype``) and layout (rows with no key to attend are

@@ -105,7 +105,8 @@ def kernel_tables(mask: BlockMask, block_m: int, block_n: int, causal: bool, by_
     tile shape and device and kept with the mask: per query tile the count of key tiles to visit
     and the entries key tile << 1 | full, ascending (CuPy int32 [b, h, q_tiles] and [b, h, q_tiles,
     k_tiles]); ``by_key``: per key tile its query tiles, for a key-outer backward. packed: the
-    kernel's BlockSparse struct (cuflash/mods.cuh); order: :func:`heaviest_first` of the counts."""
+    kernel's BlockSparse struct (cuflash/mods.cuh); order: :func:`heaviest_first` of the counts (None
+    ``by_key``)."""
     import cupy
 
     key = (block_m, block_n, causal, by_key, cupy.cuda.Device().id)
@@ -113,9 +114,10 @@ def kernel_tables(mask: BlockMask, block_m: int, block_n: int, causal: bool, by_
     if found is not None:
         return found
     counts, entries = host_tables(mask, block_m, block_n, causal, by_key)
-    counts_d, entries_d, order_d = cupy.asarray(counts), cupy.asarray(entries), cupy.asarray(heaviest_first(counts))
+    counts_d, entries_d = cupy.asarray(counts), cupy.asarray(entries)
+    order_d = None if by_key else cupy.asarray(heaviest_first(counts))  # the forward's order of work
     b, h, q_tiles, k_tiles = entries.shape
-    packed = struct.pack("<QQQ4qii", counts_d.data.ptr, entries_d.data.ptr, order_d.data.ptr,
+    packed = struct.pack("<QQQ4qii", counts_d.data.ptr, entries_d.data.ptr, 0 if by_key else order_d.data.ptr,
                          h * q_tiles if b > 1 else 0, q_tiles if h > 1 else 0,
                          h * q_tiles * k_tiles if b > 1 else 0, q_tiles * k_tiles if h > 1 else 0, k_tiles, 0)
     found = mask._tables[key] = (counts_d, entries_d, packed, order_d)

@@ -423,8 +423,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
             differentiated through.
         deterministic: the backward accumulates dQ in a fixed order (bit-identical runs).
         sinks: attention sinks (gpt-oss), a float tensor [heads] on q's device: one logit per query
-            head added to its rows' softmax sums (see :func:`cuflash.attention`); differentiable
-            (fp16 and bf16 inputs).
+            head added to its rows' softmax sums (see :func:`cuflash.attention`); differentiable.
 
     Returns:
         The output, contiguous in ``layout`` and q's dtype (and the LSE with ``return_lse``), on
