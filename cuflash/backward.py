@@ -18,7 +18,8 @@ from .core import modset as _modset
 from .core.bwd_spec import BwdSpec
 from .core.launch import launch_backward, rows_padded
 from .core.policy import default_bwd_spec
-from .core.validate import aligned_copy, aligned_for_async_copy, readable_by_tma, validate_backward, validate_sinks
+from .core.validate import (aligned_copy, aligned_for_async_copy, readable_by_tma, validate_backward, validate_sinks,
+                            validate_variants)
 from .forward import _arch, _on_device, _out_strides, attention
 
 
@@ -34,12 +35,14 @@ def select_bwd_spec(bp) -> BwdSpec:
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, layout="bhsd", deterministic=False,
-                       spec=None, score_mod=None, mask_mod=None, block_mask=None, sinks=None):
+                       spec=None, score_mod=None, mask_mod=None, block_mask=None, sinks=None, window_size=(-1, -1),
+                       softcap=0.0):
     """Gradients ``(dq, dk, dv)`` of :func:`cuflash.attention` with respect to q, k and v.
 
     Args:
         dout: gradient of the loss with respect to the output; shaped like ``out``.
-        q, k, v, causal, scale, layout, score_mod, mask_mod: exactly as passed to the forward
+        q, k, v, causal, scale, layout, score_mod, mask_mod, window_size, softcap: exactly as
+            passed to the forward
             (a score_mod's derivative with respect to the score is traced with it; the arrays
             mods capture are constants, with no gradient).
         block_mask: the forward's :class:`cuflash.BlockMask`, whose mask_mod it carries.
@@ -60,7 +63,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, lay
     """
     return _attention_backward(dout, q, k, v, out, lse, None, causal=causal, scale=scale, layout=layout,
                                deterministic=deterministic, spec=spec, score_mod=score_mod, mask_mod=mask_mod,
-                               block_mask=block_mask, sinks=sinks)
+                               block_mask=block_mask, sinks=sinks, window_size=window_size, softcap=softcap)
 
 
 def _sinks_grad(sinks, lse, delta):
@@ -75,7 +78,8 @@ def _sinks_grad(sinks, lse, delta):
 
 
 def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout, deterministic, spec,
-                        score_mod=None, mask_mod=None, block_mask=None, sinks=None):
+                        score_mod=None, mask_mod=None, block_mask=None, sinks=None, window_size=(-1, -1),
+                        softcap=0.0):
     """:func:`attention_backward`, writing into ``grads`` = (dq, dk, dv) when given: C-contiguous
     arrays shaped and typed like q, k and v (the torch bridge's)."""
     import cupy
@@ -83,6 +87,7 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
     bp = validate_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
                            deterministic=deterministic)
     problem = bp.forward
+    variants = validate_variants(window_size, softcap, causal)
     sinks32 = None if sinks is None else validate_sinks(sinks, problem.heads, problem.device_id)
     with _on_device(problem.device_id):
         dq, dk, dv = grads or (cupy.empty(q.shape, dtype=q.dtype), cupy.empty(k.shape, dtype=k.dtype),
@@ -93,6 +98,8 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
             # with no key every row's output is 0, so rowsum(dO * O) and the sinks' gradient are too
             return (dq, dk, dv) if sinks is None else (dq, dk, dv, cupy.zeros(sinks.shape, dtype=sinks.dtype))
         spec = select_bwd_spec(bp) if spec is None else _check_forced_spec(spec, bp)
+        if variants is not None:
+            score_mod, mask_mod, block_mask = _sparsity.flash_mods(problem, *variants, score_mod, mask_mod, block_mask)
         mods = _modset.prepare(score_mod, _sparsity.mask_mod_of(block_mask, mask_mod, problem), problem.device_id)
         sparse = b""
         if mods is not None:
@@ -159,7 +166,7 @@ def _check_forced_spec(spec, bp) -> BwdSpec:
 
 
 def attention_with_grad(q, k, v, *, causal=False, scale=None, layout="bhsd", deterministic=False, family=None,
-                        score_mod=None, mask_mod=None, block_mask=None, sinks=None):
+                        score_mod=None, mask_mod=None, block_mask=None, sinks=None, window_size=(-1, -1), softcap=0.0):
     """The forward output and a function mapping ``dout`` to ``(dq, dk, dv)`` (with ``sinks``:
     ``(dq, dk, dv, dsinks)``), for training without a framework::
 
@@ -169,7 +176,8 @@ def attention_with_grad(q, k, v, *, causal=False, scale=None, layout="bhsd", det
     The function keeps q, k, v, the output and its LSE alive until it is dropped.
     """
     out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True, layout=layout, family=family,
-                         score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, sinks=sinks)
+                         score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, sinks=sinks,
+                         window_size=window_size, softcap=softcap)
     if block_mask is not None and mask_mod is None:
         mask_mod = block_mask.graph
     traced = (_modset.prepare(score_mod, mask_mod, q.data.device_id)
@@ -178,7 +186,8 @@ def attention_with_grad(q, k, v, *, causal=False, scale=None, layout="bhsd", det
     def backward(dout):
         return attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
                                   deterministic=deterministic, score_mod=traced and traced.score,
-                                  mask_mod=traced and traced.mask, sinks=sinks)
+                                  mask_mod=traced and traced.mask, block_mask=block_mask, sinks=sinks,
+                                  window_size=window_size, softcap=softcap)
 
     return out, backward
 

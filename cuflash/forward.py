@@ -11,7 +11,8 @@ from .core import modset as _modset
 from .core.launch import LaunchPlan, launch, lse_scratch, outputs_unused
 from .core.policy import FP8_WGMMA_MIN_HEAD_DIM, SHORT_SEQLEN, default_spec
 from .core.spec import KernelSpec
-from .core.validate import Problem, aligned_copy, aligned_for_async_copy, readable_by_tma, validate, validate_fp8_scales, validate_sinks
+from .core.validate import (Problem, aligned_copy, aligned_for_async_copy, readable_by_tma, validate,
+                            validate_fp8_scales, validate_sinks, validate_variants)
 
 _arch_of_device: dict[int, str] = {}
 
@@ -58,12 +59,13 @@ def _check_forced_spec(spec, problem: Problem, out_dtype: str | None = None, ret
     return spec
 
 
-_UNKEYED = object()  # _attention's key where the caller has not computed it
+_UNKEYED = object()
+_NO_WINDOW = (-1, -1)  # _attention's key where the caller has not computed it
 
 
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd", family=None, spec=None,
               fp8_format=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None, score_mod=None,
-              mask_mod=None, block_mask=None, sinks=None):
+              mask_mod=None, block_mask=None, sinks=None, window_size=(-1, -1), softcap=0.0):
     """Scaled dot-product attention, ``softmax(scale * q @ k^T) @ v``, without materializing the scores.
 
     Args:
@@ -106,6 +108,12 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             added to its rows' softmax sums as ``exp(sinks[h])``: a share of the probability that
             attends no value. The LSE includes it; a row with no key then gives O = 0 and LSE =
             its sink. Any float dtype (read as float32); every input dtype (FP8: the forward).
+        window_size: ``(left, right)`` as in FlashAttention: query i sees keys i + d - left to
+            i + d + right, d = seqlen_k - seqlen_q (-1: no bound; with ``causal`` right is 0).
+            Runs as a mask_mod with a block mask made once per shape, so only the window's tiles
+            are visited; not with another mask_mod or block_mask.
+        softcap: a logit cap ``softcap * tanh(s / softcap)`` on the scaled scores (Gemma 2), 0 for
+            none; a score_mod, not with another one.
 
     Returns:
         The output in q's dtype (FP8: ``out_dtype``) and layout (rows with no key to attend are
@@ -113,7 +121,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     """
     key = _UNKEYED
     if score_mod is None and mask_mod is None and block_mask is None and fp8_format is None and q_descale is None \
-            and k_descale is None and v_descale is None and out_dtype is None and sinks is None:
+            and k_descale is None and v_descale is None and out_dtype is None and sinks is None and not softcap \
+            and window_size == _NO_WINDOW:
         # a repeated plain call: straight to its plan
         cupy = _cupy or _import_cupy()
         key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec)
@@ -125,12 +134,12 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     return _attention(q, k, v, None, causal=causal, scale=scale, return_lse=return_lse, layout=layout, family=family,
                       spec=spec, fp8_format=fp8_format, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                       out_dtype=out_dtype, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, key=key,
-                      sinks=sinks)
+                      sinks=sinks, window_size=window_size, softcap=softcap)
 
 
 def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, spec, fp8_format, q_descale,
                k_descale, v_descale, out_dtype, score_mod=None, mask_mod=None, block_mask=None, keep=None,
-               key=_UNKEYED, sinks=None):
+               key=_UNKEYED, sinks=None, window_size=_NO_WINDOW, softcap=0.0):
     """:func:`attention`, writing into ``outputs`` = (out, lse) when given: C-contiguous arrays of
     the output's shape and q's dtype, and float32 [batch, heads, seqlen_q] (the torch bridge's).
     ``keep``: a list the call's launch plan is appended to, where it has one. ``key``: the call's
@@ -142,6 +151,9 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
             if _without_fp8(fp8_format, q_descale, k_descale, v_descale, out_dtype) else None
     if sinks is not None and key is not None:
         key = key + (_Same(sinks),)  # the sinks' address is in the parameter block
+    variants = None if not softcap and window_size == _NO_WINDOW else validate_variants(window_size, softcap, causal)
+    if variants is not None and key is not None:
+        key = key + variants
     if key is not None and (score_mod is not None or mask_mod is not None or block_mask is not None):
         # A call with mods has a plan when its mods trace to graphs kept for their function and
         # captured values (the same graphs, arrays and block mask: the same kernel argument).
@@ -175,6 +187,8 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
         return validate(q, k, v, causal=causal, scale=scale, layout=layout, fp8_format=fp8_format)
 
     problem = checked(q, k, v, scale)
+    if variants is not None and not problem.empty and problem.seqlen_k:
+        score_mod, mask_mod, block_mask = _sparsity.flash_mods(problem, *variants, score_mod, mask_mod, block_mask)
     scales = None
     if fp8_format is not None:
         scales = validate_fp8_scales(problem, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,

@@ -18,6 +18,8 @@ the tracer cannot translate raises TypeError naming the construct and the line o
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .core import mod_codegen
@@ -122,6 +124,29 @@ def sliding_window(window: int, causal: bool = True):
         def window_mod(b, h, q_idx, kv_idx):
             return (q_idx - kv_idx < window) & (kv_idx - q_idx < window)
     return window_mod
+
+
+@functools.lru_cache(maxsize=256)
+def _window_size_mask(left: int, right: int, offset: int = 0):
+    """The mask_mod of FlashAttention's ``window_size=(left, right)``: a query at q_idx sees the keys
+    q_idx + offset - left to q_idx + offset + right (-1: no bound on that side; offset seqlen_k -
+    seqlen_q aligns the window bottom-right, as causal is), or None when neither is bounded. The
+    same bounds give the same function, so calls with them share the traced graph and plans."""
+    if left >= 0 and right >= 0:
+        def window(b, h, q_idx, kv_idx):
+            return (kv_idx >= q_idx + (offset - left)) & (kv_idx <= q_idx + (offset + right))
+    elif left >= 0:
+        def window(b, h, q_idx, kv_idx):
+            return kv_idx >= q_idx + (offset - left)
+    elif right >= 0:
+        def window(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + (offset + right)
+    else:
+        return None
+    return window
+
+
+_softcap_mod = functools.lru_cache(maxsize=64)(softcap)  # one function per cap, as above
 
 
 def document_mask(document_ids, causal: bool = False):

@@ -144,16 +144,10 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
 
 def _window_mask(window_size, causal, offset):
     """The mask_mod of a sliding window for queries at positions q_idx + offset, or None."""
-    left, right = window_size
-    right = 0 if causal else right
-    if left < 0 and right < 0:
-        return None
+    from . import mods as _mods
 
-    def window(b, h, q_idx, kv_idx):
-        inside_left = kv_idx >= q_idx + (offset - left) if left >= 0 else kv_idx >= 0
-        inside_right = kv_idx <= q_idx + (offset + right) if right >= 0 else kv_idx >= 0
-        return inside_left & inside_right
-    return window
+    left, right = window_size
+    return _mods._window_size_mask(left, -1 if causal else right, offset)
 
 
 __all__ = ["merge_states", "attention_with_kvcache_reference"]

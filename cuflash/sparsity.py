@@ -213,6 +213,41 @@ def block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *
                      q_indices, graph.digest, graph)
 
 
+_window_masks: dict = {}
+_MAX_WINDOW_MASKS = 64
+
+
+def flash_mods(problem, window: tuple, softcap: float, score_mod, mask_mod, mask):
+    """``(score_mod, mask_mod, block_mask)`` of a call with FlashAttention's ``window_size`` (checked
+    ``(left, right)``) and ``softcap`` (a float, 0: none), beside the call's mods and block mask
+    ``mask``: the cap as :func:`cuflash.mods.softcap`, the window as a mask_mod aligned
+    bottom-right with its block mask, made once per shape."""
+    from . import mods as _mods
+
+    if softcap:
+        if score_mod is not None:
+            raise ValueError(f"softcap={softcap} and score_mod were both given; put the cap into the score_mod "
+                             f"(cuflash.mods.softcap shows how)")
+        score_mod = _mods._softcap_mod(softcap)
+    left, right = window
+    right = -1 if problem.causal else right  # causal bounds the right side already
+    offset = problem.seqlen_k - problem.seqlen_q
+    window_mod = _mods._window_size_mask(left, right, offset)
+    if window_mod is not None:
+        if mask_mod is not None or mask is not None:
+            raise ValueError(f"window_size={window} and a mask_mod or block_mask were both given; combine the "
+                             f"window with the mask (cuflash.mods.and_masks) and pass that")
+        shape = (problem.batch, problem.heads, problem.seqlen_q, problem.seqlen_k)
+        key = (left, right, offset) + shape
+        mask = _window_masks.get(key)
+        if mask is None:
+            if len(_window_masks) >= _MAX_WINDOW_MASKS:
+                _window_masks.pop(next(iter(_window_masks)))
+            mask = _window_masks[key] = block_mask(window_mod, *shape)
+        mask_mod = window_mod
+    return score_mod, mask_mod, mask
+
+
 def _on_gpu(graph) -> bool:
     """Whether a mask is classified on the GPU: its captured arrays are all CuPy arrays (none
     captured: when CuPy sees a device)."""

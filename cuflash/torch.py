@@ -24,6 +24,7 @@ except ImportError as exc:  # torch is optional: only this module needs it
     raise ImportError("cuflash.torch needs PyTorch with CUDA (pip install torch); cuflash itself does not") from exc
 
 from .backward import _attention_backward
+from .core.validate import validate_softcap, validate_window
 from .forward import _attention
 
 LAYOUTS = ("bhsd", "bshd")
@@ -161,8 +162,9 @@ def _rows(q: torch.Tensor, layout: str) -> tuple[int, int, int]:
 
 
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, layout: str,
-                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    key = _plan_key(q, k, v, causal, scale, layout)
+                  deterministic: bool, window_left: int = -1, window_right: int = -1,
+                  softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    key = _plan_key(q, k, v, causal, scale, layout, (window_left, window_right, softcap))
     planned = _planned(key, q, k, v, True)
     if planned is not None:
         return planned
@@ -172,7 +174,8 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     with _on_torch_stream(q.device) as stream:
         _attention(_to_cupy(q), _to_cupy(k), _to_cupy(v), (_to_cupy(out), _to_cupy(lse)), causal=causal, scale=scale,
                    return_lse=True, layout=layout, family=None, spec=None, fp8_format=None, q_descale=None,
-                   k_descale=None, v_descale=None, out_dtype=None, keep=kept)
+                   k_descale=None, v_descale=None, out_dtype=None, keep=kept, window_size=(window_left, window_right),
+                   softcap=softcap)
     if kept and key is not None:
         _keep(key, kept[0], stream)
     return out, lse
@@ -187,6 +190,7 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 _plans: dict = {}
 _MAX_PLANS = 256
 _Tensor = torch.Tensor
+_NO_VARIANTS = (-1, -1, 0.0)  # (window left, window right, softcap) of a call without them
 _CONTIGUOUS = torch.contiguous_format
 
 
@@ -200,7 +204,7 @@ def _device_getter():
 _current_device = _device_getter()
 
 
-def _plan_key(q, k, v, causal, scale, layout):
+def _plan_key(q, k, v, causal, scale, layout, variants=_NO_VARIANTS):
     """The key of a call's plan (``scale`` a float), or None for one that always takes the full path
     (another type than a plain tensor, a tensor off CUDA, tensors off one device or off the current
     one: a plan launches on the tensors' own device, which must be current)."""
@@ -211,7 +215,7 @@ def _plan_key(q, k, v, causal, scale, layout):
     if device < 0 or k.get_device() != device or v.get_device() != device or _current_device() != device:
         return None
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, causal, scale,
-            layout, device, _current_stream_ptr(device))
+            layout, device, _current_stream_ptr(device), variants)
 
 
 def _keep(key, plan, stream: int) -> None:
@@ -247,17 +251,18 @@ _attention_op = torch.library.custom_op("cuflash::attention", mutates_args=())(_
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, causal, scale, layout, deterministic):
+def _attention_fake(q, k, v, causal, scale, layout, deterministic, window_left=-1, window_right=-1, softcap=0.0):
     return q.new_empty(q.shape), q.new_empty(_rows(q, layout), dtype=torch.float32)
 
 
 def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, scale: float, layout: str,
-                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 lse: torch.Tensor, causal: bool, scale: float, layout: str, deterministic: bool, window_left: int = -1,
+                 window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     with _on_torch_stream(q.device):
         _attention_backward(*(_to_cupy(x) for x in (dout, q, k, v, out, lse)), tuple(_to_cupy(g) for g in grads),
-                            causal=causal, scale=scale, layout=layout, deterministic=deterministic, spec=None)
+                            causal=causal, scale=scale, layout=layout, deterministic=deterministic, spec=None,
+                            window_size=(window_left, window_right), softcap=softcap)
     return grads
 
 
@@ -265,15 +270,16 @@ _backward_op = torch.library.custom_op("cuflash::attention_backward", mutates_ar
 
 
 @_backward_op.register_fake
-def _backward_fake(dout, q, k, v, out, lse, causal, scale, layout, deterministic):
+def _backward_fake(dout, q, k, v, out, lse, causal, scale, layout, deterministic, window_left=-1, window_right=-1,
+                   softcap=0.0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, layout, deterministic = inputs
+    q, k, v, *options = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.options = (causal, scale, layout, deterministic)
+    ctx.options = tuple(options)
 
 
 def _differentiate(ctx, dout, dlse):
@@ -281,7 +287,7 @@ def _differentiate(ctx, dout, dlse):
     # The LSE is not differentiated through (as FlashAttention's): its gradient is ignored.
     dout = _readable(dout.to(out.dtype))
     dq, dk, dv = _backward_op(dout, q, k, v, out, lse, *ctx.options)
-    return dq, dk, dv, None, None, None, None
+    return (dq, dk, dv) + (None,) * len(ctx.options)
 
 
 torch.library.register_autograd("cuflash::attention", _differentiate, setup_context=_setup_context)
@@ -291,10 +297,10 @@ class _Attention(torch.autograd.Function):
     """The same forward and backward as the operators, for eager calls (no dispatcher on the way)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, layout, deterministic):
-        out, lse = _forward_impl(q, k, v, causal, scale, layout, deterministic)
+    def forward(ctx, q, k, v, *options):
+        out, lse = _forward_impl(q, k, v, *options)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = (causal, scale, layout, deterministic)
+        ctx.options = options
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -303,7 +309,7 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dout = _readable(dout.to(out.dtype))
         dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, *ctx.options)
-        return dq, dk, dv, None, None, None, None
+        return (dq, dk, dv) + (None,) * len(ctx.options)
 
 
 def _readable(x: torch.Tensor) -> torch.Tensor:
@@ -314,13 +320,15 @@ def _readable(x: torch.Tensor) -> torch.Tensor:
 # -- attention sinks: operators of their own (a sink logit per query head, differentiable) -------------
 
 def _sinks_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, causal: bool,
-                        scale: float, layout: str, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                        scale: float, layout: str, deterministic: bool, window_left: int = -1, window_right: int = -1,
+                        softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(_rows(q, layout), dtype=torch.float32, device=q.device)
     with _on_torch_stream(q.device):
         _attention(_to_cupy(q), _to_cupy(k), _to_cupy(v), (_to_cupy(out), _to_cupy(lse)), causal=causal, scale=scale,
                    return_lse=True, layout=layout, family=None, spec=None, fp8_format=None, q_descale=None,
-                   k_descale=None, v_descale=None, out_dtype=None, key=None, sinks=_to_cupy(sinks))
+                   k_descale=None, v_descale=None, out_dtype=None, key=None, sinks=_to_cupy(sinks),
+                   window_size=(window_left, window_right), softcap=softcap)
     return out, lse
 
 
@@ -328,19 +336,21 @@ _sinks_op = torch.library.custom_op("cuflash::attention_sinks", mutates_args=())
 
 
 @_sinks_op.register_fake
-def _sinks_fake(q, k, v, sinks, causal, scale, layout, deterministic):
+def _sinks_fake(q, k, v, sinks, causal, scale, layout, deterministic, window_left=-1, window_right=-1, softcap=0.0):
     return q.new_empty(q.shape), q.new_empty(_rows(q, layout), dtype=torch.float32)
 
 
 def _sinks_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                          lse: torch.Tensor, sinks: torch.Tensor, causal: bool, scale: float, layout: str,
-                         deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                         deterministic: bool, window_left: int = -1, window_right: int = -1,
+                         softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     dsinks = torch.empty(sinks.shape, dtype=sinks.dtype, device=sinks.device)
     with _on_torch_stream(q.device):
         result = _attention_backward(*(_to_cupy(x) for x in (dout, q, k, v, out, lse)),
                                      tuple(_to_cupy(g) for g in grads), causal=causal, scale=scale, layout=layout,
-                                     deterministic=deterministic, spec=None, sinks=_to_cupy(sinks))
+                                     deterministic=deterministic, spec=None, sinks=_to_cupy(sinks),
+                                     window_size=(window_left, window_right), softcap=softcap)
         _to_cupy(dsinks)[...] = result[3]
     return (*grads, dsinks)
 
@@ -350,22 +360,23 @@ _sinks_backward_op = torch.library.custom_op("cuflash::attention_sinks_backward"
 
 
 @_sinks_backward_op.register_fake
-def _sinks_backward_fake(dout, q, k, v, out, lse, sinks, causal, scale, layout, deterministic):
+def _sinks_backward_fake(dout, q, k, v, out, lse, sinks, causal, scale, layout, deterministic, window_left=-1,
+                         window_right=-1, softcap=0.0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), sinks.new_empty(sinks.shape)
 
 
 def _sinks_setup_context(ctx, inputs, output):
-    q, k, v, sinks, causal, scale, layout, deterministic = inputs
+    q, k, v, sinks, *options = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, sinks, out, lse)
-    ctx.options = (causal, scale, layout, deterministic)
+    ctx.options = tuple(options)
 
 
 def _sinks_differentiate(ctx, dout, dlse):
     q, k, v, sinks, out, lse = ctx.saved_tensors
     dout = _readable(dout.to(out.dtype))
     dq, dk, dv, dsinks = _sinks_backward_op(dout, q, k, v, out, lse, sinks, *ctx.options)
-    return dq, dk, dv, dsinks, None, None, None, None
+    return (dq, dk, dv, dsinks) + (None,) * len(ctx.options)
 
 
 torch.library.register_autograd("cuflash::attention_sinks", _sinks_differentiate, setup_context=_sinks_setup_context)
@@ -375,10 +386,10 @@ class _AttentionSinks(torch.autograd.Function):
     """The sinks' forward and backward for eager calls (no dispatcher on the way)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, causal, scale, layout, deterministic):
-        out, lse = _sinks_forward_impl(q, k, v, sinks, causal, scale, layout, deterministic)
+    def forward(ctx, q, k, v, sinks, *options):
+        out, lse = _sinks_forward_impl(q, k, v, sinks, *options)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.options = (causal, scale, layout, deterministic)
+        ctx.options = options
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -387,7 +398,7 @@ class _AttentionSinks(torch.autograd.Function):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         dout = _readable(dout.to(out.dtype))
         dq, dk, dv, dsinks = _sinks_backward_impl(dout, q, k, v, out, lse, sinks, *ctx.options)
-        return dq, dk, dv, dsinks, None, None, None, None
+        return (dq, dk, dv, dsinks) + (None,) * len(ctx.options)
 
 
 # -- the call ---------------------------------------------------------------------------------------------
@@ -409,7 +420,8 @@ def _check(q, k, v, layout):
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
-              return_lse: bool = False, deterministic: bool = False, sinks=None):
+              return_lse: bool = False, deterministic: bool = False, sinks=None, window_size=(-1, -1),
+              softcap: float = 0.0):
     """:func:`cuflash.attention` on CUDA torch tensors, differentiable with respect to q, k and v.
 
     Args:
@@ -424,18 +436,21 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
         deterministic: the backward accumulates dQ in a fixed order (bit-identical runs).
         sinks: attention sinks (gpt-oss), a float tensor [heads] on q's device: one logit per query
             head added to its rows' softmax sums (see :func:`cuflash.attention`); differentiable.
+        window_size, softcap: FlashAttention's sliding window ``(left, right)`` (-1: unbounded)
+            and logit cap (0: none), as for :func:`cuflash.attention`.
 
     Returns:
         The output, contiguous in ``layout`` and q's dtype (and the LSE with ``return_lse``), on
         torch's current stream.
     """
+    variants = _NO_VARIANTS if not softcap and window_size == (-1, -1) else _variants(window_size, softcap, causal)
     if not _is_compiling() and type(q) is _Tensor and type(deterministic) is bool and sinks is None:
         # A repeated call that needs no gradient: straight to its plan.
         if scale is None:
             call_scale = 1.0 / math.sqrt(q.shape[-1])
         else:
             call_scale = float(scale) if type(scale) is float or type(scale) is int else None
-        key = _plan_key(q, k, v, causal, call_scale, layout) if call_scale is not None else None
+        key = _plan_key(q, k, v, causal, call_scale, layout, variants) if call_scale is not None else None
         if key is not None and not ((q.requires_grad or k.requires_grad or v.requires_grad)
                                     and torch.is_grad_enabled()):
             planned = _planned(key, q, k, v, return_lse)
@@ -451,8 +466,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
     if sinks is not None:
-        return _attention_with_sinks(q, k, v, sinks, causal, float(scale), layout, return_lse, deterministic)
-    args = (_readable(q), _readable(k), _readable(v), causal, float(scale), layout, deterministic)
+        return _attention_with_sinks(q, k, v, sinks, causal, float(scale), layout, return_lse, deterministic, variants)
+    args = (_readable(q), _readable(k), _readable(v), causal, float(scale), layout, deterministic, *variants)
     # Traced (torch.compile, meta tensors), the operator; eager, the same functions without the
     # dispatcher's per-call cost.
     traced = _is_compiling() or q.device.type != "cuda"
@@ -465,7 +480,13 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
     return (out, lse) if return_lse else out
 
 
-def _attention_with_sinks(q, k, v, sinks, causal, scale, layout, return_lse, deterministic):
+def _variants(window_size, softcap, causal):
+    """(window left, window right, softcap) of a call, checked as :func:`cuflash.attention` does."""
+    left, right = validate_window(window_size, causal is True)
+    return left, right, validate_softcap(softcap)
+
+
+def _attention_with_sinks(q, k, v, sinks, causal, scale, layout, return_lse, deterministic, variants):
     if not isinstance(sinks, torch.Tensor):
         raise TypeError(f"sinks must be a torch.Tensor (one logit per query head), got "
                         f"{type(sinks).__module__}.{type(sinks).__name__}")
@@ -478,11 +499,11 @@ def _attention_with_sinks(q, k, v, sinks, causal, scale, layout, return_lse, det
         raise ValueError(f"sinks.shape={tuple(sinks.shape)} must be (heads,) = ({heads},): one logit per query head")
     q, k, v = _readable(q), _readable(k), _readable(v)
     if _is_compiling() or q.device.type != "cuda":
-        out, lse = _sinks_op(q, k, v, sinks, causal, scale, layout, deterministic)
+        out, lse = _sinks_op(q, k, v, sinks, causal, scale, layout, deterministic, *variants)
     elif (q.requires_grad or k.requires_grad or v.requires_grad or sinks.requires_grad) and torch.is_grad_enabled():
-        out, lse = _AttentionSinks.apply(q, k, v, sinks, causal, scale, layout, deterministic)
+        out, lse = _AttentionSinks.apply(q, k, v, sinks, causal, scale, layout, deterministic, *variants)
     else:
-        out, lse = _sinks_forward_impl(q, k, v, sinks, causal, scale, layout, deterministic)
+        out, lse = _sinks_forward_impl(q, k, v, sinks, causal, scale, layout, deterministic, *variants)
     return (out, lse) if return_lse else out
 
 

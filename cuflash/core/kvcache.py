@@ -20,7 +20,7 @@ from .decode_spec import CACHE_DTYPES, MAX_SPLITS, DecodeSpec
 from .params import DECODE_STRUCT
 from .launch import _multiprocessors
 from .spec import HEAD_DIMS, ceil_div
-from .validate import aligned_for_async_copy
+from .validate import aligned_for_async_copy, validate_softcap, validate_window
 
 _PARAMS = np.dtype((np.void, DECODE_STRUCT.size))
 _LOG2E = 1.0 / math.log(2.0)
@@ -90,32 +90,6 @@ def _int32_array(cupy, name, x, shape_text, device):
     if x.data.device_id != device:
         raise ValueError(f"{name} is on device {x.data.device_id}, q on device {device}")
     return x
-
-
-def _window(window_size, causal):
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window_size)):
-        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded; got {window_size!r}")
-    left, right = (int(w) for w in window_size)
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size={tuple(window_size)}: each bound is -1 (unbounded) or a number of keys >= 0")
-    if causal:
-        if right > 0:
-            raise ValueError(f"window_size={tuple(window_size)} with causal=True: a causal query sees no key after "
-                             f"its own position (right must be 0 or -1)")
-        right = 0
-    if max(left, right) >= 2**31 - 2**20:
-        raise ValueError(f"window_size={tuple(window_size)} is too large")
-    return left, right
-
-
-def _softcap(softcap):
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)) \
-            or not (math.isfinite(float(softcap)) and softcap >= 0):
-        raise ValueError(f"softcap={softcap!r} must be a finite number >= 0 (0: none)")
-    return float(softcap)
 
 
 def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_table, causal, scale, fp8_format,
@@ -221,8 +195,8 @@ def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_t
         raise ValueError(f"batch x heads_k = {batch * heads_k} is too many")
     problem = KVCacheProblem(batch, seqlen_q, heads, heads_k, head_dim, entry, cache_tag, paged, capacity,
                              page_size if paged else capacity, num_pages, seqlen_new, causal, float(scale), device,
-                             tuple(k_cache.strides[:3]), tuple(v_cache.strides[:3]), _window(window_size, causal),
-                             _softcap(softcap))
+                             tuple(k_cache.strides[:3]), tuple(v_cache.strides[:3]),
+                             validate_window(window_size, causal), validate_softcap(softcap))
     if ceil_div(problem.rows, 64) > 65535:
         raise ValueError(f"seqlen_q x heads / heads_k = {problem.rows} query rows per kv head is too many")
     return problem, q, cache_seqlens, k_new, v_new

@@ -171,6 +171,44 @@ def _descale_array(name, value, shape, device_id):
     return value.astype(cupy.float32, copy=False)
 
 
+def validate_window(window_size, causal: bool) -> tuple[int, int]:
+    """FlashAttention's ``window_size=(left, right)`` (-1 unbounded) as two ints; with ``causal`` right is 0."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded; got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size={tuple(window_size)}: each bound is -1 (unbounded) or a number of keys >= 0")
+    if causal:
+        if right > 0:
+            raise ValueError(f"window_size={tuple(window_size)} with causal=True: a causal query sees no key after "
+                             f"its own position (right must be 0 or -1)")
+        right = 0
+    if max(left, right) >= 2**31 - 2**20:
+        raise ValueError(f"window_size={tuple(window_size)} is too large")
+    return left, right
+
+
+def validate_softcap(softcap) -> float:
+    """A logit cap ``softcap * tanh(s / softcap)`` as a float, 0 (or None) for none."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)) \
+            or not (math.isfinite(float(softcap)) and softcap >= 0):
+        raise ValueError(f"softcap={softcap!r} must be a finite number >= 0 (0: none)")
+    return float(softcap)
+
+
+def validate_variants(window_size, softcap, causal: bool):
+    """``((left, right), cap)`` of a call's FlashAttention-style ``window_size`` and ``softcap``, or
+    None where they change nothing (no bound beyond the causal one, no cap)."""
+    window = validate_window(window_size, causal)
+    cap = validate_softcap(softcap)
+    if not cap and window[0] < 0 and (causal or window[1] < 0):
+        return None
+    return window, cap
+
+
 def validate_sinks(sinks, heads: int, device_id: int):
     """Attention sinks as the kernels read them: float32, contiguous, one logit per each of the
     ``heads`` query heads, on device ``device_id`` (a copy where the array is not that already)."""
