@@ -1,0 +1,94 @@
+"""FlashAttention's ``window_size`` and ``softcap`` arguments on the host: their checks, the mask
+and cap they become, and the block mask made once per shape (classified in NumPy here)."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cuflash import mods, sparsity
+from cuflash.core.trace import evaluate
+from cuflash.core.validate import validate_variants
+
+
+@pytest.mark.parametrize("window_size,softcap,causal,expected", [
+    ((-1, -1), 0.0, False, None),
+    ((-1, -1), 0.0, True, None),
+    ((-1, 0), 0, True, None),
+    ((-1, 0), 0.0, False, ((-1, 0), 0.0)),
+    ((8, -1), 0.0, True, ((8, 0), 0.0)),
+    ([3, 4], 0.0, False, ((3, 4), 0.0)),
+    ((np.int64(3), 4), None, False, ((3, 4), 0.0)),
+    ((-1, -1), 30, True, ((-1, 0), 30.0)),
+])
+def test_variants_are_checked_into_bounds_and_a_cap(window_size, softcap, causal, expected):
+    assert validate_variants(window_size, softcap, causal) == expected
+
+
+@pytest.mark.parametrize("window_size,softcap,causal,error,match", [
+    (8, 0.0, False, TypeError, "pair of ints"),
+    ((1, 2, 3), 0.0, False, TypeError, "pair of ints"),
+    ((1.0, 2), 0.0, False, TypeError, "pair of ints"),
+    ((True, 2), 0.0, False, TypeError, "pair of ints"),
+    ((-2, 0), 0.0, False, ValueError, "-1"),
+    ((4, 4), 0.0, True, ValueError, "right must be 0"),
+    ((-1, -1), -1.0, False, ValueError, "softcap"),
+    ((-1, -1), float("inf"), False, ValueError, "softcap"),
+    ((-1, -1), "30", False, ValueError, "softcap"),
+])
+def test_bad_variants_are_refused_by_name(window_size, softcap, causal, error, match):
+    with pytest.raises(error, match=match):
+        validate_variants(window_size, softcap, causal)
+
+
+def _dense(left, right, offset, seqlen_q, seqlen_k):
+    i = np.arange(seqlen_q)[:, None] + offset
+    j = np.arange(seqlen_k)[None, :]
+    return (j >= i - left if left >= 0 else True) & (j <= i + right if right >= 0 else True)
+
+
+@pytest.mark.parametrize("left,right,offset", [(5, 3, 0), (5, -1, 7), (-1, 2, -9), (0, 0, 0)])
+def test_the_window_mask_is_the_band_and_one_function_per_bounds(left, right, offset):
+    fn = mods._window_size_mask(left, right, offset)
+    assert mods._window_size_mask(left, right, offset) is fn
+    graph = mods.trace_mask_mod(fn)
+    grids = {"b": np.zeros((1, 1, 1, 1), int), "h": np.zeros((1, 1, 1, 1), int),
+             "q_idx": np.arange(40)[None, None, :, None], "kv_idx": np.arange(50)[None, None, None, :]}
+    got = np.broadcast_to(evaluate(graph, grids), (1, 1, 40, 50))[0, 0]
+    assert np.array_equal(got, np.broadcast_to(_dense(left, right, offset, 40, 50), (40, 50)))
+    assert mods._window_size_mask(-1, -1, offset) is None
+
+
+def _problem(causal, seqlen_q, seqlen_k, batch=2, heads=3):
+    return SimpleNamespace(causal=causal, batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+
+
+@pytest.mark.parametrize("causal,window,seqlen_q,seqlen_k", [
+    (True, (100, 0), 300, 300), (False, (40, 70), 200, 333), (True, (17, 0), 333, 129), (False, (-1, 0), 64, 64)])
+def test_flash_mods_give_the_window_and_its_block_mask_once_per_shape(causal, window, seqlen_q, seqlen_k):
+    problem = _problem(causal, seqlen_q, seqlen_k)
+    score_mod, mask_mod, block = sparsity.flash_mods(problem, window, 0.0, None, None, None)
+    assert score_mod is None
+    left, right = window
+    allowed = _dense(left, -1 if causal else right, seqlen_k - seqlen_q, seqlen_q, seqlen_k)
+    tiles = -(-seqlen_q // 128), -(-seqlen_k // 128)
+    kind = np.zeros(tiles, np.int8)
+    for r in range(tiles[0]):
+        for c in range(tiles[1]):
+            part = allowed[r * 128:(r + 1) * 128, c * 128:(c + 1) * 128]
+            kind[r, c] = sparsity.FULL if part.all() else sparsity.PARTIAL if part.any() else sparsity.EMPTY
+    assert block.shape == (2, 3, seqlen_q, seqlen_k)
+    assert np.array_equal(block.kind[0, 0], kind)
+    again = sparsity.flash_mods(problem, window, 0.0, None, None, None)
+    assert again[1] is mask_mod and again[2] is block
+
+
+def test_flash_mods_give_the_cap_and_refuse_a_second_mod():
+    problem = _problem(False, 64, 64)
+    score_mod, mask_mod, block = sparsity.flash_mods(problem, (-1, -1), 30.0, None, None, None)
+    assert mask_mod is None and block is None
+    assert mods.trace_score_mod(score_mod).digest == mods.trace_score_mod(mods.softcap(30.0)).digest
+    assert sparsity.flash_mods(problem, (-1, -1), 30.0, None, None, None)[0] is score_mod
+    with pytest.raises(ValueError, match="score_mod"):
+        sparsity.flash_mods(problem, (-1, -1), 30.0, mods.alibi(np.ones(3, np.float32)), None, None)
+    with pytest.raises(ValueError, match="mask_mod or block_mask"):
+        sparsity.flash_mods(problem, (4, 4), 0.0, None, mods.sliding_window(8), None)

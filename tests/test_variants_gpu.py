@@ -1,0 +1,176 @@
+"""FlashAttention's ``window_size`` and ``softcap`` arguments on the GPU, forward and backward,
+against the float64 reference running an independently written window mask and cap; the
+block mask made once per shape, calls reusing their plans, the torch bridge."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import mods, reference
+from cuflash.testing import assert_attention_close, assert_gradients_close, to_numpy
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+# (causal, window_size, softcap, head_dim, dtype)
+CASES = [
+    (True, (48, 0), 0.0, 64, "bf16"),
+    (True, (100, -1), 20.0, 128, "bf16"),
+    (False, (33, 17), 0.0, 64, "fp16"),
+    (False, (-1, 7), 0.0, 128, "bf16"),
+    (False, (5, -1), 0.0, 64, "bf16"),
+    (False, (-1, -1), 30.0, 64, "bf16"),
+    (False, (64, 64), 30.0, 128, "fp16"),
+]
+LENGTHS = [(200, 200), (77, 300), (300, 77)]
+
+
+def _mask(window_size, seqlen_q, seqlen_k):
+    """The window as a mask_mod written out here: query i sees keys i + d - left .. i + d + right."""
+    left, right = window_size
+    d = seqlen_k - seqlen_q
+
+    def window(b, h, q_idx, kv_idx):
+        lo = kv_idx >= q_idx + d - left if left >= 0 else kv_idx >= 0
+        hi = kv_idx <= q_idx + d + right if right >= 0 else kv_idx >= 0
+        return lo & hi
+    return window
+
+
+def _reference_args(causal, window_size, softcap, seqlen_q, seqlen_k, layout):
+    return dict(causal=causal, layout=layout, mask_mod=_mask(window_size, seqlen_q, seqlen_k),
+                score_mod=mods.softcap(softcap) if softcap else None)
+
+
+def _np_dtype(tag):
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16) if tag == "bf16" else np.dtype(np.float16)
+
+
+def _inputs(seed, dtype, batch, heads, heads_k, seqlen_q, seqlen_k, layout, head_dim):
+    rng = np.random.default_rng(seed)
+
+    def make(h, s):
+        shape = (batch, h, s, head_dim) if layout == "bhsd" else (batch, s, h, head_dim)
+        return rng.standard_normal(shape).astype(_np_dtype(dtype))
+    q, k, v = make(heads, seqlen_q), make(heads_k, seqlen_k), make(heads_k, seqlen_k)
+    return rng, q, k, v
+
+
+@pytest.fixture(scope="module")
+def warm_variant_kernels():
+    """Compile each case's forward and backward at each length pair, in parallel."""
+    from types import SimpleNamespace
+
+    from cuflash import backward as _backward
+    from cuflash import forward as _forward
+    from cuflash import sparsity
+    from cuflash.core import modset, policy
+    from cuflash.core.compile import device_arch
+    from cuflash.core.validate import validate_variants
+
+    arch, device = device_arch(), cupy.cuda.Device().id
+    specs = []
+    for causal, window_size, softcap, head_dim, dtype in CASES:
+        for seqlen_q, seqlen_k in LENGTHS:
+            problem = SimpleNamespace(causal=causal, batch=2, heads=4, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                      head_dim=head_dim, dtype=SimpleNamespace(tag=dtype), device_id=device)
+            score_mod, mask_mod, block = sparsity.flash_mods(problem, *validate_variants(window_size, softcap, causal),
+                                                             None, None, None)
+            prepared = modset.prepare(score_mod, mask_mod, device)
+            spec = _forward._with_mods(policy.default_spec(head_dim, dtype, causal, arch, seqlen=512), prepared,
+                                       problem, None)
+            specs.append(spec.replace(block_sparse=True) if block is not None and spec.warp_specialized else spec)
+            bwd = _backward._with_mods(policy.default_bwd_spec(head_dim, dtype, causal, arch, False), prepared,
+                                       SimpleNamespace(forward=problem))
+            specs.append(bwd.replace(block_sparse=True) if block is not None and bwd.family == "wgmma" else bwd)
+    cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
+
+
+@pytest.mark.usefixtures("warm_variant_kernels")
+@pytest.mark.parametrize("lengths", LENGTHS)
+@pytest.mark.parametrize("case", CASES)
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.integers(1, 2), heads=st.sampled_from([(4, 4), (4, 1)]), layout=st.sampled_from(["bhsd", "bshd"]),
+       seed=st.integers(0, 2**31))
+def test_window_and_softcap_match_the_reference(case, lengths, batch, heads, layout, seed, poison):
+    causal, window_size, softcap, head_dim, dtype = case
+    seqlen_q, seqlen_k = lengths
+    rng, q, k, v = _inputs(seed, dtype, batch, *heads, seqlen_q, seqlen_k, layout, head_dim)
+    poison(q.size * q.itemsize)
+    out, backward = cuflash.attention_with_grad(*(cupy.asarray(x) for x in (q, k, v)), causal=causal, layout=layout,
+                                                window_size=window_size, softcap=softcap)
+    args = _reference_args(causal, window_size, softcap, seqlen_q, seqlen_k, layout)
+    ref, _ = reference.attention_reference(q, k, v, **args)
+    naive, _ = reference.attention_naive(q, k, v, **args)
+    assert out.dtype == cupy.asarray(q).dtype
+    assert_attention_close(out, ref, dtype, baseline=naive)
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    grads = backward(cupy.asarray(dout))
+    assert_gradients_close(grads, reference.attention_backward_reference(dout, q, k, v, **args), dtype,
+                           baselines=reference.attention_backward_naive(dout, q, k, v, **args))
+
+
+def test_rows_outside_every_window_give_zeros_and_minus_infinity():
+    rng, q, k, v = _inputs(5, "bf16", 1, 2, 2, 200, 77, "bhsd", 64)
+    # seqlen_q > seqlen_k, causal: the first 123 rows see no key; a window of 5 keeps that
+    out, lse = cuflash.attention(*(cupy.asarray(x) for x in (q, k, v)), causal=True, window_size=(5, 0),
+                                 return_lse=True)
+    lse = to_numpy(lse)
+    assert np.all(np.isneginf(lse[:, :, :123])) and np.all(np.isfinite(lse[:, :, 123:]))
+    assert not np.any(to_numpy(out)[:, :, :123].astype(np.float32))
+
+
+def test_repeated_calls_reuse_the_block_mask_and_the_plan():
+    from cuflash import forward, sparsity
+
+    _, q, k, v = _inputs(6, "bf16", 2, 4, 2, 256, 256, "bshd", 64)
+    q, k, v = (cupy.asarray(x) for x in (q, k, v))
+    first = cuflash.attention(q, k, v, causal=True, layout="bshd", window_size=(31, 0), softcap=10.0)
+    masks, plans = dict(sparsity._window_masks), len(forward._plans)
+    again = cuflash.attention(q, k, v, causal=True, layout="bshd", window_size=(31, 0), softcap=10.0)
+    assert cupy.array_equal(first, again)
+    assert sparsity._window_masks == masks and len(forward._plans) == plans
+    wider = cuflash.attention(q, k, v, causal=True, layout="bshd", window_size=(63, 0), softcap=10.0)
+    assert not cupy.array_equal(first, wider)
+
+
+def test_conflicting_and_bad_arguments_are_refused():
+    q = cupy.asarray(np.random.default_rng(7).standard_normal((1, 2, 64, 64)).astype(np.float16))
+    with pytest.raises(ValueError, match="score_mod"):
+        cuflash.attention(q, q, q, softcap=5.0, score_mod=mods.softcap(5.0))
+    with pytest.raises(ValueError, match="mask_mod"):
+        cuflash.attention(q, q, q, window_size=(8, 8), mask_mod=mods.sliding_window(8))
+    with pytest.raises(ValueError, match="right must be 0"):
+        cuflash.attention(q, q, q, causal=True, window_size=(8, 8))
+    with pytest.raises(TypeError, match="window_size"):
+        cuflash.attention(q, q, q, window_size=8)
+    with pytest.raises(ValueError, match="softcap"):
+        cuflash.attention(q, q, q, softcap=-1.0)
+
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_torch_bridge_takes_window_and_softcap(sinks):
+    torch = pytest.importorskip("torch")
+    import cuflash.torch as ct
+
+    rng, q, k, v = _inputs(8, "bf16", 2, 4, 2, 150, 150, "bshd", 64)
+    tq, tk, tv = (torch.tensor(x.astype(np.float32), device="cuda").to(torch.bfloat16).requires_grad_()
+                  for x in (q, k, v))
+    ts = torch.tensor(rng.standard_normal(4).astype(np.float32), device="cuda", requires_grad=True) if sinks else None
+    out = ct.attention(tq, tk, tv, causal=True, layout="bshd", window_size=(40, 0), softcap=15.0, sinks=ts)
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    out.backward(torch.tensor(dout.astype(np.float32), device="cuda").to(torch.bfloat16))
+    args = dict(_reference_args(True, (40, 0), 15.0, 150, 150, "bshd"),
+                sinks=None if ts is None else ts.detach().cpu().numpy())
+    ref, _ = reference.attention_reference(q, k, v, **args)
+    naive, _ = reference.attention_naive(q, k, v, **args)
+    assert_attention_close(out.detach().float().cpu().numpy(), ref, "bf16", baseline=naive)
+    grads = [x.grad.float().cpu().numpy() for x in (tq, tk, tv)]
+    ref_grads = reference.attention_backward_reference(dout, q, k, v, **args)
+    assert_gradients_close(grads, ref_grads[:3], "bf16",
+                           baselines=reference.attention_backward_naive(dout, q, k, v, **args)[:3])
+    if sinks:
+        assert np.allclose(ts.grad.cpu().numpy(), ref_grads[3], atol=2e-2, rtol=2e-2)
