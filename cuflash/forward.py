@@ -59,8 +59,8 @@ def _check_forced_spec(spec, problem: Problem, out_dtype: str | None = None, ret
     return spec
 
 
-_UNKEYED = object()
-_NO_WINDOW = (-1, -1)  # _attention's key where the caller has not computed it
+_UNKEYED = object()  # _attention's key where the caller has not computed it
+_NO_WINDOW = (-1, -1)
 
 
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd", family=None, spec=None,
