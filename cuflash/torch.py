@@ -546,38 +546,94 @@ def transformers_attention(module, query, key, value, attention_mask, dropout: f
                            is_causal=None, **kwargs):
     """An attention function for transformers' ``AttentionInterface``: query, key and value come
     as [batch, heads, seqlen, head_dim]; the output goes back as [batch, seqlen, heads, head_dim].
-    Causal or full attention without a mask runs on cuflash, with the attention sinks of
-    ``s_aux`` (gpt-oss) where given; a call with an explicit mask (padding), dropout, a sliding
-    window or a softcap runs on torch SDPA (with sinks, on :func:`_eager_attention`), with a
-    warning once."""
+    Causal or full attention without a mask runs on cuflash, with the sliding window
+    (``sliding_window``: W keys up to the query's own), the logit cap (``softcap``, Gemma 2) and the
+    attention sinks (``s_aux``, gpt-oss) where given; a call with an explicit mask (padding, or
+    one :func:`transformers_mask` leaves to SDPA's) or dropout runs on torch SDPA (with sinks, on
+    :func:`_eager_attention`), with a warning once."""
     sinks = kwargs.pop("s_aux", None)
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
     unsupported = [name for name, value_ in (("an attention mask", attention_mask is not None),
                                              ("dropout", bool(dropout) and module.training),
-                                             ("a sliding window", kwargs.get("sliding_window") is not None),
-                                             ("a softcap", kwargs.get("softcap") is not None)) if value_]
+                                             ("float32 and a window or softcap", query.dtype == torch.float32
+                                              and (window is not None or softcap is not None))) if value_]
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     if unsupported:
-        fallback = "torch SDPA" if sinks is None else "torch (eager, with the sinks)"
+        eager = sinks is not None or softcap is not None
+        fallback = "torch (eager, with the sinks or the softcap)" if eager else "torch SDPA"
         _warn_once(",".join(unsupported), f"cuflash.torch: a call with {' and '.join(unsupported)} runs on "
                                           f"{fallback} (cuflash takes causal or full attention without a mask)")
-        if sinks is not None:
-            return _eager_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, sinks,
-                                    kwargs.get("softcap")), None
+        if attention_mask is None and window is not None:  # the mask transformers_mask left out
+            attention_mask = _window_mask(query.shape[2], key.shape[2], window, causal, query.device)
+        if eager:
+            return _eager_attention(module, query, key, value, attention_mask, dropout, scaling, causal, sinks,
+                                    softcap), None
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     # One query row attends every key (decoding); otherwise the mask is causal, aligned as SDPA's
     # when transformers leaves it out (seqlen_q == seqlen_k).
     causal = causal and query.shape[2] > 1
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
-                    scale=scaling, layout="bshd", sinks=sinks)
+                    scale=scaling, layout="bshd", sinks=sinks,
+                    window_size=(-1, -1) if window is None else (window - 1, 0),
+                    softcap=0.0 if softcap is None else float(softcap))
     return out, None
 
 
+def transformers_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
+                      attention_mask=None, local_size=None, allow_is_causal_skip=True, **kwargs):
+    """transformers' mask function for cuflash: None where :func:`transformers_attention` applies
+    the mask itself (the queries end with the keys, no visible key is padding, and the mask is
+    the causal one or the config's sliding window), else SDPA's dense mask (the attention then
+    runs on SDPA)."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    config = kwargs.get("config")
+    plain = mask_function is causal_mask_function and local_size is None
+    sliding = (local_size is not None and local_size == getattr(config, "sliding_window", None)
+               and getattr(config, "attention_chunk_size", None) is None)
+    if allow_is_causal_skip and q_length is not None and (plain or sliding) and _ends_together(
+            q_offset, q_length, kv_offset, kv_length) and _unpadded(attention_mask, kv_offset, kv_length):
+        return None
+    if q_length is None:  # transformers before 5 (cache_position): SDPA's own rule for leaving the mask out
+        return sdpa_mask(batch_size=batch_size, kv_length=kv_length, kv_offset=kv_offset, mask_function=mask_function,
+                         attention_mask=attention_mask, local_size=local_size,
+                         allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     local_size=local_size, allow_is_causal_skip=False, **kwargs)
+
+
+def _ends_together(q_offset, q_length, kv_offset, kv_length) -> bool:
+    """Whether the last query sits at the last key's position (causal and windows bottom-right)."""
+    return all(isinstance(x, int) for x in (q_offset, q_length, kv_offset, kv_length)) \
+        and q_offset + q_length == kv_offset + kv_length
+
+
+def _unpadded(attention_mask, kv_offset, kv_length) -> bool:
+    """Whether a 2-d padding mask [batch, keys] leaves every visible key in (no mask: yes)."""
+    if attention_mask is None:
+        return True
+    if attention_mask.dim() != 2 or _is_compiling():
+        return False
+    return bool(attention_mask[:, kv_offset:kv_offset + kv_length].all())
+
+
+def _window_mask(seqlen_q: int, seqlen_k: int, window: int, causal: bool, device):
+    """Boolean [1, 1, seqlen_q, seqlen_k]: the last ``window`` keys up to each query's position,
+    bottom-right aligned (and none after it where ``causal``)."""
+    i = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    allowed = (i - j < window) & ((j <= i) if causal else (j - i < window))
+    return allowed[None, None]
+
+
 def _eager_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, sinks, softcap):
-    """Attention with sinks in plain torch operations, [batch, seqlen, heads, head_dim] out: the
-    scores, capped, masked (a boolean mask attends where True, a float mask is added), then the
-    softmax over the scores and the head's sink logit, whose share is dropped."""
+    """Attention in plain torch operations, [batch, seqlen, heads, head_dim] out: the scores,
+    capped, masked (a boolean mask attends where True, a float mask is added), then the softmax
+    over the scores and, with ``sinks``, the head's sink logit, whose share is dropped."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else scaling
@@ -586,32 +642,35 @@ def _eager_attention(module, query, key, value, attention_mask, dropout, scaling
         scores = softcap * torch.tanh(scores / softcap)
     if attention_mask is not None:
         mask = attention_mask[..., :key.shape[2]]
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        lowest = torch.finfo(torch.float32).min  # as transformers' masks: a row with no key is uniform, not NaN
+        scores = scores.masked_fill(~mask, lowest) if mask.dtype == torch.bool else scores + mask
     elif (getattr(module, "is_causal", True) if is_causal is None else is_causal) and query.shape[2] > 1:
         sq, sk = query.shape[2], key.shape[2]
         allowed = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(sk - sq)
         scores = scores.masked_fill(~allowed, float("-inf"))
-    sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(value.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    else:
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(value.dtype)
     probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
 def register_transformers(name: str = TRANSFORMERS_NAME) -> str:
     """Register cuflash with transformers' attention interface under ``name`` (default
-    ``"cuattn"``), with SDPA's mask function, and return the name: a model built with
+    ``"cuattn"``), with :func:`transformers_mask` as its mask function, and return the name: a model built with
     ``attn_implementation=name`` (or ``model.set_attn_implementation(name)``) runs its attention
     through cuflash."""
     if "flash" in name.lower():
         raise ValueError(f"name={name!r}: transformers takes any name containing 'flash' for a hub "
                          f"flash-attention kernel; choose another")
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(name, transformers_attention)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, transformers_mask)
     return name
 
 
 __all__ = ["attention", "attention_with_kvcache", "register_transformers", "transformers_attention",
-           "TRANSFORMERS_NAME"]
+           "transformers_mask", "TRANSFORMERS_NAME"]

@@ -235,8 +235,9 @@ def test_sinks_through_the_bridge_match_the_reference(compiled):
 
 def test_a_transformers_model_with_sinks_matches_eager(monkeypatch):
     """A small gpt-oss model (sinks, a sliding layer and a full layer, bf16): cuflash's registered
-    attention (its full layers on cuflash with the sinks) against the model's eager attention,
-    both within twice the eager bf16 model's distance from the float32 one."""
+    attention (both layers on cuflash with the sinks, the sliding one with its window) against the
+    model's eager attention, both within twice the eager bf16 model's distance from the float32
+    one."""
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "GptOssForCausalLM"):
         pytest.skip("this transformers has no gpt-oss")
@@ -266,9 +267,55 @@ def test_a_transformers_model_with_sinks_matches_eager(monkeypatch):
     truth = run("eager", torch.float32)
     eager = run("eager", torch.bfloat16)
     ours = run(name, torch.bfloat16)
-    assert calls == [True]  # the full layer ran on cuflash, with its sinks
+    assert calls == [True, True] and not ct._warned  # both layers ran on cuflash, with their sinks
     floor = (eager - truth).abs().max().item()
     assert (ours - truth).abs().max().item() <= 2 * floor + 1e-3
+
+
+def test_a_transformers_model_with_softcap_and_windows_matches_eager(monkeypatch):
+    """A small Gemma 2 model (logit softcap, sliding and full layers, bf16): every layer on cuflash,
+    within twice the eager bf16 model's distance from the float32 one, prefill and decode steps on
+    the cache."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma2ForCausalLM"):
+        pytest.skip("this transformers has no Gemma 2")
+    import cuflash.torch as ct
+
+    name = ct.register_transformers()
+    calls = []
+    real = ct.attention
+    monkeypatch.setattr(ct, "attention", lambda *a, **kw: calls.append(kw["window_size"]) or real(*a, **kw))
+    config = transformers.Gemma2Config(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                       num_attention_heads=8, num_key_value_heads=2, head_dim=64, sliding_window=48,
+                                       attn_logit_softcapping=20.0, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(config).to(device="cuda").eval()
+    tokens = torch.randint(0, 512, (2, 200), device="cuda")
+
+    def run(implementation, dtype):
+        model.to(dtype=dtype).set_attn_implementation(implementation)
+        with torch.no_grad():
+            return model(tokens).logits.float()
+
+    truth = run("eager", torch.float32)
+    eager = run("eager", torch.bfloat16)
+    ours = run(name, torch.bfloat16)
+    assert sorted(calls) == [(-1, -1), (47, 0)] and not ct._warned
+    assert (ours - truth).abs().max().item() <= 2 * (eager - truth).abs().max().item() + 1e-3
+
+    def decode(implementation, dtype):  # 150 tokens of prefill, then ten one at a time on the cache
+        model.to(dtype=dtype).set_attn_implementation(implementation)
+        with torch.no_grad():
+            out = model(tokens[:, :150], use_cache=True)
+            logits = [out.logits[:, -1]]
+            for t in range(150, 160):
+                out = model(tokens[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+                logits.append(out.logits[:, -1])
+        return torch.stack(logits).float()
+
+    truth, eager, ours = decode("eager", torch.float32), decode("eager", torch.bfloat16), decode(name, torch.bfloat16)
+    assert not ct._warned and (-1, 0) not in calls
+    assert (ours - truth).abs().max().item() <= 2 * (eager - truth).abs().max().item() + 1e-3
 
 
 def test_kvcache_decode_through_the_bridge_matches_cupy():
