@@ -60,6 +60,14 @@ def on_the_gpu(q, k, v, slopes_host, window) -> int:
     naive, _ = reference.attention_naive(q16, k16, v16, score_mod=alibi_softcap, mask_mod=window)
     assert_attention_close(out, ref, "fp16", baseline=naive)
     print("cuflash.attention with the mods matches the reference")
+
+    # FlashAttention's spelling of a window and a cap: the same mods, the window's block mask made once
+    out = cuflash.attention(*(cupy.asarray(x) for x in (q16, k16, v16)), causal=True, window_size=(15, 0),
+                            softcap=20.0)
+    same = dict(causal=True, score_mod=mods.softcap(20.0), mask_mod=window)
+    assert_attention_close(out, reference.attention_reference(q16, k16, v16, **same)[0], "fp16",
+                           baseline=reference.attention_naive(q16, k16, v16, **same)[0])
+    print("window_size=(15, 0) and softcap=20 match the same mods")
     return 0
 
 
