@@ -42,6 +42,7 @@ except ImportError as exc:  # jax is optional: only this module needs it
 import numpy as np
 
 from .backward import attention_backward as _attention_backward
+from .core.validate import validate_variants
 from .forward import attention as _attention
 
 LAYOUTS = ("bhsd", "bshd")
@@ -169,26 +170,30 @@ def _named(**arrays):
     return tuple((name, x) for name, x in arrays.items() if x is not None)
 
 
-def _sinks_kwargs(rest) -> dict:
-    """The ``sinks=`` of a call whose named arrays ended with the sinks (``rest``: them or nothing)."""
-    return {"sinks": rest[0]} if rest else {}
+def _sinks_kwargs(rest, variants=None) -> dict:
+    """The ``sinks=`` of a call whose named arrays ended with the sinks (``rest``: them or nothing),
+    and its ``window_size`` and ``softcap`` (``variants``: both, or None for neither)."""
+    kwargs = {"sinks": rest[0]} if rest else {}
+    if variants is not None:
+        kwargs.update(window_size=variants[0], softcap=variants[1])
+    return kwargs
 
 
-def _forward(q, k, v, sinks, causal, scale, layout, return_lse):
+def _forward(q, k, v, sinks, causal, scale, layout, return_lse, variants):
     def work(q, k, v, *sinks_):
         result = _attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=return_lse,
-                            **_sinks_kwargs(sinks_))
+                            **_sinks_kwargs(sinks_, variants))
         return result if return_lse else (result,)
 
     return _on_cuda(_named(q=q, k=k, v=v, sinks=sinks), work)
 
 
-def _backward(causal, scale, layout, deterministic, residuals, dout):
+def _backward(causal, scale, layout, deterministic, variants, residuals, dout):
     q, k, v, sinks, out, lse = residuals
 
     def work(dout, q, k, v, out, lse, *sinks_):
         return _attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
-                                   deterministic=deterministic, **_sinks_kwargs(sinks_))
+                                   deterministic=deterministic, **_sinks_kwargs(sinks_, variants))
 
     grads = _on_cuda(_named(dout=dout, q=q, k=k, v=v, out=out, lse=lse, sinks=sinks), work)
     return (*grads[:3], grads[3] if sinks is not None else None)
@@ -198,35 +203,35 @@ def _backward(causal, scale, layout, deterministic, residuals, dout):
 # function returns the output alone, the other the LSE too (whose cotangent is ignored, as
 # FlashAttention's).
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _attention_out(q, k, v, sinks, causal, scale, layout, deterministic):
-    return _forward(q, k, v, sinks, causal, scale, layout, False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attention_out(q, k, v, sinks, causal, scale, layout, deterministic, variants):
+    return _forward(q, k, v, sinks, causal, scale, layout, False, variants)[0]
 
 
-def _attention_out_fwd(q, k, v, sinks, causal, scale, layout, deterministic):
-    out, lse = _forward(q, k, v, sinks, causal, scale, layout, True)
+def _attention_out_fwd(q, k, v, sinks, causal, scale, layout, deterministic, variants):
+    out, lse = _forward(q, k, v, sinks, causal, scale, layout, True, variants)
     return out, (q, k, v, sinks, out, lse)
 
 
-def _attention_out_bwd(causal, scale, layout, deterministic, residuals, dout):
-    return _backward(causal, scale, layout, deterministic, residuals, dout)
+def _attention_out_bwd(causal, scale, layout, deterministic, variants, residuals, dout):
+    return _backward(causal, scale, layout, deterministic, variants, residuals, dout)
 
 
 _attention_out.defvjp(_attention_out_fwd, _attention_out_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _attention_lse(q, k, v, sinks, causal, scale, layout, deterministic):
-    return _forward(q, k, v, sinks, causal, scale, layout, True)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attention_lse(q, k, v, sinks, causal, scale, layout, deterministic, variants):
+    return _forward(q, k, v, sinks, causal, scale, layout, True, variants)
 
 
-def _attention_lse_fwd(q, k, v, sinks, causal, scale, layout, deterministic):
-    out, lse = _forward(q, k, v, sinks, causal, scale, layout, True)
+def _attention_lse_fwd(q, k, v, sinks, causal, scale, layout, deterministic, variants):
+    out, lse = _forward(q, k, v, sinks, causal, scale, layout, True, variants)
     return (out, lse), (q, k, v, sinks, out, lse)
 
 
-def _attention_lse_bwd(causal, scale, layout, deterministic, residuals, cotangents):
-    return _backward(causal, scale, layout, deterministic, residuals, cotangents[0])
+def _attention_lse_bwd(causal, scale, layout, deterministic, variants, residuals, cotangents):
+    return _backward(causal, scale, layout, deterministic, variants, residuals, cotangents[0])
 
 
 _attention_lse.defvjp(_attention_lse_fwd, _attention_lse_bwd)
@@ -250,7 +255,8 @@ def _check(q, k, v, layout, sinks=None):
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
-              return_lse: bool = False, deterministic: bool = False, sinks=None):
+              return_lse: bool = False, deterministic: bool = False, sinks=None, window_size=(-1, -1),
+              softcap: float = 0.0):
     """:func:`cuflash.attention` on JAX arrays on a CUDA GPU, differentiable with respect to q, k
     and v (and the sinks) (``jax.grad``, ``jax.value_and_grad``, ``jax.vjp``), eagerly only.
 
@@ -265,6 +271,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
         deterministic: the backward accumulates dQ in a fixed order (bit-identical runs).
         sinks: attention sinks, one logit per query head ([heads], float16, bfloat16 or float32,
             on q's device), as for :func:`cuflash.attention`; their gradient has their dtype.
+        window_size, softcap: FlashAttention's sliding window ``(left, right)`` (-1: unbounded)
+            and logit cap (0: none), as for :func:`cuflash.attention` (Gemma 2's, say).
 
     Returns:
         The output, in ``layout`` and q's dtype (and the LSE with ``return_lse``), on q's device,
@@ -282,8 +290,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    variants = validate_variants(window_size, softcap, causal)  # hashable: a static argument
     function = _attention_lse if return_lse else _attention_out
-    return function(q, k, v, sinks, causal, float(scale), layout, deterministic)
+    return function(q, k, v, sinks, causal, float(scale), layout, deterministic, variants)
 
 
 __all__ = ["attention", "LAYOUTS"]

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from cuflash import reference
+from cuflash import mods, reference
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
@@ -103,20 +103,42 @@ def reference_kernels(monkeypatch):
         calls.append(tuple(name for name, _ in named))
         return tuple(_cpu(r) for r in work(*(np.asarray(x) for _, x in named)))
 
-    def forward(q, k, v, *, causal, scale, layout, return_lse, **sinks):
-        out, lse = reference.attention_reference(q, k, v, causal=causal, scale=scale, layout=layout, **sinks)
+    def forward(q, k, v, *, causal, scale, layout, return_lse, **extra):
+        extra = _as_mods(extra, q, k, layout)
+        out, lse = reference.attention_reference(q, k, v, causal=causal, scale=scale, layout=layout, **extra)
         out, lse = out.astype(q.dtype), lse.astype(np.float32)
         return (out, lse) if return_lse else out
 
-    def backward(dout, q, k, v, out, lse, *, causal, scale, layout, deterministic, **sinks):
+    def backward(dout, q, k, v, out, lse, *, causal, scale, layout, deterministic, **extra):
+        extra = _as_mods(extra, q, k, layout)
         grads = reference.attention_backward_reference(dout, q, k, v, causal=causal, scale=scale, layout=layout,
-                                                       **sinks)
-        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v, *sinks.values())))
+                                                       **extra)
+        sinks = () if extra.get("sinks") is None else (extra["sinks"],)
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v, *sinks)))
 
     monkeypatch.setattr(cj, "_on_cuda", on_host)
     monkeypatch.setattr(cj, "_attention", forward)
     monkeypatch.setattr(cj, "_attention_backward", backward)
     return calls
+
+
+def _as_mods(extra, q, k, layout):
+    """The reference's keywords for a call's: ``window_size`` as a band mask written out here and
+    ``softcap`` as mods.softcap."""
+    extra = dict(extra)
+    left, right = extra.pop("window_size", (-1, -1))
+    cap = extra.pop("softcap", 0.0)
+    axis = 2 if layout == "bhsd" else 1
+    d = k.shape[axis] - q.shape[axis]
+
+    def band(b, h, q_idx, kv_idx):
+        return ((kv_idx >= q_idx + d - left) if left >= 0 else (kv_idx >= 0)) & \
+            ((kv_idx <= q_idx + d + right) if right >= 0 else (kv_idx >= 0))
+    if (left, right) != (-1, -1):
+        extra["mask_mod"] = band
+    if cap:
+        extra["score_mod"] = mods.softcap(cap)
+    return extra
 
 
 def _problem(layout="bshd"):
@@ -176,6 +198,24 @@ def test_sinks_are_an_argument_and_get_their_gradient(reference_kernels):
     assert reference_kernels == [FORWARD + ("sinks",), BACKWARD + ("sinks",), FORWARD + ("sinks",)]
     with pytest.raises(TypeError, match="sinks must be a jax.Array, got numpy.ndarray"):
         cj.attention(*(_cpu(x) for x in (q, k, v)), layout="bshd", sinks=sinks)
+
+
+@needs_jax
+def test_window_and_softcap_are_static_arguments_of_both_passes(reference_kernels):
+    q, k, v, dout = _problem()
+    args = dict(causal=True, layout="bshd", mask_mod=lambda b, h, q_idx, kv_idx: kv_idx >= q_idx + 8 - 5,
+                score_mod=mods.softcap(7.0))
+    want = reference.attention_backward_reference(dout, q, k, v, **args)
+
+    def loss(q, k, v):
+        out = cj.attention(q, k, v, causal=True, layout="bshd", window_size=(5, 0), softcap=7.0)
+        return (out * dout).sum()
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(*(_cpu(x) for x in (q, k, v)))
+    for got, ref in zip(grads, want):
+        assert np.allclose(np.asarray(got), ref, atol=1e-5)
+    with pytest.raises(ValueError, match="right must be 0"):
+        cj.attention(*(_cpu(x) for x in (q, k, v)), causal=True, window_size=(5, 5))
 
 
 @needs_jax
