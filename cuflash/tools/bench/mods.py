@@ -5,7 +5,8 @@ One problem per (head dim, seqlen), sized as the grid's (batch = total_tokens //
 hidden // head_dim), hd128 N=16384 unless ``--head-dims`` / ``--seqlens`` are given. Forward rows:
 plain, causal, softcap 30, ALiBi + causal, sliding window 1024 (causal) and 8 packed documents of
 random lengths (causal), attention sinks (causal); backward rows (of a retained forward): plain,
-causal, softcap, window and sinks.
+causal, softcap, window and sinks. Softcap and the window go through FlashAttention's arguments
+(``softcap=``, ``window_size=``), the others through mods.
 TFLOP/s count the attended pairs only (4·d per pair forward, 2.5x that backward); ``vs_plain`` is
 the variant over its plain cuflash kernel (softcap over non-causal, the others over causal). Where
 torch is importable, ``torch.compile``'d flex_attention with the same mods and a block mask is timed
@@ -63,11 +64,11 @@ def _cuflash_mods(variant, slopes, document_ids) -> dict:
         import cupy
         return dict(sinks=cupy.ones(slopes.shape, dtype=cupy.float32))
     if variant == "softcap":
-        return dict(score_mod=mods.softcap(SOFTCAP))
+        return dict(softcap=SOFTCAP)
     if variant == "alibi":
         return dict(score_mod=mods.alibi(slopes))
-    if variant == "window":
-        return dict(mask_mod=mods.sliding_window(WINDOW))
+    if variant == "window":  # WINDOW keys up to the query's own, as mods.sliding_window(WINDOW)
+        return dict(window_size=(WINDOW - 1, 0))
     if variant == "document":
         return dict(mask_mod=mods.document_mask(document_ids))
     return {}
