@@ -97,10 +97,42 @@ def causal_mask(seqlen_q: int, seqlen_k: int) -> np.ndarray:
     return cols <= rows + (seqlen_k - seqlen_q)
 
 
-def _allowed(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
-    if causal:
-        return causal_mask(seqlen_q, seqlen_k)
-    return np.ones((seqlen_q, seqlen_k), dtype=bool)
+def _allowed(seqlen_q: int, seqlen_k: int, causal: bool, window=None) -> np.ndarray:
+    """The pairs causal and the sliding window ``(left, right)`` (None: none) allow."""
+    allowed = causal_mask(seqlen_q, seqlen_k) if causal else np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if window is not None:
+        rows = np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
+        cols = np.arange(seqlen_k)[None, :]
+        left, right = window
+        if left >= 0:
+            allowed = allowed & (cols >= rows - left)
+        if right >= 0:
+            allowed = allowed & (cols <= rows + right)
+    return allowed
+
+
+def _variants(window_size, softcap, causal, score_mod, mask_mod):
+    """(score_mod, window or None) of a call's ``window_size`` and ``softcap``, checked as
+    :func:`cuflash.attention` checks them (a cap with a score_mod, or a window with a mask_mod, is
+    refused)."""
+    if not softcap and window_size == (-1, -1):
+        return score_mod, None
+    from .core.validate import validate_variants
+    from .mods import softcap as _softcap
+
+    variants = validate_variants(window_size, softcap, causal)
+    if variants is None:
+        return score_mod, None
+    window, cap = variants
+    if cap:
+        if score_mod is not None:
+            raise ValueError(f"softcap={cap} and score_mod were both given; put the cap into the score_mod")
+        score_mod = _softcap(cap)
+    if window[0] < 0 and window[1] < 0 or causal and window[0] < 0:
+        return score_mod, None
+    if mask_mod is not None:
+        raise ValueError(f"window_size={window} and a mask_mod were both given; combine them into one mask_mod")
+    return score_mod, window
 
 
 # -- shared softmax pieces ------------------------------------------------------------------------
@@ -160,7 +192,8 @@ def _finish(weighted, row_max, row_sum, empty):
 # -- float64 reference ----------------------------------------------------------------------------
 
 def attention_reference(q, k, v, *, causal: bool = False, scale: float | None = None,
-                        layout: str = "bhsd", score_mod=None, mask_mod=None, sinks=None):
+                        layout: str = "bhsd", score_mod=None, mask_mod=None, sinks=None, window_size=(-1, -1),
+                        softcap: float = 0.0):
     """Scaled dot-product attention computed in float64.
 
     Args:
@@ -176,6 +209,9 @@ def attention_reference(q, k, v, *, causal: bool = False, scale: float | None = 
             float64 on the scaled scores and on the index grids; the mask is and-ed with causal.
         sinks: attention sinks, one logit per query head added to each row's softmax sum as
             ``exp(sinks[h])`` (no value); the LSE includes them.
+        window_size, softcap: FlashAttention's sliding window ``(left, right)`` (query i sees
+            keys i + d - left to i + d + right, d = seqlen_k - seqlen_q; -1: unbounded) and logit
+            cap ``softcap * tanh(s / softcap)``, as :func:`cuflash.attention` takes them.
 
     Returns:
         ``(out, lse)``: ``out`` float64 with q's shape and layout; ``lse`` float64
@@ -188,7 +224,8 @@ def attention_reference(q, k, v, *, causal: bool = False, scale: float | None = 
     qb, kb, vb, scale = _prepare(q, k, v, scale, layout, np.float64)
     heads_q, seqlen_q, seqlen_k = qb.shape[1], qb.shape[2], kb.shape[2]
     kb, vb = _expand_kv_heads(kb, heads_q), _expand_kv_heads(vb, heads_q)
-    allowed = _allowed(seqlen_q, seqlen_k, causal)
+    score_mod, window = _variants(window_size, softcap, causal, score_mod, mask_mod)
+    allowed = _allowed(seqlen_q, seqlen_k, causal, window)
     with np.errstate(invalid="ignore", over="ignore"):
         scores = (qb @ kb.swapaxes(-1, -2)) * scale
         scores, allowed = _with_mods(scores, allowed, score_mod, mask_mod)
@@ -208,7 +245,8 @@ def _with_mods(scores, allowed, score_mod, mask_mod):
 # -- same-precision baseline ----------------------------------------------------------------------
 
 def attention_naive(q, k, v, *, causal: bool = False, scale: float | None = None,
-                    layout: str = "bhsd", score_mod=None, mask_mod=None, sinks=None):
+                    layout: str = "bhsd", score_mod=None, mask_mod=None, sinks=None, window_size=(-1, -1),
+                    softcap: float = 0.0):
     """softmax(scale * Q K^T) V written plainly in the input precision.
 
     This is what a user gets without a fused kernel, and its error against
@@ -237,7 +275,8 @@ def attention_naive(q, k, v, *, causal: bool = False, scale: float | None = None
     qb, kb, vb, scale = _prepare(q, k, v, scale, layout, f32)
     heads_q, seqlen_q, seqlen_k = qb.shape[1], qb.shape[2], kb.shape[2]
     kb, vb = _expand_kv_heads(kb, heads_q), _expand_kv_heads(vb, heads_q)
-    allowed = _allowed(seqlen_q, seqlen_k, causal)
+    score_mod, window = _variants(window_size, softcap, causal, score_mod, mask_mod)
+    allowed = _allowed(seqlen_q, seqlen_k, causal, window)
     scale_io = np.asarray(scale, dtype=f32).astype(io).astype(f32)
     with np.errstate(invalid="ignore", over="ignore"):
         # A product of two 16-bit floats is exact in float32, so rounding it once to T is the
@@ -311,7 +350,7 @@ def _out_dtype(out_dtype: str) -> np.dtype:
 
 def attention_fp8_reference(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
                             fp8_format: str = "e4m3", q_descale=None, k_descale=None, v_descale=None,
-                            score_mod=None, mask_mod=None, sinks=None):
+                            score_mod=None, mask_mod=None, sinks=None, window_size=(-1, -1), softcap: float = 0.0):
     """float64 attention of FP8 inputs: :func:`attention_reference` of their exact values
     ``value(code) * descale``.
 
@@ -330,13 +369,14 @@ def attention_fp8_reference(q, k, v, *, causal: bool = False, scale: float | Non
     qb, kb, vb, scale = _fp8_prepare(q, k, v, scale, layout, fp8_format, (q_descale, k_descale, v_descale),
                                      np.float64)
     out, lse = attention_reference(qb, kb, vb, causal=causal, scale=scale, score_mod=score_mod, mask_mod=mask_mod,
-                                   sinks=sinks)
+                                   sinks=sinks, window_size=window_size, softcap=softcap)
     return _from_bhsd(out, layout), lse
 
 
 def attention_fp8_naive(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
                         fp8_format: str = "e4m3", q_descale=None, k_descale=None, v_descale=None,
-                        out_dtype: str = "bf16", score_mod=None, mask_mod=None, sinks=None):
+                        out_dtype: str = "bf16", score_mod=None, mask_mod=None, sinks=None, window_size=(-1, -1),
+                        softcap: float = 0.0):
     """FP8 attention written plainly in the inputs' precision, with the FP8 kernel's roundings:
     the baseline of the accuracy rule for FP8 inputs. Steps:
 
@@ -362,7 +402,8 @@ def attention_fp8_naive(q, k, v, *, causal: bool = False, scale: float | None = 
     qb, kb, vb, scale = _fp8_prepare(q, k, v, scale, layout, fp8_format, (q_descale, k_descale, v_descale), f32)
     heads_q, seqlen_q, seqlen_k = qb.shape[1], qb.shape[2], kb.shape[2]
     kb, vb = _expand_kv_heads(kb, heads_q), _expand_kv_heads(vb, heads_q)
-    allowed = _allowed(seqlen_q, seqlen_k, causal)
+    score_mod, window = _variants(window_size, softcap, causal, score_mod, mask_mod)
+    allowed = _allowed(seqlen_q, seqlen_k, causal, window)
     with np.errstate(invalid="ignore", over="ignore"):
         scores = (qb @ kb.swapaxes(-1, -2)) * f32(scale)
         scores, allowed = _with_mods(scores, allowed, score_mod, mask_mod)
@@ -402,12 +443,14 @@ def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_d
 # -- float64 gradients ----------------------------------------------------------------------------
 
 def attention_backward_reference(dout, q, k, v, *, causal: bool = False, scale: float | None = None,
-                                 layout: str = "bhsd", score_mod=None, mask_mod=None, sinks=None):
+                                 layout: str = "bhsd", score_mod=None, mask_mod=None, sinks=None,
+                                 window_size=(-1, -1), softcap: float = 0.0):
     """Gradients of :func:`attention_reference`'s output, in float64.
 
     Args:
         dout: gradient of the loss with respect to ``out``; q's shape and layout.
-        q, k, v, causal, scale, layout, score_mod, mask_mod: as for :func:`attention_reference`
+        q, k, v, causal, scale, layout, score_mod, mask_mod, window_size, softcap: as for
+            :func:`attention_reference`
             (a score_mod's derivative with respect to the score, traced as the mod is, scales dS).
 
         sinks: the forward's attention sinks.
@@ -429,7 +472,8 @@ def attention_backward_reference(dout, q, k, v, *, causal: bool = False, scale: 
         raise ValueError(f"dout.shape={np.shape(dout)} must equal q.shape={np.shape(q)}")
     heads_q, heads_k, seqlen_q, seqlen_k = qb.shape[1], kb.shape[1], qb.shape[2], kb.shape[2]
     ke, ve = _expand_kv_heads(kb, heads_q), _expand_kv_heads(vb, heads_q)
-    allowed = _allowed(seqlen_q, seqlen_k, causal)
+    score_mod, window = _variants(window_size, softcap, causal, score_mod, mask_mod)
+    allowed = _allowed(seqlen_q, seqlen_k, causal, window)
     with np.errstate(invalid="ignore", over="ignore"):
         raw = (qb @ ke.swapaxes(-1, -2)) * scale
         scores, allowed = _with_mods(raw, allowed, score_mod, mask_mod)
@@ -458,7 +502,8 @@ def attention_backward_reference(dout, q, k, v, *, causal: bool = False, scale: 
 
 
 def attention_backward_naive(dout, q, k, v, *, causal: bool = False, scale: float | None = None,
-                             layout: str = "bhsd", score_mod=None, mask_mod=None, sinks=None):
+                             layout: str = "bhsd", score_mod=None, mask_mod=None, sinks=None,
+                             window_size=(-1, -1), softcap: float = 0.0):
     """The gradients written plainly in the input precision: the baseline of the accuracy rule
     for the backward. For a 16-bit input dtype ``T``, every matmul accumulates in float32 and
     rounds its result to ``T``:
@@ -481,7 +526,8 @@ def attention_backward_naive(dout, q, k, v, *, causal: bool = False, scale: floa
         raise ValueError(f"dout.shape={np.shape(dout)} must equal q.shape={np.shape(q)}")
     heads_q, heads_k, seqlen_q, seqlen_k = qb.shape[1], kb.shape[1], qb.shape[2], kb.shape[2]
     ke, ve = _expand_kv_heads(kb, heads_q), _expand_kv_heads(vb, heads_q)
-    allowed = _allowed(seqlen_q, seqlen_k, causal)
+    score_mod, window = _variants(window_size, softcap, causal, score_mod, mask_mod)
+    allowed = _allowed(seqlen_q, seqlen_k, causal, window)
     scale_io = np.asarray(scale, dtype=f32).astype(io).astype(f32)
 
     def rounded(x):

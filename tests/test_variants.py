@@ -92,3 +92,41 @@ def test_flash_mods_give_the_cap_and_refuse_a_second_mod():
         sparsity.flash_mods(problem, (-1, -1), 30.0, mods.alibi(np.ones(3, np.float32)), None, None)
     with pytest.raises(ValueError, match="mask_mod or block_mask"):
         sparsity.flash_mods(problem, (4, 4), 0.0, None, mods.sliding_window(8), None)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (5, 3)), (True, (5, 0)), (False, (-1, 3)), (True, (-1, -1))])
+def test_the_reference_takes_window_and_softcap_as_the_mods_they_are(causal, window):
+    from cuflash import reference
+
+    rng = np.random.default_rng(1)
+    q, dout = rng.standard_normal((2, 1, 2, 37, 16))
+    k, v = rng.standard_normal((2, 1, 2, 50, 16))
+    left, right = window
+    d = 50 - 37
+
+    def band(b, h, q_idx, kv_idx):  # written out here, not taken from cuflash
+        lo = kv_idx >= q_idx + d - left if left >= 0 else kv_idx >= 0
+        hi = kv_idx <= q_idx + d + right if right >= 0 and not causal else kv_idx >= 0
+        return lo & hi
+    mods_args = dict(causal=causal, mask_mod=band, score_mod=mods.softcap(4.0))
+    args = dict(causal=causal, window_size=window, softcap=4.0)
+    halves = [x.astype(np.float16) for x in (q, k, v)]
+    for got, want in ((reference.attention_reference(q, k, v, **args),
+                       reference.attention_reference(q, k, v, **mods_args)),
+                      (reference.attention_naive(*halves, **args), reference.attention_naive(*halves, **mods_args)),
+                      (reference.attention_backward_reference(dout, q, k, v, **args),
+                       reference.attention_backward_reference(dout, q, k, v, **mods_args))):
+        for a, b in zip(got, want):
+            assert np.array_equal(a, b)
+
+
+def test_the_reference_refuses_what_the_kernels_refuse():
+    from cuflash import reference
+
+    x = np.ones((1, 1, 8, 16))
+    with pytest.raises(ValueError, match="score_mod"):
+        reference.attention_reference(x, x, x, softcap=2.0, score_mod=mods.softcap(2.0))
+    with pytest.raises(ValueError, match="mask_mod"):
+        reference.attention_reference(x, x, x, window_size=(2, 2), mask_mod=mods.sliding_window(2))
+    with pytest.raises(ValueError, match="right must be 0"):
+        reference.attention_reference(x, x, x, causal=True, window_size=(2, 2))
