@@ -130,3 +130,38 @@ def test_the_reference_refuses_what_the_kernels_refuse():
         reference.attention_reference(x, x, x, window_size=(2, 2), mask_mod=mods.sliding_window(2))
     with pytest.raises(ValueError, match="right must be 0"):
         reference.attention_reference(x, x, x, causal=True, window_size=(2, 2))
+
+
+def test_problems_carry_window_and_softcap_to_the_reference():
+    from cuflash import reference
+    from cuflash.testing import AttentionProblem
+
+    p = AttentionProblem(1, 2, 1, 30, 45, 16, "bf16", causal=True, window_size=(7, 0), softcap=5.0)
+    assert p.name.endswith("window7,0 softcap5") and p.variants == dict(window_size=(7, 0), softcap=5.0)
+    q, k, v = p.make_inputs(seed=3)
+    got = p.reference(q, k, v)
+    want = reference.attention_reference(q, k, v, causal=True, window_size=(7, 0), softcap=5.0)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="right must be 0"):
+        AttentionProblem(1, 2, 1, 30, 45, 16, "bf16", causal=True, window_size=(7, 3))
+    with pytest.raises(ValueError, match="fp32"):
+        AttentionProblem(1, 2, 1, 30, 45, 16, "fp32", softcap=5.0)
+
+
+def test_the_strategy_draws_windows_and_caps_for_16_bit_problems_only():
+    from hypothesis import HealthCheck, given, settings
+
+    from cuflash.testing import attention_problems
+
+    seen = []
+
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(problem=attention_problems(max_seqlen=64, variants=True))
+    def draw(problem):
+        seen.append(problem)
+        if problem.dtype == "fp32":
+            assert problem.window_size == (-1, -1) and not problem.softcap
+        if problem.causal:
+            assert problem.window_size[1] in (-1, 0)
+    draw()
+    assert any(p.window_size != (-1, -1) for p in seen) and any(p.softcap for p in seen)
