@@ -10,7 +10,7 @@ The calls are registered as custom operators (``torch.ops.cuflash.attention`` an
 cross to CuPy through DLPack without a copy; cuflash runs on torch's current device and stream,
 and while torch captures a CUDA graph (``torch.cuda.graph``) every buffer cuflash allocates comes
 from torch's caching allocator, so the graph's memory pool holds it (:mod:`cuflash.torch_interop`).
-PyTorch is imported by these two modules only: ``import cuflash`` never imports it.
+PyTorch is imported by the cuflash.torch* modules only: ``import cuflash`` never imports it.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from .backward import _attention_backward
 from .core.validate import validate_softcap, validate_window
 from .forward import _attention
 from .torch_interop import _DTYPES, _current_stream_ptr, _on_torch_stream, _to_cupy, _to_torch  # noqa: F401
+from .torch_varlen import attention_varlen
 
 LAYOUTS = ("bhsd", "bshd")
 #: The name ``register_transformers`` registers: it must not contain "flash", which transformers
@@ -552,5 +553,5 @@ def register_transformers(name: str = TRANSFORMERS_NAME) -> str:
     return name
 
 
-__all__ = ["attention", "attention_with_kvcache", "register_transformers", "transformers_attention",
-           "transformers_mask", "TRANSFORMERS_NAME"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "register_transformers",
+           "transformers_attention", "transformers_mask", "TRANSFORMERS_NAME"]
