@@ -1,5 +1,7 @@
 """Packed sequences for PyTorch: :func:`cuflash.attention_varlen` on CUDA torch tensors,
-differentiable (FlashAttention's ``flash_attn_varlen_func``). :mod:`cuflash.torch` exports it."""
+differentiable (FlashAttention's ``flash_attn_varlen_func``). :mod:`cuflash.torch` exports it.
+Eager calls go straight to cuflash; traced ones (torch.compile, meta tensors) to the operators
+``torch.ops.cuflash.attention_varlen`` and ``attention_varlen_backward``."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +15,7 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__module__}.{type(x).__name__}")
     for name, x in named:
-        if x.device != q.device or x.device.type != "cuda":
+        if x.device != q.device or x.device.type not in ("cuda", "meta"):
             raise ValueError(f"{name} is on {x.device}; every tensor must be on q's CUDA device ({q.device})")
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if x.dtype != torch.int32 or x.dim() != 1:
@@ -34,6 +36,72 @@ def _forward(q, k, v, cu_q, cu_k, sinks, options):
     return _to_torch(out), _to_torch(lse)
 
 
+def _backward(dout, q, k, v, out, lse, cu_q, cu_k, sinks, causal, scale, deterministic):
+    from .varlen import attention_varlen_backward as _varlen_backward
+
+    dout = dout.to(out.dtype).contiguous()
+    with _on_torch_stream(q.device):
+        grads = _varlen_backward(_to_cupy(dout), _to_cupy(q), _to_cupy(k), _to_cupy(v), _to_cupy(out),
+                                 _to_cupy(lse), _to_cupy(cu_q), _to_cupy(cu_k), causal=causal, scale=scale,
+                                 deterministic=deterministic, sinks=None if sinks is None else _to_cupy(sinks))
+    return [_to_torch(g) for g in grads]
+
+
+# -- the operators (traced calls) ------------------------------------------------------------------------
+
+def _op_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+             cu_seqlens_k: torch.Tensor, sinks: torch.Tensor | None, max_seqlen_q: int | None, causal: bool,
+             scale: float | None, window_left: int, window_right: int,
+             softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks,
+                    (max_seqlen_q, causal, scale, (window_left, window_right), softcap))
+
+
+_op = torch.library.custom_op("cuflash::attention_varlen", mutates_args=())(_op_impl)
+
+
+@_op.register_fake
+def _op_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, max_seqlen_q, causal, scale, window_left, window_right,
+             softcap):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _backward_op_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                      sinks: torch.Tensor | None, causal: bool, scale: float | None,
+                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, causal, scale, deterministic)
+    dsinks = grads[3] if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+    return grads[0], grads[1], grads[2], dsinks
+
+
+_backward_op = torch.library.custom_op("cuflash::attention_varlen_backward", mutates_args=())(_backward_op_impl)
+
+
+@_backward_op.register_fake
+def _backward_op_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, causal, scale, deterministic):
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+def _op_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, sinks, _, causal, scale, *_ = inputs
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, *output, *(() if sinks is None else (sinks,)))
+    ctx.options = (causal, scale, False)
+
+
+def _op_differentiate(ctx, dout, dlse):
+    q, k, v, cu_q, cu_k, out, lse, *sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = _backward_op(dout, q, k, v, out, lse, cu_q, cu_k, sinks[0] if sinks else None,
+                                      *ctx.options)
+    return dq, dk, dv, None, None, dsinks if sinks else None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("cuflash::attention_varlen", _op_differentiate, setup_context=_op_setup_context)
+
+
+# -- eager calls ----------------------------------------------------------------------------------------------
+
 class _AttentionVarlen(torch.autograd.Function):
     """The forward, and cuflash's varlen backward for q, k, v and the sinks."""
 
@@ -47,16 +115,10 @@ class _AttentionVarlen(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        from .varlen import attention_varlen_backward as _backward
-
         q, k, v, cu_q, cu_k, out, lse, *sinks = ctx.saved_tensors
         _, causal, scale, _, _ = ctx.options
-        dout = dout.to(out.dtype).contiguous()
-        with _on_torch_stream(q.device):
-            grads = _backward(_to_cupy(dout), _to_cupy(q), _to_cupy(k), _to_cupy(v), _to_cupy(out), _to_cupy(lse),
-                              _to_cupy(cu_q), _to_cupy(cu_k), causal=causal, scale=scale,
-                              deterministic=ctx.deterministic, sinks=_to_cupy(sinks[0]) if sinks else None)
-        grads = [_to_torch(g) for g in grads]
+        grads = _backward(dout, q, k, v, out, lse, cu_q, cu_k, sinks[0] if sinks else None, causal, scale,
+                          ctx.deterministic)
         return grads[0], grads[1], grads[2], None, None, grads[3] if sinks else None, None, None
 
 
@@ -80,15 +142,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         The output [total_q, heads, head_dim] (and the LSE), on torch's current stream.
     """
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks)
-    options = (max_seqlen_q, causal, scale, tuple(window_size), softcap)
+    window_size = tuple(window_size)
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))
-    if grad:
-        if tuple(window_size) != (-1, -1) or softcap:
-            raise ValueError(f"window_size={tuple(window_size)} and softcap={softcap}: the varlen backward takes "
-                             f"neither; call under torch.no_grad() for inference")
+    if grad and (window_size != (-1, -1) or softcap):
+        raise ValueError(f"window_size={window_size} and softcap={softcap}: the varlen backward takes neither; "
+                         f"call under torch.no_grad() for inference")
+    if torch.compiler.is_compiling() or q.device.type == "meta":
+        if deterministic:
+            raise ValueError("deterministic=True is for eager calls; the traced backward adds dQ as it comes")
+        out, lse = _op(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, max_seqlen_q, causal,
+                       None if scale is None else float(scale), *window_size, float(softcap))
+    elif grad:
+        options = (max_seqlen_q, causal, scale, window_size, softcap)
         out, lse = _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, options, deterministic)
     else:
-        out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, options)
+        out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, (max_seqlen_q, causal, scale, window_size,
+                                                                          softcap))
     return (out, lse) if return_lse else out
 
 

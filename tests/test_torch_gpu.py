@@ -359,10 +359,12 @@ def test_kvcache_decode_through_the_bridge_matches_cupy():
         assert all(torch.equal(a, c) for a, c in zip(appended, cache))
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_varlen_through_the_bridge_matches_cupy(with_sinks):
-    """cuflash.torch.attention_varlen (packed sequences, GQA, causal, one empty sequence): the output
-    and every gradient, dsinks included, equal the CuPy calls' on the same memory."""
+def test_varlen_through_the_bridge_matches_cupy(with_sinks, compiled):
+    """cuflash.torch.attention_varlen (packed sequences, GQA, causal, one empty sequence), eagerly
+    and under torch.compile: the output and every gradient, dsinks included, match the CuPy
+    calls' on the same memory."""
     import numpy as np
 
     import cuflash.torch as ct
@@ -374,7 +376,8 @@ def test_varlen_through_the_bridge_matches_cupy(with_sinks):
     k, v = (torch.randn(int(cu_k[-1]), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             for _ in range(2))
     sinks = torch.randn(8, device="cuda", requires_grad=True) if with_sinks else None
-    out = ct.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=200, causal=True, sinks=sinks)
+    fn = torch.compile(ct.attention_varlen, fullgraph=True) if compiled else ct.attention_varlen
+    out = fn(q, k, v, cu_q, cu_k, max_seqlen_q=200, causal=True, sinks=sinks)
     dout = torch.randn_like(out)
     out.backward(dout)
     torch.cuda.synchronize()

@@ -116,3 +116,21 @@ def test_bad_arguments_are_named():
         tv.attention_varlen(q, k, v, cu_q, cu_k)
     with pytest.raises(TypeError, match="cu_seqlens_k must be a torch.Tensor"):
         tv.attention_varlen(q, k, v, cu_q, np.zeros(4, np.int32))
+
+
+def _meta(*shape, dtype=torch.bfloat16, grad=False):
+    return torch.empty(shape, device="meta", dtype=dtype, requires_grad=grad)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_traced_calls_take_the_operators_and_autograd_reaches_the_backward_one(with_sinks):
+    q, k, v = _meta(40, 8, 64, grad=True), _meta(50, 2, 64, grad=True), _meta(50, 2, 64, grad=True)
+    cu_q, cu_k = _meta(4, dtype=torch.int32), _meta(4, dtype=torch.int32)
+    sinks = _meta(8, dtype=torch.float32, grad=True) if with_sinks else None
+    out, lse = tv.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=20, causal=True, return_lse=True, sinks=sinks)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (8, 40) and lse.dtype == torch.float32
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    assert (sinks is None) or sinks.grad.shape == (8,)
+    with pytest.raises(ValueError, match="deterministic"):
+        tv.attention_varlen(q, k, v, cu_q, cu_k, deterministic=True)
