@@ -29,6 +29,7 @@ def _forward(q, k, v, cu_q, cu_k, sinks, options):
     from .varlen import attention_varlen as _varlen
 
     max_seqlen_q, causal, scale, window_size, softcap = options
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # rows read as they lie
     with _on_torch_stream(q.device):
         out, lse = _varlen(_to_cupy(q), _to_cupy(k), _to_cupy(v), _to_cupy(cu_q), _to_cupy(cu_k),
                            max_seqlen_q=max_seqlen_q, causal=causal, scale=scale, window_size=window_size,
@@ -40,6 +41,7 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, sinks, causal, scale, determi
     from .varlen import attention_varlen_backward as _varlen_backward
 
     dout = dout.to(out.dtype).contiguous()
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     with _on_torch_stream(q.device):
         grads = _varlen_backward(_to_cupy(dout), _to_cupy(q), _to_cupy(k), _to_cupy(v), _to_cupy(out),
                                  _to_cupy(lse), _to_cupy(cu_q), _to_cupy(cu_k), causal=causal, scale=scale,
