@@ -117,22 +117,14 @@ def _variants(window_size, softcap, causal, score_mod, mask_mod):
     refused)."""
     if not softcap and window_size == (-1, -1):
         return score_mod, None
-    from .core.validate import validate_variants
+    from .core.validate import validate_variants, variant_mods
     from .mods import softcap as _softcap
 
     variants = validate_variants(window_size, softcap, causal)
     if variants is None:
         return score_mod, None
-    window, cap = variants
-    if cap:
-        if score_mod is not None:
-            raise ValueError(f"softcap={cap} and score_mod were both given; put the cap into the score_mod")
-        score_mod = _softcap(cap)
-    if window[0] < 0 and window[1] < 0 or causal and window[0] < 0:
-        return score_mod, None
-    if mask_mod is not None:
-        raise ValueError(f"window_size={window} and a mask_mod were both given; combine them into one mask_mod")
-    return score_mod, window
+    cap, window = variant_mods(variants, causal, score_mod, mask_mod)
+    return (_softcap(cap) if cap else score_mod), window
 
 
 # -- shared softmax pieces ------------------------------------------------------------------------

@@ -223,20 +223,16 @@ def flash_mods(problem, window: tuple, softcap: float, score_mod, mask_mod, mask
     ``mask``: the cap as :func:`cuflash.mods.softcap`, the window as a mask_mod aligned
     bottom-right with its block mask, made once per shape."""
     from . import mods as _mods
+    from .core.validate import variant_mods
 
-    if softcap:
-        if score_mod is not None:
-            raise ValueError(f"softcap={softcap} and score_mod were both given; put the cap into the score_mod "
-                             f"(cuflash.mods.softcap shows how)")
-        score_mod = _mods._softcap_mod(softcap)
-    left, right = window
-    right = -1 if problem.causal else right  # causal bounds the right side already
-    offset = problem.seqlen_k - problem.seqlen_q
-    window_mod = _mods._window_size_mask(left, right, offset)
-    if window_mod is not None:
-        if mask_mod is not None or mask is not None:
-            raise ValueError(f"window_size={window} and a mask_mod or block_mask were both given; combine the "
-                             f"window with the mask (cuflash.mods.and_masks) and pass that")
+    cap, bounds = variant_mods((window, softcap), problem.causal, score_mod,
+                               mask if mask_mod is None else mask_mod)
+    if cap:
+        score_mod = _mods._softcap_mod(cap)
+    if bounds is not None:
+        left, right = bounds
+        offset = problem.seqlen_k - problem.seqlen_q
+        window_mod = _mods._window_size_mask(left, right, offset)
         shape = (problem.batch, problem.heads, problem.seqlen_q, problem.seqlen_k)
         key = (left, right, offset) + shape
         mask = _window_masks.get(key)

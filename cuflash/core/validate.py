@@ -209,6 +209,25 @@ def validate_variants(window_size, softcap, causal: bool):
     return window, cap
 
 
+def variant_mods(variants, causal: bool, score_mod, mask_mod):
+    """``(cap, window)`` of checked ``variants`` (:func:`validate_variants`) beside a call's own
+    mods: the cap (0: none) and the window's ``(left, right)`` with causal's right bound left to
+    causal (-1), or None where no bound is left; a cap beside a score_mod, or a window beside a
+    mask_mod or block mask (``mask_mod``: either), is refused."""
+    window, cap = variants
+    left, right = window
+    if cap and score_mod is not None:
+        raise ValueError(f"softcap={cap} and score_mod were both given; put the cap into the score_mod "
+                         f"(cuflash.mods.softcap shows how)")
+    right = -1 if causal else right  # causal bounds the right side already
+    if left < 0 and right < 0:
+        return cap, None
+    if mask_mod is not None:
+        raise ValueError(f"window_size={window} and a mask_mod or block_mask were both given; combine the "
+                         f"window with the mask (cuflash.mods.and_masks) and pass that")
+    return cap, (left, right)
+
+
 def validate_sinks(sinks, heads: int, device_id: int):
     """Attention sinks as the kernels read them: float32, contiguous, one logit per each of the
     ``heads`` query heads, on device ``device_id`` (a copy where the array is not that already)."""
