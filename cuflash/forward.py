@@ -12,7 +12,7 @@ from .core.launch import LaunchPlan, launch, lse_scratch, outputs_unused
 from .core.policy import FP8_WGMMA_MIN_HEAD_DIM, SHORT_SEQLEN, default_spec
 from .core.spec import KernelSpec
 from .core.validate import (Problem, aligned_copy, aligned_for_async_copy, readable_by_tma, validate,
-                            validate_fp8_scales, validate_sinks, validate_variants)
+                            validate_fp8_scales, validate_sinks, validate_variants, variant_mods)
 
 _arch_of_device: dict[int, str] = {}
 
@@ -61,6 +61,9 @@ def _check_forced_spec(spec, problem: Problem, out_dtype: str | None = None, ret
 
 _UNKEYED = object()  # _attention's key where the caller has not computed it
 _NO_WINDOW = (-1, -1)
+#: window_size on the Hopper warp-specialized kernel: its key range bounded by the kernel
+#: (KernelSpec.local), rather than a mask_mod with a block mask.
+_LOCAL_WINDOWS = True
 
 
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd", family=None, spec=None,
@@ -110,8 +113,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
             its sink. Any float dtype (read as float32); every input dtype (FP8: the forward).
         window_size: ``(left, right)`` as in FlashAttention: query i sees keys i + d - left to
             i + d + right, d = seqlen_k - seqlen_q (-1: no bound; with ``causal`` right is 0).
-            Runs as a mask_mod with a block mask made once per shape, so only the window's tiles
-            are visited; not with another mask_mod or block_mask.
+            Only the window's key tiles are visited: on the Hopper kernel its bounds are kernel
+            arguments, elsewhere a mask_mod with a block mask made once per shape. Not with
+            another mask_mod or block_mask.
         softcap: a logit cap ``softcap * tanh(s / softcap)`` on the scaled scores (Gemma 2), 0 for
             none; a score_mod, not with another one.
 
@@ -187,7 +191,14 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
         return validate(q, k, v, causal=causal, scale=scale, layout=layout, fp8_format=fp8_format)
 
     problem = checked(q, k, v, scale)
+    window = _NO_WINDOW  # a window the Hopper kernel bounds itself (spec.local)
     if variants is not None and not problem.empty and problem.seqlen_k:
+        if spec is None and fp8_format is None and _LOCAL_WINDOWS:
+            bounds = variant_mods(variants, causal, score_mod, block_mask if mask_mod is None else mask_mod)[1]
+            if bounds is not None:
+                with _on_device(problem.device_id):
+                    if select_spec(problem, family, None, return_lse).warp_specialized:
+                        window, variants = bounds, (_NO_WINDOW, variants[1])
         score_mod, mask_mod, block_mask = _sparsity.flash_mods(problem, *variants, score_mod, mask_mod, block_mask)
     scales = None
     if fp8_format is not None:
@@ -212,6 +223,8 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
                 spec = spec.replace(block_sparse=True)
                 sparse = _sparsity.kernel_tables(block_mask, spec.block_m, spec.block_n, problem.causal)[2]
         spec = _with_sinks(spec, sinks)
+        if window != _NO_WINDOW:
+            spec = spec.replace(local=True)
         if prepared_v is not None and not (spec.fp8 and spec.warp_specialized):
             raise ValueError(f"a prepared V is read by the Hopper FP8 kernel only (sm90a, head dims that are multiples "
                              f"of 16 from {FP8_WGMMA_MIN_HEAD_DIM}); "
@@ -242,7 +255,7 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
                 v_operand = _fp8.v_operand(v, layout) if spec.fp8 and spec.warp_specialized else v
             if key is not None and problem.scale > 0 and not spec.fp8:
                 plan = LaunchPlan(kernel, spec, problem, q, k, v, out, lse, _out_strides(out, layout), None,
-                                  _modset.kernel_argument(mods, sparse), sinks=sinks)
+                                  _modset.kernel_argument(mods, sparse), sinks=sinks, window=window)
                 plan.launch(q, k, v, out, lse)
                 _keep_outputs(cupy, plan, q.dtype, key[_STREAM])
                 if len(_plans) >= _MAX_PLANS:
@@ -252,7 +265,7 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
                     keep.append(plan)
             else:
                 launch(kernel, spec, problem, q, k, v_operand, out, lse, _out_strides(out, layout), scales,
-                       _modset.kernel_argument(mods, sparse), sinks=sinks)
+                       _modset.kernel_argument(mods, sparse), sinks=sinks, window=window)
     return (out, lse) if return_lse else out
 
 

@@ -37,7 +37,8 @@ def _forward(q, k, v, cu_q, cu_k, sinks, options):
     return _to_torch(out), _to_torch(lse)
 
 
-def _backward(dout, q, k, v, out, lse, cu_q, cu_k, sinks, causal, scale, deterministic):
+def _backward(dout, q, k, v, out, lse, cu_q, cu_k, sinks, causal, scale, deterministic, window_size=(-1, -1),
+              softcap=0.0):
     from .varlen import attention_varlen_backward as _varlen_backward
 
     dout = dout.to(out.dtype).contiguous()
@@ -45,7 +46,8 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, sinks, causal, scale, determi
     with _on_torch_stream(q.device):
         grads = _varlen_backward(_to_cupy(dout), _to_cupy(q), _to_cupy(k), _to_cupy(v), _to_cupy(out),
                                  _to_cupy(lse), _to_cupy(cu_q), _to_cupy(cu_k), causal=causal, scale=scale,
-                                 deterministic=deterministic, sinks=None if sinks is None else _to_cupy(sinks))
+                                 deterministic=deterministic, sinks=None if sinks is None else _to_cupy(sinks),
+                                 window_size=window_size, softcap=softcap)
     return [_to_torch(g) for g in grads]
 
 
@@ -70,9 +72,11 @@ def _op_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, max_seqlen_q, causal, s
 
 def _backward_op_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                      sinks: torch.Tensor | None, causal: bool, scale: float | None,
-                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, causal, scale, deterministic)
+                      sinks: torch.Tensor | None, causal: bool, scale: float | None, deterministic: bool,
+                      window_left: int = -1, window_right: int = -1,
+                      softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, causal, scale, deterministic,
+                      (window_left, window_right), softcap)
     dsinks = grads[3] if sinks is not None else q.new_empty((0,), dtype=torch.float32)
     return grads[0], grads[1], grads[2], dsinks
 
@@ -81,15 +85,16 @@ _backward_op = torch.library.custom_op("cuflash::attention_varlen_backward", mut
 
 
 @_backward_op.register_fake
-def _backward_op_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, causal, scale, deterministic):
+def _backward_op_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, causal, scale, deterministic,
+                      window_left=-1, window_right=-1, softcap=0.0):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _op_setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, sinks, _, causal, scale, *_ = inputs
+    q, k, v, cu_q, cu_k, sinks, _, causal, scale, window_left, window_right, softcap = inputs
     ctx.save_for_backward(q, k, v, cu_q, cu_k, *output, *(() if sinks is None else (sinks,)))
-    ctx.options = (causal, scale, False)
+    ctx.options = (causal, scale, False, window_left, window_right, softcap)
 
 
 def _op_differentiate(ctx, dout, dlse):
@@ -118,9 +123,9 @@ class _AttentionVarlen(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, cu_q, cu_k, out, lse, *sinks = ctx.saved_tensors
-        _, causal, scale, _, _ = ctx.options
+        _, causal, scale, window_size, softcap = ctx.options
         grads = _backward(dout, q, k, v, out, lse, cu_q, cu_k, sinks[0] if sinks else None, causal, scale,
-                          ctx.deterministic)
+                          ctx.deterministic, window_size, softcap)
         return grads[0], grads[1], grads[2], None, None, grads[3] if sinks else None, None, None
 
 
@@ -135,8 +140,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         k, v: [total_k, heads_k, head_dim], packed the same way.
         cu_seqlens_q, cu_seqlens_k: torch.int32 [batch + 1] offsets on q's device.
         max_seqlen_q: the most queries of one sequence; None reads the offsets on the host once.
-        causal, scale, window_size, softcap, sinks: as for :func:`cuflash.attention_varlen`. A
-            window or softcap runs forward only: a call that needs a gradient with them raises.
+        causal, scale, window_size, softcap, sinks: as for :func:`cuflash.attention_varlen`.
         return_lse: also return the LSE, float32 [heads, total_q].
         deterministic: the backward adds dQ in a fixed order.
 
@@ -146,9 +150,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks)
     window_size = tuple(window_size)
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))
-    if grad and (window_size != (-1, -1) or softcap):
-        raise ValueError(f"window_size={window_size} and softcap={softcap}: the varlen backward takes neither; "
-                         f"call under torch.no_grad() for inference")
     if torch.compiler.is_compiling() or q.device.type == "meta":
         if deterministic:
             raise ValueError("deterministic=True is for eager calls; the traced backward adds dQ as it comes")

@@ -1,6 +1,6 @@
 """Attention over packed sequences of their own lengths (variable-length batches): the forward on
-the Hopper warp-specialized kernel's varlen specialization (elsewhere, and with a window or a
-softcap, on the KV-cache kernel's), the backward sequence by sequence."""
+the Hopper warp-specialized kernel's varlen specialization (elsewhere, and with a softcap, on the
+KV-cache kernel's), the backward in one launch of the Hopper backward or sequence by sequence."""
 from __future__ import annotations
 
 import dataclasses
@@ -125,14 +125,14 @@ def hopper_spec(head_dim: int, dtype: str, causal: bool, max_seqlen_q: int, arch
 
 def _hopper(q, k, v, cu_q, cu_k, out, lse, max_seqlen_q, problem, sinks=None) -> bool:
     """Run the forward on the Hopper warp-specialized kernel's varlen specialization where it
-    applies (sm90a, fp16/bf16, a positive scale, no window or softcap, rows TMA can read, a head
-    dim the kernel takes); False where it does not."""
+    applies (sm90a, fp16/bf16, a positive scale, no softcap, rows TMA can read, a head dim the
+    kernel takes; a window as the kernel's own bounds, spec.local); False where it does not."""
     from .core.launch import LaunchPlan
     from .core.validate import readable_by_tma, validate
     from .forward import _arch
 
     plain = problem.window == ((-1, 0) if problem.causal else (-1, -1))  # no window beyond the causal bound
-    if _arch(problem.device_id) != "sm90a" or problem.softcap or not plain:
+    if _arch(problem.device_id) != "sm90a" or problem.softcap:
         return False
     if problem.scale <= 0 or not all(readable_by_tma(x[None]) for x in (q, k, v)):
         return False
@@ -150,11 +150,13 @@ def _hopper(q, k, v, cu_q, cu_k, out, lse, max_seqlen_q, problem, sinks=None) ->
         return False
     if sinks is not None:
         spec = spec.replace(sinks=True, lse=True)
+    if not plain:
+        spec = spec.replace(local=True)
     kernel = _compile.get_kernel(spec, problem.device_id)
     varlen = struct.pack("<QQii", cu_q.data.ptr, cu_k.data.ptr, q.shape[0], k.shape[0])
     out_strides = (0, out.strides[1] // out.itemsize, out.strides[0] // out.itemsize)
     LaunchPlan(kernel, spec, kernel_problem, q, k, v, out, lse, out_strides, mods=varlen,
-               map_problem=rows, sinks=sinks).launch(q, k, v, out, lse)
+               map_problem=rows, sinks=sinks, window=tuple(problem.window)).launch(q, k, v, out, lse)
     return True
 
 
@@ -170,20 +172,21 @@ def _host_offsets(name, x, total):
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
-                              deterministic=False, family=None, sinks=None):
-    """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen` (without a window or softcap), and
-    ``dsinks`` (a fourth, in the sinks' dtype) with ``sinks``.
+                              deterministic=False, family=None, sinks=None, window_size=(-1, -1), softcap=0.0):
+    """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen`, and ``dsinks`` (a fourth, in the
+    sinks' dtype) with ``sinks``.
 
     Args:
         dout: [total_q, heads, head_dim], the gradient of the output.
-        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale: as passed to the forward.
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_size, softcap: as passed to the
+            forward (a window or softcap runs sequence by sequence).
         out, lse: the forward's output and LSE ([heads, total_q], ``return_lse=True``).
         deterministic: dQ in a fixed order (bit-identical runs).
         sinks: the forward's sinks (its LSE includes them).
         family: ``"wgmma"``: every sequence in one launch of the Hopper K/V-outer kernel's varlen
-            specialization (sm90a, fp16/bf16, CuPy arrays, not deterministic); ``"sequences"``:
-            each sequence on :func:`cuflash.attention_backward`; None: ``"wgmma"`` where it
-            applies, else ``"sequences"``.
+            specialization (sm90a, fp16/bf16, CuPy arrays, not deterministic, no window or
+            softcap); ``"sequences"``: each sequence on :func:`cuflash.attention_backward`; None:
+            ``"wgmma"`` where it applies, else ``"sequences"``.
 
     The per-sequence walk runs :func:`cuflash.attention_backward` on each sequence's rows, writing
     straight into the packed gradients, and each sequence costs one backward call's host time.
@@ -192,7 +195,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     Offsets must rise from 0 to the packed row counts (checked, ValueError). The keys of a
     sequence with no queries get zero gradients."""
     from .backward import _attention_backward
-    from .core.validate import validate_sinks
+    from .core.validate import validate_sinks, validate_variants
 
     xp = _xp(q)
     total_q, total_k = q.shape[0], k.shape[0]
@@ -210,7 +213,11 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     if family == "wgmma" and deterministic:
         raise ValueError(f"family='wgmma', deterministic={deterministic}: the one-launch varlen backward is "
                          f"not deterministic")
-    if family == "wgmma" or (family is None and not deterministic and _one_launch_applies(q)):
+    variants = validate_variants(window_size, softcap, causal)
+    if family == "wgmma" and variants is not None:
+        raise ValueError(f"family='wgmma', window_size={tuple(window_size)}, softcap={softcap}: the one-launch "
+                         f"varlen backward takes neither; family='sequences' does")
+    if family == "wgmma" or (family is None and variants is None and not deterministic and _one_launch_applies(q)):
         grads = _hopper_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, offsets_q, offsets_k, causal,
                                  scale)
         return grads if sinks is None else (*grads, _varlen_sinks_grad(dout, out, lse, sinks, sinks32))
@@ -224,8 +231,13 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         grads = (dq[qs][None], dk[ks][None], dv[ks][None])
         _attention_backward(dout[qs][None], q[qs][None], k[ks][None], v[ks][None], out[qs][None],
                             xp.ascontiguousarray(lse[:, qs])[None], grads, causal=causal, scale=scale, layout="bshd",
-                            deterministic=deterministic, spec=None)
+                            deterministic=deterministic, spec=None, **_variant_args(variants))
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, _varlen_sinks_grad(dout, out, lse, sinks, sinks32))
+
+
+def _variant_args(variants) -> dict:
+    """The window_size and softcap arguments of checked variants (validate_variants; None: none)."""
+    return {} if variants is None else dict(window_size=variants[0], softcap=variants[1])
 
 
 def _varlen_sinks_grad(dout, out, lse, sinks, sinks32):
@@ -307,15 +319,16 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
 
 
 def attention_varlen_with_grad(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, causal=False, scale=None,
-                               deterministic=False, sinks=None):
+                               deterministic=False, sinks=None, window_size=(-1, -1), softcap=0.0):
     """The forward output and a function from ``dout`` to ``(dq, dk, dv)`` (and ``dsinks`` with
     ``sinks``), as :func:`cuflash.attention_with_grad` for packed sequences."""
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, causal=causal,
-                                scale=scale, return_lse=True, sinks=sinks)
+                                scale=scale, return_lse=True, sinks=sinks, window_size=window_size, softcap=softcap)
 
     def backward(dout):
         return attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal=causal,
-                                         scale=scale, deterministic=deterministic, sinks=sinks)
+                                         scale=scale, deterministic=deterministic, sinks=sinks,
+                                         window_size=window_size, softcap=softcap)
     return out, backward
 
 

@@ -79,6 +79,8 @@ def warm_kvcache_kernels():
         from cuflash.varlen import hopper_spec
         specs += [hopper_spec(d, t, c, n, arch) for d in (64, 72, 96, 128, 256) for t in ("bf16", "fp16")
                   for c in (False, True) for n in (700, 4096)]
+        specs += [hopper_spec(d, "bf16", c, 1500, arch).replace(local=True) for d in (64, 128, 256)
+                  for c in (False, True)]  # windows on it
         from cuflash.core.policy import default_bwd_spec  # the one-launch varlen backward
         specs += [default_bwd_spec(d, t, c, arch, False, family="wgmma").replace(varlen=True, tma_loads=False)
                   for d in (64, 96, 128, 256) for t in ("bf16", "fp16") for c in (False, True)]

@@ -42,19 +42,21 @@ def stand_in(monkeypatch):
         cu_q, cu_k = cu_q.numpy(), cu_k.numpy()
         s = None if sinks is None else sinks.detach().numpy().astype(np.float64)
         parts = _per_sequence(lambda q_, k_, v_: reference.attention_reference(
-            q_, k_, v_, causal=causal, scale=scale, layout="bshd", sinks=s), cu_q, cu_k,
+            q_, k_, v_, causal=causal, scale=scale, layout="bshd", sinks=s, window_size=window_size,
+            softcap=softcap), cu_q, cu_k,
             (q.detach().numpy(), "q"), (k.detach().numpy(), "k"), (v.detach().numpy(), "k"))
         out = np.concatenate([o[0] for o, _ in parts])
         lse = np.concatenate([l[0] for _, l in parts], axis=1)
         return torch.tensor(out, dtype=q.dtype), torch.tensor(lse, dtype=torch.float32)
 
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, *, causal, scale, deterministic, sinks):
-        calls.append(("backward", causal, deterministic))
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, *, causal, scale, deterministic, sinks, window_size, softcap):
+        calls.append(("backward", causal, deterministic, tuple(window_size), softcap))
         cu_q, cu_k = cu_q.numpy(), cu_k.numpy()
         s = None if sinks is None else sinks.detach().numpy().astype(np.float64)
         arrays = [(x.detach().numpy(), side) for x, side in ((dout, "q"), (q, "q"), (k, "k"), (v, "k"))]
         parts = _per_sequence(lambda do, q_, k_, v_: reference.attention_backward_reference(
-            do, q_, k_, v_, causal=causal, scale=scale, layout="bshd", sinks=s), cu_q, cu_k, *arrays)
+            do, q_, k_, v_, causal=causal, scale=scale, layout="bshd", sinks=s, window_size=window_size,
+            softcap=softcap), cu_q, cu_k, *arrays)
         grads = [torch.tensor(np.concatenate([p[i][0] for p in parts]), dtype=x.dtype)
                  for i, x in enumerate((q, k, v))]
         if s is not None:
@@ -74,15 +76,17 @@ def _inputs(seed=0):
     return q, k, v, torch.tensor(cu_q), torch.tensor(cu_k)
 
 
+@pytest.mark.parametrize("variants", [((-1, -1), 0.0), ((3, 0), 5.0)])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_gradients_come_back_in_their_places(stand_in, with_sinks):
+def test_gradients_come_back_in_their_places(stand_in, with_sinks, variants):
     q, k, v, cu_q, cu_k = _inputs()
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True) if with_sinks else None
+    window_size, softcap = variants
     out, lse = tv.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=9, causal=True, return_lse=True,
-                                   deterministic=True, sinks=sinks)
+                                   deterministic=True, sinks=sinks, window_size=window_size, softcap=softcap)
     dout = torch.randn_like(out)
     out.backward(dout)
-    assert stand_in == [("forward", 9, True, (-1, -1), 0.0), ("backward", True, True)]
+    assert stand_in == [("forward", 9, True, window_size, softcap), ("backward", True, True, window_size, softcap)]
     assert not lse.requires_grad and lse.shape == (4, q.shape[0])
     s = None if sinks is None else sinks.detach().numpy()
     for b in range(3):
@@ -91,7 +95,8 @@ def test_gradients_come_back_in_their_places(stand_in, with_sinks):
             continue
         want = reference.attention_backward_reference(dout[qs][None].numpy(), q[qs][None].detach().numpy(),
                                                       k[ks][None].detach().numpy(), v[ks][None].detach().numpy(),
-                                                      causal=True, layout="bshd", sinks=s)
+                                                      causal=True, layout="bshd", sinks=s,
+                                                      window_size=window_size, softcap=softcap)
         for got, ref, rows in ((q.grad, want[0], qs), (k.grad, want[1], ks), (v.grad, want[2], ks)):
             assert np.allclose(got[rows].numpy(), ref[0])
     assert (sinks is None) or sinks.grad is not None and sinks.grad.shape == (4,)
@@ -102,12 +107,6 @@ def test_a_call_without_a_gradient_runs_the_forward_only(stand_in):
     with torch.no_grad():
         out = tv.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=9, window_size=(3, 0), softcap=5.0)
     assert out.shape == q.shape and stand_in == [("forward", 9, False, (3, 0), 5.0)]
-
-
-def test_a_window_with_a_gradient_is_refused(stand_in):
-    q, k, v, cu_q, cu_k = _inputs()
-    with pytest.raises(ValueError, match="window_size=.3, 0. and softcap=0.0"):
-        tv.attention_varlen(q, k, v, cu_q, cu_k, window_size=(3, 0))
 
 
 def test_bad_arguments_are_named():
@@ -127,7 +126,9 @@ def test_traced_calls_take_the_operators_and_autograd_reaches_the_backward_one(w
     q, k, v = _meta(40, 8, 64, grad=True), _meta(50, 2, 64, grad=True), _meta(50, 2, 64, grad=True)
     cu_q, cu_k = _meta(4, dtype=torch.int32), _meta(4, dtype=torch.int32)
     sinks = _meta(8, dtype=torch.float32, grad=True) if with_sinks else None
-    out, lse = tv.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=20, causal=True, return_lse=True, sinks=sinks)
+    variants = dict(window_size=(5, 0), softcap=3.0) if with_sinks else {}
+    out, lse = tv.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=20, causal=True, return_lse=True, sinks=sinks,
+                                   **variants)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (8, 40) and lse.dtype == torch.float32
     out.sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape

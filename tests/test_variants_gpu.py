@@ -76,15 +76,23 @@ def warm_variant_kernels():
         for seqlen_q, seqlen_k in LENGTHS:
             problem = SimpleNamespace(causal=causal, batch=2, heads=4, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                       head_dim=head_dim, dtype=SimpleNamespace(tag=dtype), device_id=device)
-            score_mod, mask_mod, block = sparsity.flash_mods(problem, *validate_variants(window_size, softcap, causal),
-                                                             None, None, None)
+            variants = validate_variants(window_size, softcap, causal)
+            score_mod, mask_mod, block = sparsity.flash_mods(problem, *variants, None, None, None)
             prepared = modset.prepare(score_mod, mask_mod, device)
-            spec = _forward._with_mods(policy.default_spec(head_dim, dtype, causal, arch, seqlen=512), prepared,
-                                       problem, None)
-            specs.append(spec.replace(block_sparse=True) if block is not None and spec.warp_specialized else spec)
+            spec = policy.default_spec(head_dim, dtype, causal, arch, seqlen=512)
+            if spec.warp_specialized and block is not None:  # the Hopper forward bounds the window itself
+                cap = sparsity.flash_mods(problem, (-1, -1), softcap, None, None, None)[0]
+                specs.append(_forward._with_mods(spec, modset.prepare(cap, None, device), problem, None).replace(
+                    local=True) if cap is not None else spec.replace(local=True))
+            else:
+                spec = _forward._with_mods(spec, prepared, problem, None)
+                specs.append(spec.replace(block_sparse=True) if block is not None and spec.warp_specialized else spec)
             bwd = _backward._with_mods(policy.default_bwd_spec(head_dim, dtype, causal, arch, False), prepared,
                                        SimpleNamespace(forward=problem))
             specs.append(bwd.replace(block_sparse=True) if block is not None and bwd.family == "wgmma" else bwd)
+    if arch == "sm90a":  # test_windows_over_many_key_tiles
+        specs += [policy.default_spec(d, "bf16", c, arch, seqlen=n).replace(local=True) for d in (64, 128, 256)
+                  for c in (False, True) for n in (700, 1100, 1500)]
     cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
 
 
@@ -110,6 +118,24 @@ def test_window_and_softcap_match_the_reference(case, lengths, batch, heads, lay
     grads = backward(cupy.asarray(dout))
     assert_gradients_close(grads, reference.attention_backward_reference(dout, q, k, v, **args), dtype,
                            baselines=reference.attention_backward_naive(dout, q, k, v, **args))
+
+
+@pytest.mark.usefixtures("warm_variant_kernels")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal,window_size", [(True, (300, 0)), (True, (0, 0)), (False, (200, 130)),
+                                                (False, (-1, 70)), (False, (517, -1))])
+def test_windows_over_many_key_tiles(head_dim, causal, window_size, poison):
+    """The Hopper forward's own window bounds (KernelSpec.local) over lengths of many tiles:
+    tiles past either edge skipped, both edges masked, seqlen_q != seqlen_k both ways, GQA."""
+    for seqlen_q, seqlen_k in ((1100, 1100), (700, 1500), (1500, 700)):
+        rng, q, k, v = _inputs(head_dim + seqlen_q, "bf16", 1, 4, 2, seqlen_q, seqlen_k, "bshd", head_dim)
+        poison(q.size * q.itemsize)
+        out, lse = cuflash.attention(*(cupy.asarray(x) for x in (q, k, v)), causal=causal, layout="bshd",
+                                     window_size=window_size, return_lse=True)
+        args = _reference_args(causal, window_size, 0.0, seqlen_q, seqlen_k, "bshd")
+        ref, ref_lse = reference.attention_reference(q, k, v, **args)
+        naive, naive_lse = reference.attention_naive(q, k, v, **args)
+        assert_attention_close(out, ref, "bf16", baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
 
 
 def test_rows_outside_every_window_give_zeros_and_minus_infinity():

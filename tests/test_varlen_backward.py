@@ -10,19 +10,24 @@ from cuflash import reference
 
 
 def _fake_backward(calls):
-    def fake(dout, q, k, v, out, lse, grads, *, causal, scale, layout, deterministic, spec):
+    def fake(dout, q, k, v, out, lse, grads, *, causal, scale, layout, deterministic, spec, window_size=(-1, -1),
+             softcap=0.0):
         assert layout == "bshd" and q.shape[0] == 1 and lse.shape == (1, q.shape[2], q.shape[1])
         assert lse.flags.c_contiguous and all(g.flags.c_contiguous for g in grads)
         calls.append((q.shape[1], k.shape[1], float(lse.sum())))
-        for g, want in zip(grads, reference.attention_backward_reference(dout, q, k, v, causal=causal, scale=scale,
-                                                                          layout=layout)):
+        for g, want in zip(grads, reference.attention_backward_reference(
+                dout, q, k, v, causal=causal, scale=scale, layout=layout, window_size=window_size, softcap=softcap)):
             g[...] = want
         return grads
     return fake
 
 
+@pytest.mark.parametrize("variants", [{}, dict(window_size=(2, 1), softcap=4.0)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_packed_gradients_are_each_sequences_own(monkeypatch, causal):
+def test_packed_gradients_are_each_sequences_own(monkeypatch, causal, variants):
+    """Each sequence's gradients, with a window (bottom-right per sequence) and softcap too."""
+    if causal and variants:
+        variants = dict(variants, window_size=(2, 0))
     calls = []
     monkeypatch.setattr(cuflash.backward, "_attention_backward", _fake_backward(calls))
     rng = np.random.default_rng(3)
@@ -33,7 +38,8 @@ def test_packed_gradients_are_each_sequences_own(monkeypatch, causal):
     dout = rng.standard_normal(q.shape)
     lse = rng.standard_normal((4, lens_q.sum()))
     out = rng.standard_normal(q.shape)
-    dq, dk, dv = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=causal, scale=0.3)
+    dq, dk, dv = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=causal, scale=0.3,
+                                                   **variants)
     assert [c[:2] for c in calls] == [(3, 5), (7, 7), (1, 0), (12, 9)]   # the empty-query sequence is skipped
     for b in range(5):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
@@ -41,7 +47,7 @@ def test_packed_gradients_are_each_sequences_own(monkeypatch, causal):
             assert np.all(dk[ks] == 0) and np.all(dv[ks] == 0)
             continue
         want = reference.attention_backward_reference(dout[None, qs], q[None, qs], k[None, ks], v[None, ks],
-                                                      causal=causal, scale=0.3, layout="bshd")
+                                                      causal=causal, scale=0.3, layout="bshd", **variants)
         for got, w in zip((dq[qs], dk[ks], dv[ks]), want):
             assert np.allclose(got, w[0])
     assert np.isclose(calls[1][2], lse[:, 3:10].sum())
@@ -72,3 +78,7 @@ def test_the_one_launch_backward_refuses_what_it_does_not_run():
         cuflash.attention_varlen_backward(q, q, q, q, q, lse, cu, cu, family="mma")
     with pytest.raises(TypeError, match="CuPy arrays"):
         cuflash.attention_varlen_backward(q, q, q, q, q, lse, cu, cu, family="wgmma")
+    with pytest.raises(ValueError, match="family='sequences' does"):
+        cuflash.attention_varlen_backward(q, q, q, q, q, lse, cu, cu, family="wgmma", window_size=(4, 0))
+    with pytest.raises(ValueError, match="window_size"):
+        cuflash.attention_varlen_backward(q, q, q, q, q, lse, cu, cu, causal=True, window_size=(4, 2))

@@ -90,6 +90,51 @@ def test_varlen_windows_softcap_and_random_lengths():
                            baseline_lse=refs[1][1])
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal,window_size", [(True, (100, 0)), (True, (0, 0)), (False, (70, 30)),
+                                                (False, (-1, 5)), (False, (300, -1))])
+def test_varlen_windows_on_the_hopper_kernel(head_dim, causal, window_size):
+    """A window without a softcap runs on the Hopper varlen kernel, which bounds each sequence's
+    key range itself (aligned bottom-right per sequence)."""
+    rng = np.random.default_rng(head_dim + causal + window_size[0])
+    lens_q = np.array([0, 1, 17, 113, 239, 700, 1500, 30])
+    lens_k = np.array([5, 1, 40, 113, 100, 1023, 1500, 0])
+    q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k, 8, 2, head_dim, "bf16")
+    out, lse = cuflash.attention_varlen(*(cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)), causal=causal,
+                                        window_size=window_size, return_lse=True)
+    kwargs = dict(causal=causal, window_size=window_size)
+    ref, ref_lse = _reference(q, k, v, cu_q, cu_k, **kwargs)
+    naive, naive_lse = _reference(q, k, v, cu_q, cu_k, naive=True, **kwargs)
+    assert_attention_close(out, ref, "bf16", baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+
+
+@pytest.mark.parametrize("causal,window_size,softcap", [(True, (100, 0), 0.0), (False, (40, 60), 15.0)])
+def test_varlen_backward_with_a_window_or_softcap(causal, window_size, softcap, poison):
+    """Gradients of packed sequences with a window and softcap (sequence by sequence)."""
+    from cuflash.testing import assert_gradients_close
+
+    rng = np.random.default_rng(11 + causal)
+    lens = np.array([0, 1, 17, 300, 129])
+    q, k, v, cu_q, cu_k = _packed(rng, lens, lens, 8, 2, 128, "bf16")
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    kwargs = dict(causal=causal, window_size=window_size, softcap=softcap)
+    out, backward = cuflash.attention_varlen_with_grad(*(cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)), **kwargs)
+    ref, _ = _reference(q, k, v, cu_q, cu_k, **kwargs)
+    naive, _ = _reference(q, k, v, cu_q, cu_k, naive=True, **kwargs)
+    assert_attention_close(out, ref, "bf16", baseline=naive)
+    poison(k.size * k.itemsize)
+    dq, dk, dv = (to_numpy(g) for g in backward(cupy.asarray(dout)))
+    for b in range(len(lens)):
+        qs = slice(cu_q[b], cu_q[b + 1])
+        if qs.stop == qs.start:
+            assert np.all(dk[qs].astype(np.float32) == 0) and np.all(dv[qs].astype(np.float32) == 0)
+            continue
+        args = (dout[None, qs], q[None, qs], k[None, qs], v[None, qs])
+        want = reference.attention_backward_reference(*args, layout="bshd", **kwargs)
+        naive = reference.attention_backward_naive(*args, layout="bshd", **kwargs)
+        assert_gradients_close((dq[None, qs], dk[None, qs], dv[None, qs]), want, "bf16", baselines=naive)
+
+
 def test_bad_offsets_give_nan_rows_only_there():
     rng = np.random.default_rng(2)
     lens = np.array([50, 60, 70])
@@ -142,8 +187,8 @@ def test_varlen_backward_matches_per_sequence_gradients(causal, deterministic):
 @pytest.mark.parametrize("head_dim,window", [(128, (-1, -1)), (64, (-1, -1)), (128, (64, 0))])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_varlen_sinks_forward_and_backward(head_dim, window, deterministic):
-    """Attention sinks on packed sequences (the Hopper varlen kernel, or with a window the KV-cache
-    kernel's), and their gradient, against the per-sequence float64 reference."""
+    """Attention sinks on packed sequences (the Hopper varlen kernel, with a window too), and their
+    gradient (with a window: sequence by sequence), against the per-sequence float64 reference."""
     from cuflash.testing import assert_gradients_close
 
     rng = np.random.default_rng(head_dim + deterministic)
@@ -153,19 +198,11 @@ def test_varlen_sinks_forward_and_backward(head_dim, window, deterministic):
     sinks = rng.normal(1.0, 2.0, 8).astype(np.float32)
     dout = rng.standard_normal(q.shape).astype(q.dtype)
     dev = [cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)]
-    if window != (-1, -1):
-        out, lse = cuflash.attention_varlen(*dev, causal=True, window_size=window, return_lse=True,
-                                            sinks=cupy.asarray(sinks))
-        from cuflash.serving import _window_mask
-        mask = _window_mask(window, True, 0)  # equal lengths: positions are row indices
-        ref, ref_lse = _reference(q, k, v, cu_q, cu_k, causal=True, sinks=sinks, mask_mod=mask)
-        naive, naive_lse = _reference(q, k, v, cu_q, cu_k, naive=True, causal=True, sinks=sinks, mask_mod=mask)
-        assert_attention_close(out, ref, "bf16", baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
-        return
+    kwargs = dict(causal=True, sinks=sinks, window_size=window)
     out, backward = cuflash.attention_varlen_with_grad(*dev, causal=True, deterministic=deterministic,
-                                                       sinks=cupy.asarray(sinks))
-    ref, ref_lse = _reference(q, k, v, cu_q, cu_k, causal=True, sinks=sinks)
-    naive, _ = _reference(q, k, v, cu_q, cu_k, naive=True, causal=True, sinks=sinks)
+                                                       sinks=cupy.asarray(sinks), window_size=window)
+    ref, ref_lse = _reference(q, k, v, cu_q, cu_k, **kwargs)
+    naive, _ = _reference(q, k, v, cu_q, cu_k, naive=True, **kwargs)
     assert_attention_close(out, ref, "bf16", baseline=naive)
     dq, dk, dv, dsinks = (to_numpy(g) for g in backward(cupy.asarray(dout)))
     want_dsinks = np.zeros(8)
@@ -174,8 +211,8 @@ def test_varlen_sinks_forward_and_backward(head_dim, window, deterministic):
         if lens_q[b] == 0:
             continue
         args = (dout[None, qs], q[None, qs], k[None, ks], v[None, ks])
-        want = reference.attention_backward_reference(*args, causal=True, layout="bshd", sinks=sinks)
-        naive = reference.attention_backward_naive(*args, causal=True, layout="bshd", sinks=sinks)
+        want = reference.attention_backward_reference(*args, layout="bshd", **kwargs)
+        naive = reference.attention_backward_naive(*args, layout="bshd", **kwargs)
         assert_gradients_close((dq[None, qs], dk[None, ks], dv[None, ks]), want[:3], "bf16", baselines=naive[:3])
         want_dsinks += want[3]
     assert np.abs(dsinks - want_dsinks).max() <= 2e-2 * (1 + np.abs(want_dsinks).max()), (dsinks, want_dsinks)

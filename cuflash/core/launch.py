@@ -169,12 +169,13 @@ def divider(d: int) -> tuple[int, int]:
 
 def pack_params(problem: Problem, q, k, v, out, lse, out_strides, tile_counter: int = 0,
                 scales: Fp8Scales | None = None, plan: SplitPlan | None = None, split=(0, 0),
-                q_tiles: int = 1, band: int = 1, sinks: int = 0) -> np.ndarray:
+                q_tiles: int = 1, band: int = 1, sinks: int = 0, window=(-1, -1)) -> np.ndarray:
     """The parameter block as a one-element void array, which CuPy passes by value. ``scales``:
     the descales of an FP8 call; ``plan`` and ``split`` (pointers to the states and flags): how
     the warp-specialized kernel deals out its work; ``q_tiles``: its query tiles per head;
     ``band``: (batch, head) pairs per band of causal work tiles (band_heads); ``sinks``: the
-    address of the float32 sink logits (KernelSpec.sinks), else 0."""
+    address of the float32 sink logits (KernelSpec.sinks), else 0; ``window``: (left, right) of
+    KernelSpec.local."""
     descales = (0, 0, 0) if scales is None else \
         (scales.q_descale.data.ptr, scales.k_descale.data.ptr, scales.v_descale.data.ptr)
     descale_strides = (0, 0, 0, 0) if scales is None else (*scales.q_strides, *scales.kv_strides)
@@ -187,19 +188,25 @@ def pack_params(problem: Problem, q, k, v, out, lse, out_strides, tile_counter: 
         problem.scale * _LOG2E, problem.batch, *descale_strides,
         *(plan or SplitPlan(0)),
         *divider(max(q_tiles, 1)), *divider(max(problem.heads, 1)), *divider(max(group, 1)),
-        band, *divider(band * max(q_tiles, 1)), *divider(band),
+        band, *divider(band * max(q_tiles, 1)), *divider(band), *window,
     )
     return np.frombuffer(raw, dtype=_PARAMS)
 
 
+def _window_bounds(window, problem: Problem) -> tuple:
+    """A window's (left, right) with a bound no query can reach (seqlen_q + seqlen_k keys or
+    more, the kernel's 32-bit index arithmetic would overflow on it) made unbounded."""
+    return tuple(-1 if w >= problem.seqlen_q + problem.seqlen_k else int(w) for w in window)
+
+
 def launch(kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides,
-           scales: Fp8Scales | None = None, mods: bytes = b"", sinks=None) -> None:
+           scales: Fp8Scales | None = None, mods: bytes = b"", sinks=None, window=(-1, -1)) -> None:
     """Launch on the current CuPy stream. FP8 (``spec.fp8``): ``scales`` holds the descales; for
     the Hopper kernel v is V^T as fp8.v_operand lays it out, for the portable one V itself.
     ``mods``: the packed arrays of the spec's mods (modset.ModSet.packed), its last argument;
-    ``sinks``: float32 [heads] (spec.sinks)."""
+    ``sinks``: float32 [heads] (spec.sinks); ``window``: (left, right) of spec.local."""
     LaunchPlan(kernel, spec, problem, q, k, v, out, lse, out_strides, scales, mods,
-               sinks=sinks).launch(q, k, v, out, lse)
+               sinks=sinks, window=window).launch(q, k, v, out, lse)
 
 
 class LaunchPlan:
@@ -216,10 +223,11 @@ class LaunchPlan:
 
     def __init__(self, kernel, spec: KernelSpec, problem: Problem, q, k, v, out, lse, out_strides,
                  scales: Fp8Scales | None = None, mods: bytes = b"", map_problem: Problem | None = None,
-                 sinks=None):
+                 sinks=None, window=(-1, -1)):
         """``map_problem``: the problem the tensor maps describe, when not ``problem`` (packed
         sequences: all rows as one sequence of batch 1; ``mods`` then holds the VarlenArgs);
-        ``sinks``: float32 [heads] sink logits (spec.sinks), kept alive with the plan."""
+        ``sinks``: float32 [heads] sink logits (spec.sinks), kept alive with the plan; ``window``:
+        (left, right), the keys spec.local lets each query see (negative: unbounded)."""
         self.spec, self.problem, self.kernel, self.out_strides = spec, problem, kernel, out_strides
         self.map_problem = map_problem or problem
         self.block, self.smem = (spec.threads, 1, 1), spec.smem_bytes
@@ -238,7 +246,8 @@ class LaunchPlan:
         q_tiles, band = (ceil_div(problem.seqlen_q, spec.block_m), band_heads(spec, problem)) \
             if spec.warp_specialized else (1, 1)
         self.template = pack_params(problem, q, k, v, out, lse, out_strides, counter, scales, plan, split,
-                                    q_tiles, band, sinks.data.ptr if sinks is not None else 0).tobytes()
+                                    q_tiles, band, sinks.data.ptr if sinks is not None else 0,
+                                    _window_bounds(window, self.map_problem) if spec.local else (-1, -1)).tobytes()
         self.grid = grid(spec, problem, plan)
         # (pointers, encoded maps) of the last call, read and replaced as one object (threads share plans)
         self.maps = self.out_map = (None, None)

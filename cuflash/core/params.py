@@ -41,6 +41,9 @@ PARAM_FIELDS = (
     # (launch.band_heads), and division by the band's tiles and by its pairs
     ("band_heads", "int", "i4"), ("band_tiles_magic", "unsigned", "u4"), ("band_tiles_shifts", "int", "i4"),
     ("band_heads_magic", "unsigned", "u4"), ("band_heads_shifts", "int", "i4"),
+    # warp-specialized kernel with KernelSpec.local: keys a query at position i (bottom-right
+    # aligned) sees, i - window_left .. i + window_right (negative: unbounded)
+    ("window_left", "int", "i4"), ("window_right", "int", "i4"),
 )
 
 

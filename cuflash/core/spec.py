@@ -95,6 +95,7 @@ class KernelSpec:
     block_sparse: bool = False  # warp-specialized with a mask_mod: key tiles from a block mask's visit lists
     varlen: bool = False      # warp-specialized: packed sequences of their own lengths (cu_seqlens offsets)
     sinks: bool = False       # one logit per query head added to each row's softmax sum (Params::sinks)
+    local: bool = False       # warp-specialized: a window of keys per query (Params window_left / window_right)
 
     def __post_init__(self):
         if not self.family:
@@ -178,6 +179,8 @@ class KernelSpec:
             problems.append("varlen applies to the warp-specialized kernel on fp16 or bf16, without mods")
         if self.sinks and not self.lse:
             problems.append("sinks need the kernel's exact LSE (lse=True)")
+        if self.local and (not self.warp_specialized or self.block_sparse):
+            problems.append("local applies to the warp-specialized kernel without a block mask")
         if self.half_first_tile and self.block_n % (2 * self.pv_k):
             problems.append(f"half_first_tile needs block_n={self.block_n} to be a multiple of 2 x {self.pv_k} "
                             f"(whole k-steps of P V in each half)")
@@ -204,6 +207,7 @@ class KernelSpec:
         mods += "_bs" if self.block_sparse else ""
         varlen = "_varlen" if self.varlen else ""
         sinks = "_sinks" if self.sinks else ""
+        sinks += "_local" if self.local else ""
         return (f"fwd_{dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
                 f"w{self.num_warps}s{self.num_stages}{overlap}{family}{lazy}{half}{mask_loop}{early}{no_lse}{mods}"
                 f"{varlen}{sinks}_{self.arch}")
@@ -344,7 +348,7 @@ class KernelSpec:
         without a causal mask and with two consumer warpgroups. With three (head dim 64), the
         merge made ptxas spill 4 bytes."""
         return (self.warp_specialized and not self.causal and self.compute_warpgroups == 2 and not self.block_sparse
-                and not self.varlen)
+                and not self.varlen and not self.local)
 
     @property
     def sums_on_tensor_cores(self) -> bool:

@@ -13,12 +13,17 @@ struct VarlenArgs {
     int total_q, total_k;
 };
 
-template <class T, int kBlockM, int kBlockN, bool kCausal>
+// kLocal (the warp-specialized kernel's window, Params window_left / window_right): query row r
+// sees keys r + causal_offset - window_left .. r + causal_offset + window_right, a negative bound
+// being none; the tile visits the key tiles [n_first, n_first + n_tiles) that hold such a key.
+template <class T, int kBlockM, int kBlockN, bool kCausal, bool kLocal = false>
 struct BlockWork {
     int head, batch, bh, head_k;
     int m0;             // first query row of the tile
     int causal_offset;  // seqlen_k - seqlen_q: causal masks align bottom-right
     int n_tiles;        // key tiles with at least one visible key
+    int n_first;        // the first of them (kLocal; else 0)
+    int win_left, win_right;  // kLocal: the window's bounds (negative: none)
     // Packed sequences (set_sequence; the warp-specialized kernel's kVarlen): this sequence's
     // lengths and its first rows in the packed q and k/v
     int seqlen_q, seqlen_k, q_start, k_start;
@@ -64,9 +69,11 @@ struct BlockWork {
         // within a head the heaviest (last) tiles go first, so a causal grid ends on short blocks.
         m0 = (q_tiles - 1 - x) * kBlockM;
         causal_offset = p.seqlen_k - p.seqlen_q;
-        int n_end = p.seqlen_k;
-        if constexpr (kCausal) n_end = min(n_end, m0 + kBlockM + causal_offset);
-        n_tiles = n_end > 0 ? (n_end + kBlockN - 1) / kBlockN : 0;
+        if constexpr (kLocal) {
+            win_left = p.window_left;
+            win_right = p.window_right;
+        }
+        set_range(p.seqlen_k);
         q = static_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride + m0 * p.q_row_stride;
         k = static_cast<const T*>(p.k) + batch * p.k_batch_stride + head_k * p.k_head_stride;
         v = static_cast<const T*>(p.v) + batch * p.v_batch_stride + head_k * p.v_head_stride;
@@ -78,9 +85,19 @@ struct BlockWork {
         const int new_m0 = q_tile * kBlockM;
         q += static_cast<long long>(new_m0 - m0) * p.q_row_stride;
         m0 = new_m0;
-        int n_end = p.seqlen_k;
+        set_range(p.seqlen_k);
+    }
+
+    // The key tiles with a key that some row of the tile sees.
+    __device__ __forceinline__ void set_range(int seqlen_k) {
+        int n_end = seqlen_k, n_begin = 0;
         if constexpr (kCausal) n_end = min(n_end, m0 + kBlockM + causal_offset);
-        n_tiles = n_end > 0 ? (n_end + kBlockN - 1) / kBlockN : 0;
+        if constexpr (kLocal) {
+            if (win_right >= 0) n_end = min(n_end, m0 + kBlockM + causal_offset + win_right);
+            if (win_left >= 0) n_begin = max(0, m0 + causal_offset - win_left);
+        }
+        n_first = n_begin / kBlockN;
+        n_tiles = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN - n_first : 0;
     }
 
     // The tile of packed sequence `batch` (varlen): its lengths from the offsets. A sequence whose
@@ -99,16 +116,21 @@ struct BlockWork {
         seqlen_q = valid ? q1 - q0 : 0;
         seqlen_k = valid ? k1 - k0 : 0;
         causal_offset = seqlen_k - seqlen_q;
-        int n_end = seqlen_k;
-        if constexpr (kCausal) n_end = min(n_end, m0 + kBlockM + causal_offset);
-        n_tiles = n_end > 0 ? (n_end + kBlockN - 1) / kBlockN : 0;
+        set_range(seqlen_k);
     }
 
-    // Does key tile starting at n0 need masking (the sequence tail, or the causal diagonal)?
+    // Does key tile starting at n0 need masking (the sequence tail, the causal diagonal, or, kLocal,
+    // either edge of the window)?
     __device__ __forceinline__ bool needs_mask(int n0, int seqlen_k) const {
         bool tail = n0 + kBlockN > seqlen_k;
-        if constexpr (kCausal) return tail || n0 + kBlockN - 1 > m0 + causal_offset;
+        if constexpr (kCausal) tail = tail || n0 + kBlockN - 1 > m0 + causal_offset;
+        if constexpr (kLocal) tail = tail || needs_left_mask(n0) ||
+                                     (win_right >= 0 && n0 + kBlockN - 1 > m0 + causal_offset + win_right);
         return tail;
+    }
+    // kLocal: does key tile n0 hold a key left of the window of the tile's last row?
+    __device__ __forceinline__ bool needs_left_mask(int n0) const {
+        return kLocal && win_left >= 0 && n0 < m0 + kBlockM - 1 + causal_offset - win_left;
     }
 };
 

@@ -81,7 +81,9 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     // Tiles may be dealt out by keys (block.cuh): without a causal mask and with two consumers;
     // bf16/fp16 up to head dim 192, FP8 at every head dim (spec.split_keys).
     constexpr bool kSplitKeys = Cfg::kSplitKeys;
-    typedef BlockWork<unsigned short, kBM, kBN, Cfg::kCausal> Work;
+    // kLocal: a window of keys per query row (block.cuh); whole tiles, no block mask.
+    static_assert(!(Cfg::kLocal && (kSplitKeys || Cfg::kBlockSparse)), "local: whole tiles, no block mask");
+    typedef BlockWork<unsigned short, kBM, kBN, Cfg::kCausal, Cfg::kLocal> Work;
 
     extern __shared__ unsigned char smem_raw[];
     const u32 smem_base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // swizzle atoms: 1024 bytes
@@ -159,19 +161,20 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
     struct KeyTiles {
         int count;
         const int* row;
+        int first;  // the first key tile (kLocal: the window's; else 0)
     };
     auto key_tiles_of = [&](const Work& work) -> KeyTiles {
         if constexpr (kSparse) {
             const int q_tile = work.m0 / kBM;
-            return {mods.sparse.count(work.batch, work.head, q_tile), mods.sparse.row(work.batch, work.head, q_tile)};
+            return {mods.sparse.count(work.batch, work.head, q_tile), mods.sparse.row(work.batch, work.head, q_tile), 0};
         } else {
-            return {work.n_tiles, nullptr};
+            return {work.n_tiles, nullptr, work.n_first};
         }
     };
     // The entry of the t-th tile visited (t < count) and its first key.
     auto visit_entry = [](const KeyTiles& kt, int t) { return kSparse ? kt.row[kt.count - 1 - t] : 0; };
     auto visit_n0 = [&](const KeyTiles& kt, int t) {
-        return kSparse ? (visit_entry(kt, t) >> 1) * kBN : (kt.count - 1 - t) * kBN;
+        return kSparse ? (visit_entry(kt, t) >> 1) * kBN : (kt.first + kt.count - 1 - t) * kBN;
     };
     auto slot_of = [](int c) { return c % kStages; };
     auto phase_of = [](int c) { return static_cast<u32>((c / kStages) & 1); };
@@ -313,7 +316,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         const KeyTiles kt = key_tiles_of(work);
         const int n_tiles = min(t_end, kt.count) - t_begin;  // key tiles this item visits
         const int first_n0 = kSparse ? (n_tiles > 0 ? visit_n0(kt, t_begin) : 0)
-                                     : (kt.count - 1 - t_begin) * kBN;  // the first one's keys
+                                     : (kt.first + kt.count - 1 - t_begin) * kBN;  // the first one's keys
         // Visit i's first key; kSparse: `entry` holds its list entry, read ahead of its scores.
         int entry = kSparse && n_tiles > 0 ? visit_entry(kt, t_begin) : 0;
         auto n0_at = [&](int i) { return kSparse ? (entry >> 1) * kBN : first_n0 - i * kBN; };
@@ -390,8 +393,13 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             if constexpr (kMods)
                 apply_mods<Cfg>(s, mods, mod_scale, work.batch, work.head, work.m0 + warp_row0, n0, lane,
                                 !kSparse || !(entry & 1));
-            if (kHalf || (decltype(may_mask)::value && work.needs_mask(n0, seqlen_k_of(work))))
-                mask_scores<Cfg::kCausal>(s, n0, work.m0 + warp_row0, lane, seqlen_k_of(work), work.causal_offset);
+            if (kHalf || (decltype(may_mask)::value && work.needs_mask(n0, seqlen_k_of(work)))) {
+                if constexpr (Cfg::kLocal)
+                    mask_scores_window<Cfg::kCausal>(s, n0, work.m0 + warp_row0, lane, seqlen_k_of(work),
+                                                     work.causal_offset, work.win_left, work.win_right);
+                else
+                    mask_scores<Cfg::kCausal>(s, n0, work.m0 + warp_row0, lane, seqlen_k_of(work), work.causal_offset);
+            }
             softmax_step<kLog2Boost, !kSums, kLazy>(s, row_max, row_sum, alphas, scale_log2, slack);
         };
 
@@ -404,6 +412,9 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
         if constexpr (Cfg::kHalfFirstTile) {
             int last_key = seqlen_k_of(work) - 1;  // the last key any row of the warpgroup sees
             if constexpr (Cfg::kCausal) last_key = min(last_key, work.m0 + group * 64 + 63 + work.causal_offset);
+            if constexpr (Cfg::kLocal)
+                if (work.win_right >= 0)
+                    last_key = min(last_key, work.m0 + group * 64 + 63 + work.causal_offset + work.win_right);
             half_first = __shfl_sync(0xffffffffu, last_key < first_n0 + kBN / 2, 0);
         }
 
@@ -462,12 +473,21 @@ __device__ __forceinline__ void fwd_wgmma_ws(const typename Cfg::Params& p, cons
             // run in a loop of their own and the loop of the others has no masking branch: ptxas
             // places the wait for P_{i-1} V_{i-1} where that branch joins, and without it lets
             // the softmax's max and first exponentials run before the wait.
+            // kLocal: the tiles that hold keys left of the window's edge are the last ones visited,
+            // and also loop apart.
             int i = 1;
-            if constexpr (Cfg::kCausal && !Cfg::kMaskInLoop)
+            if constexpr ((Cfg::kCausal || Cfg::kLocal) && !Cfg::kMaskInLoop)
                 for (; i < n_tiles && work.needs_mask(kSparse ? visit_n0(kt, t_begin + i) : first_n0 - i * kBN,
                                                       seqlen_k_of(work)); ++i)
                     key_step(i, Flag<true>());
-            for (; i < n_tiles; ++i) key_step(i, Flag<Cfg::kMaskInLoop>());
+            if constexpr (Cfg::kLocal && !Cfg::kMaskInLoop) {
+                int unmasked_end = n_tiles;
+                while (unmasked_end > i && work.needs_left_mask(first_n0 - (unmasked_end - 1) * kBN)) --unmasked_end;
+                for (; i < unmasked_end; ++i) key_step(i, Flag<false>());
+                for (; i < n_tiles; ++i) key_step(i, Flag<true>());
+            } else {
+                for (; i < n_tiles; ++i) key_step(i, Flag<Cfg::kMaskInLoop>());
+            }
             const int c = ring + n_tiles - 1;
             if constexpr (Cfg::kEarlyRescale) {
                 rescale_output<kLazy>(acc_o, alphas);

@@ -44,6 +44,31 @@ __device__ __forceinline__ void mask_scores(float (&s)[kMT][kNT][4], int n0, int
         }
 }
 
+// The window's mask of one key tile (the warp-specialized kernel's kLocal): row r sees key c iff
+// c < seqlen_k, r + offset - left <= c (left >= 0) and c <= r + offset + right (right >= 0, and
+// kCausal: right 0). Each score costs two compares with constants and one select.
+template <bool kCausal, int kMT, int kNT>
+__device__ __forceinline__ void mask_scores_window(float (&s)[kMT][kNT][4], int n0, int row0, int lane,
+                                                   int seqlen_k, int offset, int left, int right) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + mt * 16 + lane / 4 + r * 8 + offset;
+            int last = seqlen_k - 1;
+            if constexpr (kCausal) last = min(last, row);
+            if (right >= 0) last = min(last, row + right);
+            const int c0 = n0 + 2 * (lane % 4);
+            last -= c0;
+            const int first = left >= 0 ? row - left - c0 : -(1 << 30);
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (nt * 8 + e > last || nt * 8 + e < first) s[mt][nt][2 * r + e] = neg_inf();
+        }
+}
+
 // One step of the online softmax on raw scores (scale > 0, so the max commutes with scaling):
 // P = exp2(S * scale_log2 - max * scale_log2), one FFMA and one MUFU per score, written over S;
 // the running sum is rescaled by alpha = exp2(old max - new max), and alphas[mt][r] is left for
