@@ -19,7 +19,7 @@ from .core.bwd_spec import BwdSpec
 from .core.launch import launch_backward, rows_padded
 from .core.policy import default_bwd_spec
 from .core.validate import (aligned_copy, aligned_for_async_copy, readable_by_tma, validate_backward, validate_sinks,
-                            validate_variants)
+                            validate_variants, variant_mods)
 from .forward import _arch, _on_device, _out_strides, attention
 
 
@@ -97,8 +97,14 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
                 x.fill(0)
             # with no key every row's output is 0, so rowsum(dO * O) and the sinks' gradient are too
             return (dq, dk, dv) if sinks is None else (dq, dk, dv, cupy.zeros(sinks.shape, dtype=sinks.dtype))
+        forced = spec is not None
         spec = select_bwd_spec(bp) if spec is None else _check_forced_spec(spec, bp)
+        window = (-1, -1)  # a window the Hopper kernel bounds itself (spec.local)
         if variants is not None:
+            if not forced:
+                window = _local_window(spec, variants, causal, score_mod, mask_mod, block_mask)
+                if window != (-1, -1):
+                    variants = ((-1, -1), variants[1])
             score_mod, mask_mod, block_mask = _sparsity.flash_mods(problem, *variants, score_mod, mask_mod, block_mask)
         mods = _modset.prepare(score_mod, _sparsity.mask_mod_of(block_mask, mask_mod, problem), problem.device_id)
         sparse = b""
@@ -110,6 +116,8 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
                 spec = spec.replace(block_sparse=True)
                 sparse = _sparsity.kernel_tables(block_mask, spec.block_m, spec.block_n, problem.causal,
                                                  by_key=True)[2]
+        if window != (-1, -1):
+            spec = spec.replace(local=True)
         if spec.async_copies and not all(aligned_for_async_copy(x) for x in (q, k, v, dout)):
             # 16-byte copies need aligned rows; a misaligned view is copied once.
             q, k, v, dout = (x if aligned_for_async_copy(x) else aligned_copy(x) for x in (q, k, v, dout))
@@ -132,11 +140,22 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
                        o=bp.o_strides, do=bp.do_strides, dq=_out_strides(dq, layout), dk=_out_strides(dk, layout),
                        dv=_out_strides(dv, layout))
         kernels = _compile.get_kernel(spec, problem.device_id)
-        launch_backward(kernels, spec, bp, tensors, strides, _modset.kernel_argument(mods, sparse))
+        launch_backward(kernels, spec, bp, tensors, strides, _modset.kernel_argument(mods, sparse), window=window)
         if sinks is not None:  # the preprocess left each row's rowsum(dO * O) in stats[1]
             delta = stats[1].reshape(problem.batch, problem.heads, padded)[:, :, :problem.seqlen_q]
             return dq, dk, dv, _sinks_grad(sinks32, lse, delta).astype(sinks.dtype, copy=False)
     return dq, dk, dv
+
+
+def _local_window(spec: BwdSpec, variants, causal: bool, score_mod, mask_mod, block_mask) -> tuple:
+    """The bounds of a call's window where the Hopper backward takes them as arguments, else
+    (-1, -1): dQ by atomics, with the head dim split between the warpgroups (where it measured
+    faster than the window's mask_mod and block mask, docs/tuning.md) and no score_mod (which
+    could move the call to the portable kernel)."""
+    if spec.family != "wgmma" or spec.deterministic or not spec.split_head_dim or variants[1] or score_mod:
+        return (-1, -1)
+    bounds = variant_mods(variants, causal, score_mod, block_mask if mask_mod is None else mask_mod)[1]
+    return (-1, -1) if bounds is None else bounds
 
 
 def _with_mods(spec: BwdSpec, mods, bp) -> BwdSpec:

@@ -179,13 +179,13 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     Args:
         dout: [total_q, heads, head_dim], the gradient of the output.
         q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_size, softcap: as passed to the
-            forward (a window or softcap runs sequence by sequence).
+            forward (a softcap runs sequence by sequence).
         out, lse: the forward's output and LSE ([heads, total_q], ``return_lse=True``).
         deterministic: dQ in a fixed order (bit-identical runs).
         sinks: the forward's sinks (its LSE includes them).
         family: ``"wgmma"``: every sequence in one launch of the Hopper K/V-outer kernel's varlen
-            specialization (sm90a, fp16/bf16, CuPy arrays, not deterministic, no window or
-            softcap); ``"sequences"``: each sequence on :func:`cuflash.attention_backward`; None:
+            specialization (sm90a, fp16/bf16, CuPy arrays, not deterministic, no softcap);
+            ``"sequences"``: each sequence on :func:`cuflash.attention_backward`; None:
             ``"wgmma"`` where it applies, else ``"sequences"``.
 
     The per-sequence walk runs :func:`cuflash.attention_backward` on each sequence's rows, writing
@@ -214,12 +214,14 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         raise ValueError(f"family='wgmma', deterministic={deterministic}: the one-launch varlen backward is "
                          f"not deterministic")
     variants = validate_variants(window_size, softcap, causal)
-    if family == "wgmma" and variants is not None:
-        raise ValueError(f"family='wgmma', window_size={tuple(window_size)}, softcap={softcap}: the one-launch "
-                         f"varlen backward takes neither; family='sequences' does")
-    if family == "wgmma" or (family is None and variants is None and not deterministic and _one_launch_applies(q)):
+    if family == "wgmma" and variants is not None and variants[1]:
+        raise ValueError(f"family='wgmma', softcap={softcap}: the one-launch varlen backward takes no softcap; "
+                         f"family='sequences' does")
+    window = variants[0] if variants is not None else (-1, -1)
+    if family == "wgmma" or (family is None and not (variants and variants[1]) and not deterministic
+                             and _one_launch_applies(q)):
         grads = _hopper_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, offsets_q, offsets_k, causal,
-                                 scale)
+                                 scale, window)
         return grads if sinks is None else (*grads, _varlen_sinks_grad(dout, out, lse, sinks, sinks32))
     dq, dk, dv = (xp.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
     for b in range(offsets_q.size - 1):
@@ -262,10 +264,10 @@ def _one_launch_applies(q) -> bool:
             and default_bwd_spec(q.shape[-1], from_tag(q.dtype.name).tag, False, "sm90a", False).family == "wgmma")
 
 
-def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, causal, scale):
+def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, causal, scale, window=(-1, -1)):
     """attention_varlen_backward on the Hopper K/V-outer kernel's varlen specialization: one launch
     of blocks (key tile, kv head, sequence); the preprocess and the dQ conversion run over all
-    packed rows as one sequence."""
+    packed rows as one sequence. ``window``: checked (left, right), bounded by the kernel."""
     import cupy
 
     from .core.bwd_spec import VARLEN_DQ_GAP
@@ -284,8 +286,9 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
     if arch != "sm90a" or problem.dtype.tag not in ("fp16", "bf16"):
         raise ValueError(f"family='wgmma' runs on sm90a with fp16 or bf16 inputs (device {problem.device_id} is "
                          f"{arch}, dtype {problem.dtype.tag})")
+    plain = window[0] < 0 and (causal or window[1] < 0)  # no bound beyond the causal one
     spec = default_bwd_spec(problem.head_dim, problem.dtype.tag, causal, arch, False, family="wgmma").replace(
-        varlen=True, tma_loads=False)
+        varlen=True, tma_loads=False, local=not plain)
     total_q, heads, head_dim = q.shape
     total_k, heads_k = k.shape[:2]
     sequences = offsets_q.size - 1
@@ -314,7 +317,7 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
                                    ("dv", dv))}
         args = struct.pack("<QQii", offsets[0].data.ptr, offsets[1].data.ptr, total_q, total_k)
         launch_backward(_compile.get_kernel(spec, problem.device_id), spec, bp, tensors, strides, padded=padded,
-                        varlen=(args, sequences, max_seqlen_k, max_seqlen_q))
+                        varlen=(args, sequences, max_seqlen_k, max_seqlen_q), window=window)
     return dq, dk, dv
 
 

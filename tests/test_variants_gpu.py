@@ -87,12 +87,19 @@ def warm_variant_kernels():
             else:
                 spec = _forward._with_mods(spec, prepared, problem, None)
                 specs.append(spec.replace(block_sparse=True) if block is not None and spec.warp_specialized else spec)
-            bwd = _backward._with_mods(policy.default_bwd_spec(head_dim, dtype, causal, arch, False), prepared,
-                                       SimpleNamespace(forward=problem))
+            bwd = policy.default_bwd_spec(head_dim, dtype, causal, arch, False)
+            if _backward._local_window(bwd, variants, causal, None, None, None) != (-1, -1):  # bounded by the kernel
+                cap = sparsity.flash_mods(problem, (-1, -1), softcap, None, None, None)[0]
+                bwd = _backward._with_mods(bwd, modset.prepare(cap, None, device), SimpleNamespace(forward=problem)) \
+                    if cap is not None else bwd
+                specs.append(bwd.replace(local=True))
+                continue
+            bwd = _backward._with_mods(bwd, prepared, SimpleNamespace(forward=problem))
             specs.append(bwd.replace(block_sparse=True) if block is not None and bwd.family == "wgmma" else bwd)
     if arch == "sm90a":  # test_windows_over_many_key_tiles
         specs += [policy.default_spec(d, "bf16", c, arch, seqlen=n).replace(local=True) for d in (64, 128, 256)
                   for c in (False, True) for n in (700, 1100, 1500)]
+        specs += [policy.default_bwd_spec(256, "bf16", c, arch, False).replace(local=True) for c in (False, True)]
     cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
 
 
@@ -125,17 +132,25 @@ def test_window_and_softcap_match_the_reference(case, lengths, batch, heads, lay
 @pytest.mark.parametrize("causal,window_size", [(True, (300, 0)), (True, (0, 0)), (False, (200, 130)),
                                                 (False, (-1, 70)), (False, (517, -1))])
 def test_windows_over_many_key_tiles(head_dim, causal, window_size, poison):
-    """The Hopper forward's own window bounds (KernelSpec.local) over lengths of many tiles:
-    tiles past either edge skipped, both edges masked, seqlen_q != seqlen_k both ways, GQA."""
+    """The Hopper kernels' own window bounds (KernelSpec.local, BwdSpec.local) over lengths of many
+    tiles: tiles past either edge skipped, both edges masked, seqlen_q != seqlen_k both ways, GQA;
+    the backward at head dim 256 (smaller ones run the window's mask_mod there)."""
+    backward_lengths = {256: (1500, 700)}.get(head_dim)
     for seqlen_q, seqlen_k in ((1100, 1100), (700, 1500), (1500, 700)):
         rng, q, k, v = _inputs(head_dim + seqlen_q, "bf16", 1, 4, 2, seqlen_q, seqlen_k, "bshd", head_dim)
         poison(q.size * q.itemsize)
-        out, lse = cuflash.attention(*(cupy.asarray(x) for x in (q, k, v)), causal=causal, layout="bshd",
-                                     window_size=window_size, return_lse=True)
+        dev = [cupy.asarray(x) for x in (q, k, v)]
+        out, lse = cuflash.attention(*dev, causal=causal, layout="bshd", window_size=window_size, return_lse=True)
         args = _reference_args(causal, window_size, 0.0, seqlen_q, seqlen_k, "bshd")
         ref, ref_lse = reference.attention_reference(q, k, v, **args)
         naive, naive_lse = reference.attention_naive(q, k, v, **args)
         assert_attention_close(out, ref, "bf16", baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+        if (seqlen_q, seqlen_k) == backward_lengths:
+            dout = rng.standard_normal(q.shape).astype(q.dtype)
+            grads = cuflash.attention_backward(cupy.asarray(dout), *dev, out, lse, causal=causal, layout="bshd",
+                                               window_size=window_size)
+            assert_gradients_close(grads, reference.attention_backward_reference(dout, q, k, v, **args), "bf16",
+                                   baselines=reference.attention_backward_naive(dout, q, k, v, **args))
 
 
 def test_rows_outside_every_window_give_zeros_and_minus_infinity():

@@ -94,8 +94,10 @@ def test_varlen_windows_softcap_and_random_lengths():
 @pytest.mark.parametrize("causal,window_size", [(True, (100, 0)), (True, (0, 0)), (False, (70, 30)),
                                                 (False, (-1, 5)), (False, (300, -1))])
 def test_varlen_windows_on_the_hopper_kernel(head_dim, causal, window_size):
-    """A window without a softcap runs on the Hopper varlen kernel, which bounds each sequence's
-    key range itself (aligned bottom-right per sequence)."""
+    """A window without a softcap runs on the Hopper varlen kernels, forward and backward, which
+    bound each sequence's key range themselves (aligned bottom-right per sequence)."""
+    from cuflash.testing import assert_gradients_close
+
     rng = np.random.default_rng(head_dim + causal + window_size[0])
     lens_q = np.array([0, 1, 17, 113, 239, 700, 1500, 30])
     lens_k = np.array([5, 1, 40, 113, 100, 1023, 1500, 0])
@@ -106,6 +108,19 @@ def test_varlen_windows_on_the_hopper_kernel(head_dim, causal, window_size):
     ref, ref_lse = _reference(q, k, v, cu_q, cu_k, **kwargs)
     naive, naive_lse = _reference(q, k, v, cu_q, cu_k, naive=True, **kwargs)
     assert_attention_close(out, ref, "bf16", baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    dev = [cupy.asarray(x) for x in (dout, q, k, v)]
+    dq, dk, dv = (to_numpy(g) for g in cuflash.attention_varlen_backward(
+        *dev, out, lse, cupy.asarray(cu_q), cupy.asarray(cu_k), family="wgmma", **kwargs))
+    for b in range(len(lens_q)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if qs.stop == qs.start:
+            assert not np.any(dk[ks].astype(np.float32)) and not np.any(dv[ks].astype(np.float32))
+            continue
+        args = (dout[None, qs], q[None, qs], k[None, ks], v[None, ks])
+        want = reference.attention_backward_reference(*args, layout="bshd", **kwargs)
+        naive = reference.attention_backward_naive(*args, layout="bshd", **kwargs)
+        assert_gradients_close((dq[None, qs], dk[None, ks], dv[None, ks]), want, "bf16", baselines=naive)
 
 
 @pytest.mark.parametrize("causal,window_size,softcap", [(True, (100, 0), 0.0), (False, (40, 60), 15.0)])

@@ -53,6 +53,7 @@ class BwdSpec:
     block_sparse: bool = False  # wgmma with a mask_mod: each key tile's query tiles from a block mask
     varlen: bool = False  # wgmma, dQ by atomics, no mods: packed sequences of their own lengths (cu_seqlens)
     tma_loads: bool = False  # wgmma, not varlen: K, V and the query tiles by TMA (tensor maps), not cp.async
+    local: bool = False  # wgmma, dQ by atomics, no mask_mod: a window of keys per query (window_left / right)
 
     def __post_init__(self):
         if self.dtype in dtypes.DTYPES and not self.family:
@@ -68,6 +69,9 @@ class BwdSpec:
             problems.append("block_sparse applies to the wgmma backward with a mask_mod")
         if self.varlen and (self.family != "wgmma" or self.deterministic or self.score_mod or self.mask_mod):
             problems.append("varlen applies to the wgmma backward with dQ by atomics (not deterministic), without mods")
+        if self.local and (self.family != "wgmma" or self.deterministic or self.mask_mod):
+            problems.append("local applies to the wgmma backward with dQ by atomics (not deterministic), without "
+                            "a mask_mod")
         if self.tma_loads and (self.family != "wgmma" or self.varlen):
             problems.append("tma_loads applies to the wgmma backward of dense batches (not varlen)")
         if self.family == "wgmma":
@@ -122,6 +126,7 @@ class BwdSpec:
         mods += "_bs" if self.block_sparse else ""
         varlen = "_varlen" if self.varlen else ""
         tma = "_tma" if self.tma_loads else ""
+        tma += "_local" if self.local else ""
         return (f"bwd_{self.dtype}_hd{self.head_dim}{causal}_m{self.block_m}n{self.block_n}"
                 f"w{self.num_warps}s{self.num_stages}{det}{family}{mods}{varlen}{tma}_{self.arch}")
 
@@ -173,7 +178,7 @@ class BwdSpec:
         """:attr:`bulk_dq` over whole query tiles (not packed sequences, not block-sparse): two
         partial tiles in shared memory, by the step's parity, each added in the next step while
         dV and dK are computed (:attr:`ordered_dq`: on its key tile's turn)."""
-        return self.bulk_dq and not self.varlen and not self.block_sparse
+        return self.bulk_dq and not self.varlen and not self.block_sparse and not self.local
 
     @property
     def dq_chunk_cols(self) -> int:

@@ -483,7 +483,7 @@ def rows_padded(spec: BwdSpec, seqlen_q: int) -> int:
 
 
 def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mods: bytes = b"", padded: int = 0,
-                    varlen: tuple | None = None) -> None:
+                    varlen: tuple | None = None, window=(-1, -1)) -> None:
     """Preprocess, the K/V-outer kernel, then the dQ kernel (or the accumulator's conversion), on
     the current CuPy stream. ``tensors`` maps each pointer field of BWD_PARAM_FIELDS to an array
     (dq_accum may be a placeholder when dQ is not accumulated; dq_sem, int32, one per query tile of
@@ -493,7 +493,8 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mo
     of lse2, delta and dq_accum when not rows_padded. ``varlen`` (spec.varlen): (VarlenArgs bytes,
     sequences, longest sequence's keys, longest sequence's queries): bp describes all packed rows
     as one sequence, which the preprocess walks; the K/V-outer grid is (key tiles, kv heads,
-    sequences) and the dQ conversion's (rows of the longest sequence, heads, sequences)."""
+    sequences) and the dQ conversion's (rows of the longest sequence, heads, sequences).
+    ``window``: (left, right) of spec.local."""
     problem = bp.forward
     padded = padded or rows_padded(spec, problem.seqlen_q)
     pointers = [tensors[name].data.ptr for name in
@@ -503,7 +504,8 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mo
         *pointers,
         *(s for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv") for s in strides[t]),
         problem.heads, problem.heads // max(problem.heads_k, 1), problem.seqlen_q, problem.seqlen_k,
-        padded, problem.scale, problem.scale * _LOG2E, 0,
+        padded, problem.scale, problem.scale * _LOG2E,
+        *(_window_bounds(window, problem) if spec.local else (-1, -1)), 0,
     )
     params = (np.frombuffer(raw, dtype=_BWD_PARAMS),)
     pre, dkdv, dq = kernels

@@ -63,7 +63,9 @@ BWD_PARAM_FIELDS = (
     for s in ("batch", "head", "row")
 ) + (
     ("heads", "int", "i4"), ("group", "int", "i4"), ("seqlen_q", "int", "i4"), ("seqlen_k", "int", "i4"),
-    ("rows_padded", "int", "i4"), ("scale", "float", "f4"), ("scale_log2", "float", "f4"), ("_pad", "int", "i4"),
+    ("rows_padded", "int", "i4"), ("scale", "float", "f4"), ("scale_log2", "float", "f4"),
+    # BwdSpec.local: the window's bounds, as the forward's window_left / window_right
+    ("window_left", "int", "i4"), ("window_right", "int", "i4"), ("_pad", "int", "i4"),
 )
 
 #: The KV-cache kernels' parameter block (decode.cuh; same conventions). Cache strides are in

@@ -105,6 +105,21 @@ struct DkdvWork {
         steps = m_tiles * p.group;
     }
 
+    // kLocal: only the query tiles with a row that sees a key of the tile within the window
+    // (row r sees keys r + causal_offset - left .. r + causal_offset + right; negative: no bound).
+    template <int kBM, int kBN>
+    __device__ __forceinline__ void bound_to_window(int left, int right, int seqlen_q, int group) {
+        int begin = m_begin, end = m_tiles > 0 ? seqlen_q : 0;
+        if (right >= 0) {
+            const int first = n0 - causal_offset - right;  // first row that sees key n0
+            begin = max(begin, first <= 0 ? 0 : first / kBM * kBM);
+        }
+        if (left >= 0) end = min(end, n0 + kBN - causal_offset + left);  // past the last row that sees the tile's last key
+        m_begin = begin;
+        m_tiles = end > begin ? (end - begin + kBM - 1) / kBM : 0;
+        steps = m_tiles * group;
+    }
+
     // Step t's query head and first row. Query tiles come from the last to the first, head by
     // head of the group: every block of a head starts on the same tile and moves in step with
     // the others, so they share the tile's Q, dO and dQ lines in L2 (with a causal mask too; the

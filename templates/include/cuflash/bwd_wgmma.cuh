@@ -105,6 +105,11 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
     }
     auto seqlen_q_of = [&]() { return kVarlen ? w.seqlen_q : p.seqlen_q; };
     auto seqlen_k_of = [&]() { return kVarlen ? w.seqlen_k : p.seqlen_k; };
+    // kLocal: a window of keys per query row (params window_left / window_right): the key tile
+    // visits only the query tiles that see it, and masks those at the window's edges.
+    constexpr bool kLocal = Cfg::kLocal;
+    static_assert(!(kLocal && (Cfg::kBlockSparse || kOrderedDq || kDqDouble)), "local: dQ by atomics, no block mask");
+    if constexpr (kLocal) w.bound_to_window<kBM, kBN>(p.window_left, p.window_right, seqlen_q_of(), p.group);
     // kBlockSparse: the key tile's query tiles from the block mask's lists (one list for every
     // head: cuflash.sparsity), last first; entries are query tile << 1 | full.
     const int* visits = nullptr;
@@ -257,11 +262,16 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         // kVarlen: the rows past the sequence's queries (the next sequence's statistics) are masked
         // too, so that they add nothing to the next sequence's dQ.
         const bool masked = tile_needs_mask<kBN, Cfg::kCausal>(m0, w.n0, seqlen_k_of(), w.causal_offset)
-                            || (kVarlen && m0 + kBM > seqlen_q_of());
+                            || (kVarlen && m0 + kBM > seqlen_q_of())
+                            || (kLocal && ((p.window_right >= 0 && w.n0 + kBN - 1 > m0 + w.causal_offset + p.window_right)
+                                           || (p.window_left >= 0 && w.n0 < m0 + kBM - 1 + w.causal_offset - p.window_left)));
         auto allowed = [&](int row, int col) {
             const int key = key0 + row;
-            return key < seqlen_k_of() && (!Cfg::kCausal || key <= m0 + col + w.causal_offset)
-                   && (!kVarlen || m0 + col < seqlen_q_of());
+            const int seen = m0 + col + w.causal_offset;  // the key at the query's own position
+            return key < seqlen_k_of() && (!Cfg::kCausal || key <= seen)
+                   && (!kVarlen || m0 + col < seqlen_q_of())
+                   && (!kLocal || ((p.window_right < 0 || key <= seen + p.window_right)
+                                   && (p.window_left < 0 || key >= seen - p.window_left)));
         };
         // kBlockSparse: a tile the block mask found full skips the mask_mod's elements.
         bool mask_elements = true;
