@@ -1,6 +1,6 @@
 """Attention over packed sequences of their own lengths (variable-length batches): the forward on
-the Hopper warp-specialized kernel's varlen specialization (elsewhere, and with a softcap, on the
-KV-cache kernel's), the backward in one launch of the Hopper backward or sequence by sequence."""
+the Hopper warp-specialized kernel's varlen specialization (elsewhere on the KV-cache kernel's),
+the backward in one launch of the Hopper backward or sequence by sequence."""
 from __future__ import annotations
 
 import dataclasses
@@ -125,14 +125,15 @@ def hopper_spec(head_dim: int, dtype: str, causal: bool, max_seqlen_q: int, arch
 
 def _hopper(q, k, v, cu_q, cu_k, out, lse, max_seqlen_q, problem, sinks=None) -> bool:
     """Run the forward on the Hopper warp-specialized kernel's varlen specialization where it
-    applies (sm90a, fp16/bf16, a positive scale, no softcap, rows TMA can read, a head dim the
-    kernel takes; a window as the kernel's own bounds, spec.local); False where it does not."""
+    applies (sm90a, fp16/bf16, a positive scale, rows TMA can read, a head dim the kernel takes; a
+    window as the kernel's own bounds, spec.local; a softcap as its score_mod); False where it
+    does not."""
     from .core.launch import LaunchPlan
     from .core.validate import readable_by_tma, validate
     from .forward import _arch
 
     plain = problem.window == ((-1, 0) if problem.causal else (-1, -1))  # no window beyond the causal bound
-    if _arch(problem.device_id) != "sm90a" or problem.softcap:
+    if _arch(problem.device_id) != "sm90a":
         return False
     if problem.scale <= 0 or not all(readable_by_tma(x[None]) for x in (q, k, v)):
         return False
@@ -152,8 +153,14 @@ def _hopper(q, k, v, cu_q, cu_k, out, lse, max_seqlen_q, problem, sinks=None) ->
         spec = spec.replace(sinks=True, lse=True)
     if not plain:
         spec = spec.replace(local=True)
-    kernel = _compile.get_kernel(spec, problem.device_id)
     varlen = struct.pack("<QQii", cu_q.data.ptr, cu_k.data.ptr, q.shape[0], k.shape[0])
+    if problem.softcap:
+        from .core import modset
+        from .mods import _softcap_mod
+        mods = modset.prepare(_softcap_mod(problem.softcap), None, problem.device_id)
+        spec = spec.replace(score_mod=mods.score_digest)
+        varlen = (varlen, modset.kernel_argument(mods))
+    kernel = _compile.get_kernel(spec, problem.device_id)
     out_strides = (0, out.strides[1] // out.itemsize, out.strides[0] // out.itemsize)
     LaunchPlan(kernel, spec, kernel_problem, q, k, v, out, lse, out_strides, mods=varlen,
                map_problem=rows, sinks=sinks, window=tuple(problem.window)).launch(q, k, v, out, lse)

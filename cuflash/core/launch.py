@@ -225,7 +225,8 @@ class LaunchPlan:
                  scales: Fp8Scales | None = None, mods: bytes = b"", map_problem: Problem | None = None,
                  sinks=None, window=(-1, -1)):
         """``map_problem``: the problem the tensor maps describe, when not ``problem`` (packed
-        sequences: all rows as one sequence of batch 1; ``mods`` then holds the VarlenArgs);
+        sequences: all rows as one sequence of batch 1; ``mods`` then holds the VarlenArgs, or a
+        tuple of them and the mods' bytes);
         ``sinks``: float32 [heads] sink logits (spec.sinks), kept alive with the plan; ``window``:
         (left, right), the keys spec.local lets each query see (negative: unbounded)."""
         self.spec, self.problem, self.kernel, self.out_strides = spec, problem, kernel, out_strides
@@ -251,7 +252,7 @@ class LaunchPlan:
         self.grid = grid(spec, problem, plan)
         # (pointers, encoded maps) of the last call, read and replaced as one object (threads share plans)
         self.maps = self.out_map = (None, None)
-        self.mods = _struct_args(mods)
+        self.mods = tuple(a for raw in (mods if isinstance(mods, tuple) else (mods,)) for a in _struct_args(raw))
         # set by the caller that keeps the plan: the LSE buffer of calls that do not return it, and
         # how their outputs are allocated
         self.lse_scratch = self.outputs = None
@@ -330,13 +331,12 @@ class LaunchPlan:
             sizes.append(3 * tma.MAP_BYTES)
             if spec.tma_store:
                 sizes.append(tma.MAP_BYTES)
-        mods = self.mods[0].tobytes() if self.mods else b""
-        if mods:
-            sizes.append(len(mods))
+        trailing = [m.tobytes() for m in self.mods]  # the mods (or VarlenArgs and the mods), in order
+        sizes += [len(m) for m in trailing]
         storage = DriverArguments(sizes)
         storage.write(0, self.template)
-        if mods:
-            storage.write(len(sizes) - 1, mods)
+        for i, raw in enumerate(trailing):
+            storage.write(len(sizes) - len(trailing) + i, raw)
         gx, gy, gz = (tuple(self.grid) + (1, 1))[:3]
         maps = (storage.addresses[1], storage.addresses[2] if spec.tma_store else 0) if spec.warp_specialized else None
         # the pointers (q, k, v, out) the maps in storage were encoded for: none yet
