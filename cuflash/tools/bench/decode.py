@@ -127,8 +127,17 @@ def decode_overhead(torch=None, calls: int = 2000) -> dict:
     return us
 
 
-#: Varlen: tokens in all, their lengths' range, heads (hidden 2048) and head dim.
+#: Varlen: tokens in all, their lengths' range, heads (hidden 2048) and head dim; the sliding
+#: window of the window rows (window_size=(VARLEN_WINDOW - 1, 0)).
 VARLEN_TOKENS, VARLEN_LENGTHS, VARLEN_HEADS, VARLEN_HEAD_DIM = 16384, (100, 4000), 16, 128
+VARLEN_WINDOW = 1024
+
+
+def window_pairs(n: int, window: int) -> int:
+    """(query, key) pairs a causal window of ``window`` keys (the query's own included) attends
+    in one sequence of n tokens."""
+    full = min(n, window)
+    return full * (full + 1) // 2 + (n - full) * window
 
 
 def varlen_lengths(rng, total=VARLEN_TOKENS, lengths=VARLEN_LENGTHS) -> list[int]:
@@ -145,8 +154,9 @@ def varlen_lengths(rng, total=VARLEN_TOKENS, lengths=VARLEN_LENGTHS) -> list[int
 def varlen_rows(reps: int = 30, echo=print, seed: int = 0) -> list[dict]:
     """cuflash.attention_varlen, causal, on VARLEN_TOKENS tokens in sequences of random lengths,
     against cuflash.attention on a dense batch of the mean length, and the same for the backward
-    (sequence by sequence, and in one launch on Hopper); TFLOP/s over attended pairs (the
-    backward counted as 2.5 forwards)."""
+    (sequence by sequence, and in one launch on Hopper); both passes with a sliding window of
+    VARLEN_WINDOW keys too, against the dense batch with that window; TFLOP/s over attended pairs
+    (the backward counted as 2.5 forwards)."""
     import numpy as np
     import cupy
 
@@ -166,6 +176,9 @@ def varlen_rows(reps: int = 30, echo=print, seed: int = 0) -> list[dict]:
                                          dtype=cupy.float32).astype(bf16) for _ in range(4)]
     out, lse = cuflash.attention_varlen(q, k, v, cu, cu, max_seqlen_q=max(lens), causal=True, return_lse=True)
     dense_out, dense_lse = cuflash.attention(*dense[:3], causal=True, layout="bshd", return_lse=True)
+    window = dict(causal=True, window_size=(VARLEN_WINDOW - 1, 0))
+    w_out, w_lse = cuflash.attention_varlen(q, k, v, cu, cu, max_seqlen_q=max(lens), return_lse=True, **window)
+    wd_out, wd_lse = cuflash.attention(*dense[:3], layout="bshd", return_lse=True, **window)
     calls = {
         "cuflash varlen": lambda: cuflash.attention_varlen(q, k, v, cu, cu, max_seqlen_q=max(lens), causal=True),
         "cuflash dense, mean length": lambda: cuflash.attention(*dense[:3], causal=True, layout="bshd"),
@@ -175,14 +188,28 @@ def varlen_rows(reps: int = 30, echo=print, seed: int = 0) -> list[dict]:
                                                                                  causal=True, family="wgmma"),
         "backward dense, mean length": lambda: cuflash.attention_backward(dense[3], *dense[:3], dense_out, dense_lse,
                                                                           causal=True, layout="bshd"),
+        "window varlen": lambda: cuflash.attention_varlen(q, k, v, cu, cu, max_seqlen_q=max(lens), **window),
+        "window dense, mean length": lambda: cuflash.attention(*dense[:3], layout="bshd", **window),
+        "backward window varlen": lambda: cuflash.attention_varlen_backward(dout, q, k, v, w_out, w_lse, cu, cu,
+                                                                            **window),
+        "backward window dense": lambda: cuflash.attention_backward(dense[3], *dense[:3], wd_out, wd_lse,
+                                                                    layout="bshd", **window),
     }
     varlen = sum(attention_flops(1, VARLEN_HEADS, n, n, VARLEN_HEAD_DIM, True) for n in lens)
     dense_flops = attention_flops(len(lens), VARLEN_HEADS, mean, mean, VARLEN_HEAD_DIM, True)
     flops = {"cuflash varlen": varlen, "cuflash dense, mean length": dense_flops,
              "backward varlen, per sequence": 2.5 * varlen, "backward varlen, one launch": 2.5 * varlen,
              "backward dense, mean length": 2.5 * dense_flops}
-    base_of = {name: "backward dense, mean length" if name.startswith("backward") else "cuflash dense, mean length"
+    pair_flops = 4 * VARLEN_HEADS * VARLEN_HEAD_DIM
+    flops["window varlen"] = pair_flops * sum(window_pairs(n, VARLEN_WINDOW) for n in lens)
+    flops["window dense, mean length"] = pair_flops * len(lens) * window_pairs(mean, VARLEN_WINDOW)
+    flops["backward window varlen"] = 2.5 * flops["window varlen"]
+    flops["backward window dense"] = 2.5 * flops["window dense, mean length"]
+    base_of = {name: ("backward " if name.startswith("backward") else "cuflash ") + "dense, mean length"
                for name in calls}
+    base_of.update({"window varlen": "window dense, mean length", "backward window varlen": "backward window dense",
+                    "window dense, mean length": "window dense, mean length",
+                    "backward window dense": "backward window dense"})
     timers = {name: timing.event_timer(timing.cuda_event_times_ms, fn, flush_l2=True) for name, fn in calls.items()}
     timed = timing.interleaved_median_ms(timers, reps)
     rows = []
