@@ -148,11 +148,10 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
 
 
 def _local_window(spec: BwdSpec, variants, causal: bool, score_mod, mask_mod, block_mask) -> tuple:
-    """The bounds of a call's window where the Hopper backward takes them as arguments, else
-    (-1, -1): dQ by atomics, with the head dim split between the warpgroups (where it measured
-    faster than the window's mask_mod and block mask, docs/tuning.md) and no score_mod (which
-    could move the call to the portable kernel)."""
-    if spec.family != "wgmma" or spec.deterministic or not spec.split_head_dim or variants[1] or score_mod:
+    """The bounds of a call's window where the Hopper backward takes them as arguments (dQ by
+    atomics; a split head dim only with no score_mod, which could move the call to the portable
+    kernel), else (-1, -1)."""
+    if spec.family != "wgmma" or spec.deterministic or (spec.split_head_dim and (variants[1] or score_mod)):
         return (-1, -1)
     bounds = variant_mods(variants, causal, score_mod, block_mask if mask_mod is None else mask_mod)[1]
     return (-1, -1) if bounds is None else bounds

@@ -99,7 +99,8 @@ def warm_variant_kernels():
     if arch == "sm90a":  # test_windows_over_many_key_tiles
         specs += [policy.default_spec(d, "bf16", c, arch, seqlen=n).replace(local=True) for d in (64, 128, 256)
                   for c in (False, True) for n in (700, 1100, 1500)]
-        specs += [policy.default_bwd_spec(256, "bf16", c, arch, False).replace(local=True) for c in (False, True)]
+        specs += [policy.default_bwd_spec(d, "bf16", c, arch, False).replace(local=True) for d in (64, 128, 256)
+                  for c in (False, True)]
     cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
 
 
@@ -134,8 +135,8 @@ def test_window_and_softcap_match_the_reference(case, lengths, batch, heads, lay
 def test_windows_over_many_key_tiles(head_dim, causal, window_size, poison):
     """The Hopper kernels' own window bounds (KernelSpec.local, BwdSpec.local) over lengths of many
     tiles: tiles past either edge skipped, both edges masked, seqlen_q != seqlen_k both ways, GQA;
-    the backward at head dim 256 (smaller ones run the window's mask_mod there)."""
-    backward_lengths = {256: (1500, 700)}.get(head_dim)
+    the backward at one length pair per head dim."""
+    backward_lengths = {64: (1100, 1100), 128: (700, 1500), 256: (1500, 700)}[head_dim]
     for seqlen_q, seqlen_k in ((1100, 1100), (700, 1500), (1500, 700)):
         rng, q, k, v = _inputs(head_dim + seqlen_q, "bf16", 1, 4, 2, seqlen_q, seqlen_k, "bshd", head_dim)
         poison(q.size * q.itemsize)

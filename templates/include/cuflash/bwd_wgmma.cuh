@@ -110,6 +110,12 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
     constexpr bool kLocal = Cfg::kLocal;
     static_assert(!(kLocal && (Cfg::kBlockSparse || kOrderedDq || kDqDouble)), "local: dQ by atomics, no block mask");
     if constexpr (kLocal) w.bound_to_window<kBM, kBN>(p.window_left, p.window_right, seqlen_q_of(), p.group);
+    // kLocal: a key at rel keys from the query's own position is seen iff win_lo <= rel <= win_hi.
+    int win_hi = Cfg::kCausal ? 0 : 1 << 30, win_lo = -(1 << 30);
+    if constexpr (kLocal) {
+        if (p.window_right >= 0) win_hi = min(win_hi, p.window_right);
+        if (p.window_left >= 0) win_lo = -p.window_left;
+    }
     // kBlockSparse: the key tile's query tiles from the block mask's lists (one list for every
     // head: cuflash.sparsity), last first; entries are query tile << 1 | full.
     const int* visits = nullptr;
@@ -267,11 +273,12 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                                            || (p.window_left >= 0 && w.n0 < m0 + kBM - 1 + w.causal_offset - p.window_left)));
         auto allowed = [&](int row, int col) {
             const int key = key0 + row;
-            const int seen = m0 + col + w.causal_offset;  // the key at the query's own position
-            return key < seqlen_k_of() && (!Cfg::kCausal || key <= seen)
-                   && (!kVarlen || m0 + col < seqlen_q_of())
-                   && (!kLocal || ((p.window_right < 0 || key <= seen + p.window_right)
-                                   && (p.window_left < 0 || key >= seen - p.window_left)));
+            if constexpr (kLocal) {  // the key's place from the query's own position, within the window
+                const int rel = key - (m0 + col + w.causal_offset);
+                return key < seqlen_k_of() && rel <= win_hi && rel >= win_lo && (!kVarlen || m0 + col < seqlen_q_of());
+            }
+            return key < seqlen_k_of() && (!Cfg::kCausal || key <= m0 + col + w.causal_offset)
+                   && (!kVarlen || m0 + col < seqlen_q_of());
         };
         // kBlockSparse: a tile the block mask found full skips the mask_mod's elements.
         bool mask_elements = true;
