@@ -61,9 +61,6 @@ def _check_forced_spec(spec, problem: Problem, out_dtype: str | None = None, ret
 
 _UNKEYED = object()  # _attention's key where the caller has not computed it
 _NO_WINDOW = (-1, -1)
-#: window_size on the Hopper warp-specialized kernel: its key range bounded by the kernel
-#: (KernelSpec.local), rather than a mask_mod with a block mask.
-_LOCAL_WINDOWS = True
 
 
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd", family=None, spec=None,
@@ -193,7 +190,7 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
     problem = checked(q, k, v, scale)
     window = _NO_WINDOW  # a window the Hopper kernel bounds itself (spec.local)
     if variants is not None and not problem.empty and problem.seqlen_k:
-        if spec is None and fp8_format is None and _LOCAL_WINDOWS:
+        if spec is None and fp8_format is None:  # the Hopper kernel's own bounds (spec.local)
             bounds = variant_mods(variants, causal, score_mod, block_mask if mask_mod is None else mask_mod)[1]
             if bounds is not None:
                 with _on_device(problem.device_id):

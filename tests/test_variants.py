@@ -165,3 +165,33 @@ def test_the_strategy_draws_windows_and_caps_for_16_bit_problems_only():
             assert problem.window_size[1] in (-1, 0)
     draw()
     assert any(p.window_size != (-1, -1) for p in seen) and any(p.softcap for p in seen)
+
+
+def test_windows_the_hopper_kernels_bound_themselves():
+    """Which calls take the window as kernel arguments (KernelSpec.local, BwdSpec.local), and the
+    bounds they pass: a bound no query can reach is passed as none."""
+    from cuflash.backward import _local_window
+    from cuflash.core.launch import _window_bounds
+    from cuflash.core.policy import default_bwd_spec, default_spec
+
+    fwd = default_spec(128, "bf16", True, "sm90a", seqlen=4096)
+    assert fwd.replace(local=True).name.endswith("_local_sm90a") and not fwd.replace(local=True).split_keys
+    with pytest.raises(ValueError, match="local applies"):
+        default_spec(128, "bf16", True, "sm80").replace(local=True)
+    bwd = default_bwd_spec(128, "bf16", True, "sm90a", False)
+    assert not bwd.replace(local=True).double_dq and not bwd.replace(local=True).ordered_dq
+    with pytest.raises(ValueError, match="local applies"):
+        default_bwd_spec(128, "bf16", True, "sm90a", True).replace(local=True)
+    window = validate_variants((100, -1), 0.0, True)
+    assert _local_window(bwd, window, True, None, None, None) == (100, -1)  # causal keeps the right bound
+    assert _local_window(bwd, validate_variants((-1, -1), 5.0, True), True, None, None, None) == (-1, -1)
+    assert _local_window(default_bwd_spec(128, "bf16", True, "sm90a", True), window, True, None, None, None) \
+        == (-1, -1)
+    wide = default_bwd_spec(256, "bf16", True, "sm90a", False)
+    assert _local_window(wide, window, True, None, None, None) == (100, -1)
+    assert _local_window(wide, validate_variants((100, -1), 5.0, True), True, None, None, None) == (-1, -1)
+    with pytest.raises(ValueError, match="a mask_mod or block_mask"):
+        _local_window(bwd, window, True, None, lambda b, h, q, k: q >= k, None)
+    problem = SimpleNamespace(seqlen_q=300, seqlen_k=200)
+    assert _window_bounds((499, 7), problem) == (499, 7)
+    assert _window_bounds((500, 2**31 - 2**20 - 1), problem) == (-1, -1)
