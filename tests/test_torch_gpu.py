@@ -362,9 +362,9 @@ def test_kvcache_decode_through_the_bridge_matches_cupy():
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_varlen_through_the_bridge_matches_cupy(with_sinks, compiled):
-    """cuflash.torch.attention_varlen (packed sequences, GQA, causal, one empty sequence), eagerly
-    and under torch.compile: the output and every gradient, dsinks included, match the CuPy
-    calls' on the same memory."""
+    """cuflash.torch.attention_varlen (packed sequences, GQA, causal, one empty sequence; with the
+    sinks, a window and softcap too), eagerly and under torch.compile: the output and every
+    gradient, dsinks included, match the CuPy calls' on the same memory."""
     import numpy as np
 
     import cuflash.torch as ct
@@ -376,15 +376,17 @@ def test_varlen_through_the_bridge_matches_cupy(with_sinks, compiled):
     k, v = (torch.randn(int(cu_k[-1]), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             for _ in range(2))
     sinks = torch.randn(8, device="cuda", requires_grad=True) if with_sinks else None
+    variants = dict(window_size=(31, 0), softcap=8.0) if with_sinks else {}
     fn = torch.compile(ct.attention_varlen, fullgraph=True) if compiled else ct.attention_varlen
-    out = fn(q, k, v, cu_q, cu_k, max_seqlen_q=200, causal=True, sinks=sinks)
+    out = fn(q, k, v, cu_q, cu_k, max_seqlen_q=200, causal=True, sinks=sinks, **variants)
     dout = torch.randn_like(out)
     out.backward(dout)
     torch.cuda.synchronize()
     views = [_cupy(x.detach()) for x in (q, k, v, cu_q, cu_k)]
     s = None if sinks is None else _cupy(sinks.detach())
-    want, lse = cuflash.attention_varlen(*views, max_seqlen_q=200, causal=True, return_lse=True, sinks=s)
-    grads = cuflash.attention_varlen_backward(_cupy(dout), *views[:3], want, lse, *views[3:], causal=True, sinks=s)
+    want, lse = cuflash.attention_varlen(*views, max_seqlen_q=200, causal=True, return_lse=True, sinks=s, **variants)
+    grads = cuflash.attention_varlen_backward(_cupy(dout), *views[:3], want, lse, *views[3:], causal=True, sinks=s,
+                                              **variants)
     cupy.cuda.Device().synchronize()
     assert torch.equal(out.detach(), _torch(want))
     got = [q.grad, k.grad, v.grad] + ([sinks.grad] if with_sinks else [])
