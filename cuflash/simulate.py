@@ -21,7 +21,8 @@ def _check_blocks(block_m: int, block_n: int) -> None:
             raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
-def tile_schedule(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, causal: bool):
+def tile_schedule(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, causal: bool,
+                  window: tuple = (-1, -1)):
     """The key tiles each query tile visits, in the kernel's order, and which need masking.
 
     Query tile ``m`` covers rows ``[m * block_m, (m + 1) * block_m)``. It stops at key
@@ -34,30 +35,46 @@ def tile_schedule(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, caus
     what the tile's first row may attend: ``n0 + block_n > seqlen_k`` or
     ``causal and n0 + block_n - 1 > m0 + seqlen_k - seqlen_q``.
 
+    ``window=(left, right)`` (the Hopper kernels' KernelSpec.local; negative: no bound): row r
+    sees keys ``r + offset - left`` to ``r + offset + right``. The walk starts at the key tile of
+    ``m0 + offset - left`` and ends before ``m0 + block_m + offset + right``; a tile is also
+    masked when it holds a key past the first row's right bound, or before the last row's left
+    bound (``n0 < m0 + block_m - 1 + offset - left``): those are the last tiles visited.
+
     Returns ``[(m_block, [(n_block, masked), ...]), ...]`` with one entry per query tile
     (``ceil(seqlen_q / block_m)`` of them); a query tile whose rows attend nothing has no key tiles.
     """
     _check_blocks(block_m, block_n)
     offset = seqlen_k - seqlen_q
+    left, right = window
     schedule = []
     for m_block in range(_ceil_div(seqlen_q, block_m)):
         m0 = m_block * block_m
         n_end = min(seqlen_k, m0 + block_m + offset) if causal else seqlen_k
-        n_tiles = _ceil_div(n_end, block_n) if n_end > 0 else 0
+        n_begin = 0
+        if right >= 0:
+            n_end = min(n_end, m0 + block_m + offset + right)
+        if left >= 0:
+            n_begin = max(0, m0 + offset - left)
+        n_first = n_begin // block_n
+        n_tiles = _ceil_div(n_end, block_n) - n_first if n_end > n_begin else 0
         tiles = []
-        for n_block in reversed(range(n_tiles)):
+        for n_block in reversed(range(n_first, n_first + n_tiles)):
             n0 = n_block * block_n
-            masked = n0 + block_n > seqlen_k or (causal and n0 + block_n - 1 > m0 + offset)
+            masked = (n0 + block_n > seqlen_k or (causal and n0 + block_n - 1 > m0 + offset)
+                      or (right >= 0 and n0 + block_n - 1 > m0 + offset + right)
+                      or (left >= 0 and n0 < m0 + block_m - 1 + offset - left))
             tiles.append((n_block, masked))
         schedule.append((m_block, tiles))
     return schedule
 
 
 def simulate_tiled(q, k, v, *, causal: bool = False, scale: float | None = None,
-                   layout: str = "bhsd", block_m: int = 128, block_n: int = 64):
+                   layout: str = "bhsd", block_m: int = 128, block_n: int = 64, window: tuple = (-1, -1)):
     """The forward kernel's algorithm in float64 NumPy: tiles, online softmax in base 2, epilogue.
 
-    Every (batch, head) pair runs the same walk from :func:`tile_schedule`. Q is zero-padded to a
+    Every (batch, head) pair runs the same walk from :func:`tile_schedule` (``window``: its
+    ``window``, with causal's right bound 0). Q is zero-padded to a
     whole number of query tiles and K/V to whole key tiles, as the kernel's zero-filling loads do.
     Per key tile, with ``x = s * scale * log2(e)``::
 
@@ -96,7 +113,7 @@ def simulate_tiled(q, k, v, *, causal: bool = False, scale: float | None = None,
     qk_scale = scale * _LOG2E
     offset = seqlen_k - seqlen_q
     with np.errstate(invalid="ignore", over="ignore"):
-        for m_block, tiles in tile_schedule(seqlen_q, seqlen_k, block_m, block_n, causal):
+        for m_block, tiles in tile_schedule(seqlen_q, seqlen_k, block_m, block_n, causal, window):
             m0 = m_block * block_m
             rows = np.arange(m0, m0 + block_m)[:, None]
             q_tile = qp[:, :, m0:m0 + block_m]
@@ -109,6 +126,10 @@ def simulate_tiled(q, k, v, *, causal: bool = False, scale: float | None = None,
                 allowed = cols < seqlen_k
                 if causal:
                     allowed = allowed & (cols <= rows + offset)
+                if window[1] >= 0:
+                    allowed = allowed & (cols <= rows + offset + window[1])
+                if window[0] >= 0:
+                    allowed = allowed & (cols >= rows + offset - window[0])
                 # -- compute qk --
                 x = (q_tile @ kp[:, :, n0:n0 + block_n].swapaxes(-1, -2)) * qk_scale
                 if masked:

@@ -139,3 +139,57 @@ def test_block_validation():
         simulate_tiled(q, q, q, block_n=0)
     with pytest.raises(ValueError, match="block_m"):
         tile_schedule(4, 4, 16.0, 16, False)
+
+
+def _window_allowed(seqlen_q, seqlen_k, causal, window):
+    left, right = window
+    rows = np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
+    cols = np.arange(seqlen_k)[None, :]
+    allowed = np.ones((seqlen_q, seqlen_k), bool)
+    if causal:
+        allowed &= cols <= rows
+    if right >= 0:
+        allowed &= cols <= rows + right
+    if left >= 0:
+        allowed &= cols >= rows - left
+    return allowed
+
+
+WINDOWS = st.tuples(st.integers(-1, 70), st.integers(-1, 70))
+
+
+@settings(deadline=None, max_examples=200)
+@given(lengths=seqlen_pairs(min_value=0, max_value=300), causal=st.booleans(), window=WINDOWS,
+       block_m=st.sampled_from((16, 32, 64, 128)), block_n=st.sampled_from((16, 32, 64, 128)))
+def test_window_tile_schedule_against_brute_force(lengths, causal, window, block_m, block_n):
+    """The window's walk (KernelSpec.local): exactly the key tiles with an allowed pair, last to
+    first; masked tiles at both ends only (the kernel's three loops), every tile with a refused
+    pair among them."""
+    seqlen_q, seqlen_k = lengths
+    window = (window[0], 0 if causal and window[1] > 0 else window[1])
+    allowed = _window_allowed(seqlen_q, seqlen_k, causal, window)
+    for m_block, tiles in tile_schedule(seqlen_q, seqlen_k, block_m, block_n, causal, window):
+        rows = allowed[m_block * block_m:(m_block + 1) * block_m]
+        want = {}
+        for n_block in range(-(-seqlen_k // block_n)):
+            tile = np.zeros((rows.shape[0], block_n), bool)
+            part = rows[:, n_block * block_n:(n_block + 1) * block_n]
+            tile[:, :part.shape[1]] = part
+            if tile.any():
+                want[n_block] = not tile.all()
+        visited = [n for n, _ in tiles]
+        assert visited == sorted(visited, reverse=True) and set(visited) == set(want)
+        assert all(masked for n, masked in tiles if want[n]), "a tile with a refused pair runs unmasked"
+        flags = "".join("m" if masked else "u" for _, masked in tiles)
+        assert set(flags.strip("m")) <= {"u"}, flags  # masked, then unmasked, then masked
+
+
+@settings(deadline=None, max_examples=30)
+@given(problem=tiled_problems(max_seqlen=200), causal=st.booleans(), window=WINDOWS, block_m=BLOCK_M,
+       block_n=BLOCK_N)
+def test_window_simulation_matches_reference(problem, causal, window, block_m, block_n):
+    q, k, v, layout = problem
+    window = (window[0], 0 if causal and window[1] > 0 else window[1])
+    _assert_same(simulate_tiled(q, k, v, causal=causal, layout=layout, block_m=block_m, block_n=block_n,
+                                window=window),
+                 attention_reference(q, k, v, causal=causal, layout=layout, window_size=window))
