@@ -2,7 +2,7 @@
 
 :func:`simulate_tiled` follows the kernels' steps (tiles, base-2 online softmax, epilogue) and is
 checked against :func:`cuflash.reference.attention_reference`; :func:`tile_schedule` is the walk
-over key tiles that every query tile takes.
+over key tiles that every query tile takes, :func:`query_schedule` the backward's over query tiles.
 """
 from __future__ import annotations
 
@@ -66,6 +66,35 @@ def tile_schedule(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, caus
                       or (left >= 0 and n0 < m0 + block_m - 1 + offset - left))
             tiles.append((n_block, masked))
         schedule.append((m_block, tiles))
+    return schedule
+
+
+def query_schedule(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, causal: bool,
+                   window: tuple = (-1, -1)):
+    """The query tiles each key tile of the Hopper backward visits (its K/V-outer walk, with
+    BwdSpec.local's window), first row of each: from ``m_begin``, the tile of the first row that
+    sees key ``n0`` (``n0 - offset - right``, causal's right bound 0), to one past the last row
+    that sees the tile's last key (``n0 + block_n - offset + left``), within ``seqlen_q``.
+
+    Returns ``[(n_block, [m_block, ...]), ...]``, the query tiles in ascending order (the kernel
+    visits them last to first).
+    """
+    _check_blocks(block_m, block_n)
+    offset = seqlen_k - seqlen_q
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    schedule = []
+    for n_block in range(_ceil_div(seqlen_k, block_n)):
+        n0 = n_block * block_n
+        begin, end = 0, seqlen_q
+        if right >= 0:
+            first = n0 - offset - right
+            begin = 0 if first <= 0 else first // block_m * block_m
+        if left >= 0:
+            end = min(end, n0 + block_n - offset + left)
+        tiles = _ceil_div(end - begin, block_m) if end > begin else 0
+        schedule.append((n_block, [begin // block_m + t for t in range(tiles)]))
     return schedule
 
 

@@ -193,3 +193,17 @@ def test_window_simulation_matches_reference(problem, causal, window, block_m, b
     _assert_same(simulate_tiled(q, k, v, causal=causal, layout=layout, block_m=block_m, block_n=block_n,
                                 window=window),
                  attention_reference(q, k, v, causal=causal, layout=layout, window_size=window))
+
+
+@settings(deadline=None, max_examples=200)
+@given(lengths=seqlen_pairs(min_value=0, max_value=300), causal=st.booleans(), window=WINDOWS,
+       block_n=st.sampled_from((64, 128)))
+def test_backward_query_schedule_against_brute_force(lengths, causal, window, block_n):
+    """The backward's walk (BwdSpec.local): exactly the query tiles with a pair the window allows."""
+    seqlen_q, seqlen_k = lengths
+    window = (window[0], 0 if causal and window[1] > 0 else window[1])
+    allowed = _window_allowed(seqlen_q, seqlen_k, causal, window)
+    for n_block, tiles in simulate.query_schedule(seqlen_q, seqlen_k, 64, block_n, causal, window):
+        cols = allowed[:, n_block * block_n:(n_block + 1) * block_n]
+        want = [m for m in range(-(-seqlen_q // 64)) if cols[m * 64:(m + 1) * 64].any()]
+        assert tiles == want
