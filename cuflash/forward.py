@@ -189,12 +189,14 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
 
     problem = checked(q, k, v, scale)
     window = _NO_WINDOW  # a window the Hopper kernel bounds itself (spec.local)
+    selected = None  # the spec select_spec gave for that decision, reused below
     if variants is not None and not problem.empty and problem.seqlen_k:
         if spec is None and fp8_format is None:  # the Hopper kernel's own bounds (spec.local)
             bounds = variant_mods(variants, causal, score_mod, block_mask if mask_mod is None else mask_mod)[1]
             if bounds is not None:
                 with _on_device(problem.device_id):
-                    if select_spec(problem, family, None, return_lse).warp_specialized:
+                    selected = select_spec(problem, family, None, return_lse)
+                    if selected.warp_specialized:
                         window, variants = bounds, (_NO_WINDOW, variants[1])
         score_mod, mask_mod, block_mask = _sparsity.flash_mods(problem, *variants, score_mod, mask_mod, block_mask)
     scales = None
@@ -211,7 +213,7 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
     mods = _modset.prepare(score_mod, mask_mod, problem.device_id)
     sparse = b""  # the block mask's visit lists, after the mods' arrays in the kernel's last argument
     with _on_device(problem.device_id):
-        spec = (select_spec(problem, family, out_tag, return_lse) if spec is None
+        spec = ((selected or select_spec(problem, family, out_tag, return_lse)) if spec is None
                 else _check_forced_spec(spec, problem, out_tag, return_lse))
         if mods is not None:
             spec = _with_mods(spec, mods, problem, out_tag)
