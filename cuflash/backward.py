@@ -148,8 +148,8 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
 
 
 def _local_window(spec: BwdSpec, variants, causal: bool, score_mod, mask_mod, block_mask) -> tuple:
-    """The bounds of a call's window where the Hopper backward takes them as arguments (dQ by
-    atomics; a split head dim only with no score_mod, which could move the call to the portable
+    """The bounds of a call's window where the Hopper backward takes them as arguments (not
+    deterministic; a split head dim only with no score_mod, which could move the call to the portable
     kernel), else (-1, -1)."""
     if spec.family != "wgmma" or spec.deterministic or (spec.split_head_dim and (variants[1] or score_mod)):
         return (-1, -1)

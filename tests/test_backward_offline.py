@@ -235,14 +235,18 @@ def test_launch_backward_packs_every_field_and_launches_three_kernels():
     assert all(np.frombuffer(c[3][0].tobytes(), dtype=fields)[0]["rows_padded"] == 448 for c in calls)
 
 
-def test_hopper_backward_adds_dq_tiles_in_bulk_up_to_head_dim_128():
+def test_hopper_backward_adds_dq_tiles_in_bulk():
     from cuflash.core.policy import default_bwd_spec
-    for head_dim, bulk in ((40, True), (64, True), (96, True), (128, True), (192, False), (256, False)):
+    for head_dim in (40, 64, 96, 128, 192, 256):
         spec = default_bwd_spec(head_dim, "bf16", False, "sm90a", family="wgmma")
-        assert spec.bulk_dq == bulk and spec.replace(varlen=True, tma_loads=False).bulk_dq == bulk, head_dim
+        assert spec.bulk_dq and spec.replace(varlen=True, tma_loads=False).bulk_dq, head_dim
         # whole partial tiles: the accumulator's rows are as wide as the computed head dim
-        assert spec.accum_head_dim == (spec.padded_head_dim if bulk else head_dim)
+        assert spec.accum_head_dim == spec.padded_head_dim
         assert spec.smem_layout["total"] == spec.smem_bytes <= 227 * 1024
+        # a split head dim writes its tile over the step's Q and dO tiles: no region of its own
+        assert spec.double_dq != spec.split_head_dim and (spec.smem_layout["bars"] == spec.smem_layout["dq"]) \
+            == spec.split_head_dim
+        assert not spec.replace(local=True).double_dq
     # deterministic: the tiles go in in key-tile order, except at 256 (dQ by its own kernel)
     for head_dim, ordered in ((64, True), (128, True), (256, False)):
         spec = default_bwd_spec(head_dim, "bf16", True, "sm90a", True, family="wgmma")

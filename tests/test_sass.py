@@ -112,10 +112,10 @@ def test_hopper_backward_uses_warpgroup_mma(head_dim, tmp_path):
     # K, V and the query tiles by TMA, lse2 and delta by bulk copies; no cp.async
     assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16", code) and "UTMALDG.4D" in code and "UBLKCP" in code
     assert spec.tma_loads and "LDGSTS" not in code
-    # dQ's partial tiles by one bulk reduce-add each up to head dim 128, by atomics above
-    assert spec.bulk_dq == (head_dim <= 128)
-    assert ("UBLKRED.G.S.ADD.F32" in code) == spec.bulk_dq and ("REDG.E.ADD.F32" in code) != spec.bulk_dq
-    if head_dim == 128:  # packed sequences take the bulk add too
+    # dQ's partial tiles by bulk reduce-add (above 128 columns from the step's Q and dO tiles)
+    assert spec.bulk_dq and spec.double_dq == (head_dim <= 128)
+    assert "UBLKRED.G.S.ADD.F32" in code and "REDG.E.ADD.F32" not in code
+    if head_dim in (128, 256):  # packed sequences take the bulk add too
         varlen = sass(spec.replace(varlen=True, tma_loads=False), tmp_path)
         assert "UBLKRED.G.S.ADD.F32" in varlen and "LDGSTS" in varlen
     # deterministic: the same bulk adds, in turns (an acquire load of the turn counter, a

@@ -51,9 +51,9 @@ class BwdSpec:
     score_mod: str = ""   # digest of a traced score_mod (mod_codegen.register); "" for none
     mask_mod: str = ""    # digest of a traced mask_mod; "" for none
     block_sparse: bool = False  # wgmma with a mask_mod: each key tile's query tiles from a block mask
-    varlen: bool = False  # wgmma, dQ by atomics, no mods: packed sequences of their own lengths (cu_seqlens)
+    varlen: bool = False  # wgmma, not deterministic, no mods: packed sequences of their own lengths (cu_seqlens)
     tma_loads: bool = False  # wgmma, not varlen: K, V and the query tiles by TMA (tensor maps), not cp.async
-    local: bool = False  # wgmma, dQ by atomics, no mask_mod: a window of keys per query (window_left / right)
+    local: bool = False  # wgmma, not deterministic, no mask_mod: a window of keys per query (window_left / right)
 
     def __post_init__(self):
         if self.dtype in dtypes.DTYPES and not self.family:
@@ -68,10 +68,9 @@ class BwdSpec:
         if self.block_sparse and not (self.family == "wgmma" and self.mask_mod):
             problems.append("block_sparse applies to the wgmma backward with a mask_mod")
         if self.varlen and (self.family != "wgmma" or self.deterministic or self.score_mod or self.mask_mod):
-            problems.append("varlen applies to the wgmma backward with dQ by atomics (not deterministic), without mods")
+            problems.append("varlen applies to the wgmma backward that is not deterministic, without mods")
         if self.local and (self.family != "wgmma" or self.deterministic or self.mask_mod):
-            problems.append("local applies to the wgmma backward with dQ by atomics (not deterministic), without "
-                            "a mask_mod")
+            problems.append("local applies to the wgmma backward that is not deterministic, without a mask_mod")
         if self.tma_loads and (self.family != "wgmma" or self.varlen):
             problems.append("tma_loads applies to the wgmma backward of dense batches (not varlen)")
         if self.family == "wgmma":
@@ -165,20 +164,22 @@ class BwdSpec:
 
     @property
     def bulk_dq(self) -> bool:
-        """wgmma with dQ accumulated, head dims up to 128: each warpgroup's dQ partial tile goes to
-        shared memory in its fragments' order and into the accumulator by one bulk reduce-add; the
-        accumulator keeps that order within each query tile (:attr:`dq_chunk_cols`), and the
-        conversion puts the rows back. Packed sequences (varlen) start their tiles
-        :data:`VARLEN_DQ_GAP` rows apart in the accumulator: sequence s at its first packed row
-        + 64 s."""
-        return self.family == "wgmma" and self.accum_dq and not self.split_head_dim
+        """wgmma with dQ accumulated: each warpgroup's dQ partial tile goes to shared memory in its
+        fragments' order and into the accumulator by bulk reduce-add; the accumulator keeps that
+        order within each query tile (:attr:`dq_chunk_cols`), and the conversion puts the rows
+        back. With :attr:`split_head_dim` the tile has no region of its own: each warpgroup's
+        chunks overwrite the halves of the step's Q and dO tiles its own dK and dV have read. Packed sequences (varlen) start
+        their tiles :data:`VARLEN_DQ_GAP` rows apart in the accumulator: sequence s at its first
+        packed row + 64 s."""
+        return self.family == "wgmma" and self.accum_dq
 
     @property
     def double_dq(self) -> bool:
-        """:attr:`bulk_dq` over whole query tiles (not packed sequences, not block-sparse): two
-        partial tiles in shared memory, by the step's parity, each added in the next step while
-        dV and dK are computed (:attr:`ordered_dq`: on its key tile's turn)."""
-        return self.bulk_dq and not self.varlen and not self.block_sparse and not self.local
+        """:attr:`bulk_dq` over whole query tiles (not packed sequences, not block-sparse, not a window,
+        not a split head dim): two partial tiles in shared memory, by the step's parity, each added in
+        the next step while dV and dK are computed (:attr:`ordered_dq`: on its key tile's turn)."""
+        return (self.bulk_dq and not self.varlen and not self.block_sparse and not self.split_head_dim
+                and not self.local)
 
     @property
     def dq_chunk_cols(self) -> int:
@@ -280,7 +281,7 @@ class BwdSpec:
                                  ("lse2", self.num_stages * self.block_m * 4),
                                  ("delta", self.num_stages * self.block_m * 4),
                                  ("dq", self.block_m * self.padded_head_dim * 4 * (2 if self.double_dq else 1)
-                                  if self.bulk_dq else 0),
+                                  if self.bulk_dq and not self.split_head_dim else 0),
                                  ("bars", 8 * (1 + self.num_stages) if self.tma_loads else 0)):
                 layout[region] = offset
                 offset += size

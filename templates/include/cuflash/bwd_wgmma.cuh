@@ -19,7 +19,7 @@
 //                                     computed, the partial tiles alternating between two
 //                                     places in shared memory; else thread 0 at the next
 //                                     step's start. The accumulator keeps fragment order
-//                                     (bwd_common.cuh's dq_fragment_offset). Else by atomics.
+//                                     (bwd_common.cuh's dq_fragment_offset).
 // kOrderedDq (deterministic, with kDqDouble): the key tiles of a head add into each dQ tile one
 // after the other, in their order. A counter per (batch, query head, query tile) holds how many
 // have added: a block adds step t-1's tile once the counter reads its key tile's index, and
@@ -29,7 +29,10 @@
 // Wider head dims (kSplitD): the key tile has 64 rows, and both warpgroups own all of them with
 // half of the head dim each. Warpgroup 0 computes S^T and P^T, warpgroup 1 dP^T and dS^T, trading
 // P^T and dS^T through shared memory (swizzled, K-major), from where both read them as the A
-// operands of their halves of dV += P^T dO and dK += dS^T Q.
+// operands of their halves of dV += P^T dO and dK += dS^T Q. Its dQ partial tile (64 x 256
+// floats) has no room of its own: each warpgroup writes its two 64-column chunks over the halves
+// of the step's Q and dO tiles that only its own dK and dV read, thread 0 adds them at the next
+// step's start, and the slot's next load waits for that add's reads (kDqInSlot).
 // The masking, the probabilities and the epilogue are those of the mma.sync backward.
 //
 // Head dims other than 64, 128 and 256 are computed padded to the next of them (kHeadDim; the
@@ -89,6 +92,8 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
     const int key_row0 = (kSplitD ? 0 : wg * 64) + (warp % 4) * 16;  // first key row (in the tile) of this warp
     const int grad_col0 = kSplitD ? wg * kGradCols : 0;             // first dK / dV column of this warpgroup
     constexpr bool kDqDouble = Cfg::kDqDouble;
+    constexpr bool kDqInSlot = Cfg::kBulkDq && kSplitD;  // the dQ tile in the step's ring slot
+    static_assert(!kDqInSlot || (Cfg::kQTileBytes == kBM * kD * 2 && !kDqDouble), "half a dQ tile per Q / dO tile");
     constexpr bool kOrderedDq = Cfg::kOrderedDq;
     static_assert(!kDqDouble || (Cfg::kBulkDq && !Cfg::kVarlen && !Cfg::kBlockSparse), "two whole dQ tiles");
     static_assert(!kOrderedDq || kDqDouble, "ordered adds from two dQ tiles");
@@ -108,7 +113,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
     // kLocal: a window of keys per query row (params window_left / window_right): the key tile
     // visits only the query tiles that see it, and masks those at the window's edges.
     constexpr bool kLocal = Cfg::kLocal;
-    static_assert(!(kLocal && (Cfg::kBlockSparse || kOrderedDq || kDqDouble)), "local: dQ by atomics, no block mask");
+    static_assert(!(kLocal && (Cfg::kBlockSparse || kOrderedDq)), "local: not deterministic, no block mask");
     if constexpr (kLocal) w.bound_to_window<kBM, kBN>(p.window_left, p.window_right, seqlen_q_of(), p.group);
     // kLocal: a key at rel keys from the query's own position is seen iff win_lo <= rel <= win_hi.
     int win_hi = Cfg::kCausal ? 0 : 1 << 30, win_lo = -(1 << 30);
@@ -215,8 +220,18 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         const long long row = kVarlen  // sequence w.batch's tiles start 64 * w.batch rows past its first row
             ? static_cast<long long>(w.step_head(p.group, t)) * p.rows_padded + w.q_start + 64 * w.batch + step_m0(t)
             : (static_cast<long long>(w.batch) * p.heads + w.step_head(p.group, t)) * p.rows_padded + step_m0(t);
-        bulk_reduce_add_f32(p.dq_accum + row * kD, base + Cfg::kSmemDq + (kDqDouble ? t % 2 : 0) * kBM * kD * 4,
-                            kBM * kD * 4);
+        if constexpr (kDqInSlot) {  // chunk j of 64 columns: in Q's (j even) or dO's tile, half j / 2
+            const int slot = t % Cfg::kStages;
+#pragma unroll
+            for (int j = 0; j < kD / 64; ++j)
+                if (j * 64 < kDStored)  // chunks wholly in the padding are zeros
+                    bulk_reduce_add_f32(p.dq_accum + row * kD + j * 64 * kBM,
+                                        (j % 2 ? sDO : sQ) + slot * Cfg::kQTileBytes + (j / 2) * 64 * kBM * 4,
+                                        64 * kBM * 4);
+        } else {
+            bulk_reduce_add_f32(p.dq_accum + row * kD, base + Cfg::kSmemDq + (kDqDouble ? t % 2 : 0) * kBM * kD * 4,
+                                kBM * kD * 4);
+        }
         bulk_commit_group();
     };
     // kOrderedDq: once step t's add has landed (one_later: the next step's may still be in
@@ -253,9 +268,13 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
             fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
         }
         __syncthreads();  // every warpgroup is done with step t-1 (its ring slot and dS^T)
-        if (t + Cfg::kStages - 1 < w.steps && (!kTma || tid == 0))
-            load_step(t + Cfg::kStages - 1, (t + Cfg::kStages - 1) % Cfg::kStages);
-        if constexpr (!kTma) cp_async_commit();
+        // kDqInSlot: the next load goes where step t-1's dQ tile is, once its add has read it.
+        auto load_next = [&]() {
+            if (t + Cfg::kStages - 1 < w.steps && (!kTma || tid == 0))
+                load_step(t + Cfg::kStages - 1, (t + Cfg::kStages - 1) % Cfg::kStages);
+            if constexpr (!kTma) cp_async_commit();
+        };
+        if constexpr (!kDqInSlot) load_next();
         if (Cfg::kBulkDq && !kDqDouble && tid == 0 && t > 0) add_dq_tile(t - 1);
 
         const int slot = t % Cfg::kStages;
@@ -356,7 +375,9 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                 store_tile(Cfg::kSmemDS, fds_tiles);
             }
             fence_proxy_async();
+            if (kDqInSlot && tid == 0) bulk_wait_group_read<0>();  // step t-1's dQ tile was read
             __syncthreads();  // dS^T is in shared memory
+            if constexpr (kDqInSlot) load_next();
         }
 
         // dV += P^T dO and dK += dS^T Q: 16 queries per k step, dO / Q read transposed.
@@ -421,29 +442,20 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                 fence_operands(dq);
                 fence_operands(acc_dv);
                 fence_operands(acc_dk);
-                if constexpr (Cfg::kBulkDq) {  // to shared memory; added in the next step
-                    static_assert(kChunks == 1 && kBM == 64, "one whole partial tile per warpgroup");
-                    float2* frags = reinterpret_cast<float2*>(smem + Cfg::kSmemDq + (kDqDouble ? t % 2 : 0) * kBM * kD * 4
-                                                              + col0 * kBM * 4) + (warp % 4) * kChunkCols * 8 + lane;
+                // To shared memory, added in the next step.
+                static_assert(Cfg::kBulkDq && (kChunks == 1 || kDqInSlot) && kBM == 64, "whole partial tiles");
+                static_assert(!kDqInSlot || (kChunkCols == 64 && kD == 256), "four chunks over the slot's halves");
+                const int tile = kDqInSlot  // this warpgroup's own half of Q's (c = 0) or dO's (c = 1) tile
+                    ? (c ? Cfg::kSmemDO : Cfg::kSmemQ) + slot * Cfg::kQTileBytes + wg * 64 * kBM * 4
+                    : Cfg::kSmemDq + (kDqDouble ? t % 2 : 0) * kBM * kD * 4 + col0 * kBM * 4;
+                float2* frags = reinterpret_cast<float2*>(smem + tile) + (warp % 4) * kChunkCols * 8 + lane;
 #pragma unroll
-                    for (int nt = 0; nt < kChunkCols / 8; ++nt) {
-                        frags[nt * 64] = make_float2(dq[nt][0], dq[nt][1]);
-                        frags[nt * 64 + 32] = make_float2(dq[nt][2], dq[nt][3]);
-                    }
-                } else {
-                    float* accum = kVarlen
-                        ? p.dq_accum + (static_cast<long long>(head) * p.rows_padded + w.q_start + m0 + (warp % 4) * 16
-                                        + lane / 4) * kDStored + col0 + 2 * (lane % 4)
-                        : p.dq_accum + ((static_cast<long long>(w.batch) * p.heads + head) * p.rows_padded
-                                        + m0 + (warp % 4) * 16 + lane / 4) * kDStored + col0 + 2 * (lane % 4);
-#pragma unroll
-                    for (int nt = 0; nt < kChunkCols / 8; ++nt) {
-                        if (kDStored < kD && col0 + nt * 8 >= kDStored) break;  // padded columns
-                        atomic_add2(accum + nt * 8, dq[nt][0], dq[nt][1]);
-                        atomic_add2(accum + 8 * kDStored + nt * 8, dq[nt][2], dq[nt][3]);
-                    }
+                for (int nt = 0; nt < kChunkCols / 8; ++nt) {
+                    frags[nt * 64] = make_float2(dq[nt][0], dq[nt][1]);
+                    frags[nt * 64 + 32] = make_float2(dq[nt][2], dq[nt][3]);
                 }
             }
+            if constexpr (!kDqDouble) fence_proxy_async();  // the tile is read by the bulk add (async proxy)
         } else {
             wgmma_wait<0>();
             fence_operands(acc_dv);
