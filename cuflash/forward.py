@@ -188,22 +188,23 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
         return validate(q, k, v, causal=causal, scale=scale, layout=layout, fp8_format=fp8_format)
 
     problem = checked(q, k, v, scale)
-    window = _NO_WINDOW  # a window the Hopper kernel bounds itself (spec.local)
-    selected = None  # the spec select_spec gave for that decision, reused below
-    if variants is not None and not problem.empty and problem.seqlen_k:
-        if spec is None and fp8_format is None:  # the Hopper kernel's own bounds (spec.local)
-            bounds = variant_mods(variants, causal, score_mod, block_mask if mask_mod is None else mask_mod)[1]
-            if bounds is not None:
-                with _on_device(problem.device_id):
-                    selected = select_spec(problem, family, None, return_lse)
-                    if selected.warp_specialized:
-                        window, variants = bounds, (_NO_WINDOW, variants[1])
-        score_mod, mask_mod, block_mask = _sparsity.flash_mods(problem, *variants, score_mod, mask_mod, block_mask)
     scales = None
     if fp8_format is not None:
         scales = validate_fp8_scales(problem, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                                      out_dtype=out_dtype)
     out_tag = scales.out_dtype.tag if scales else None
+    window = _NO_WINDOW  # a window the Hopper kernel bounds itself (spec.local)
+    selected = None  # the spec select_spec gave for that decision, reused below
+    if variants is not None and not problem.empty and problem.seqlen_k:
+        if spec is None:  # the Hopper kernel's own bounds (spec.local), 16-bit and FP8
+            bounds = variant_mods(variants, causal, score_mod, block_mask if mask_mod is None else mask_mod)[1]
+            if bounds is not None:
+                with _on_device(problem.device_id):
+                    # out_tag: the spec is reused below, so FP8 selects it for the call's output dtype
+                    selected = select_spec(problem, family, out_tag, return_lse)
+                    if selected.warp_specialized:
+                        window, variants = bounds, (_NO_WINDOW, variants[1])
+        score_mod, mask_mod, block_mask = _sparsity.flash_mods(problem, *variants, score_mod, mask_mod, block_mask)
     if sinks is not None:
         checked_sinks = validate_sinks(sinks, problem.heads, problem.device_id)
         if checked_sinks is not sinks:

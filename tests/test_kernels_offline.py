@@ -179,6 +179,20 @@ def test_padded_fp8_specs_compile_without_spills():
     assert [name for name, spills, serialized in reports if spills or serialized] == []
 
 
+def test_fp8_local_specs_compile_without_spills():
+    """The Hopper FP8 defaults with the window bounded by the kernel (KernelSpec.local), which FP8
+    calls with window_size run: head dims 64, 128 and 256, causal and not, both formats at 128, the
+    row sums on the tensor cores at 256; compiled in parallel."""
+    pytest.importorskip("cupy")
+    specs = [default_spec(d, t, c, "sm90a", lse=lse).replace(local=True) for d, t, lse in
+             ((64, "e4m3", True), (128, "e4m3", True), (128, "e5m2", True), (256, "e4m3", True), (256, "e4m3", False))
+             for c in (False, True)]
+    assert all(s.local and not s.split_keys for s in specs)
+    with concurrent.futures.ProcessPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        reports = list(pool.map(_compile_report, specs))
+    assert [name for name, spills, serialized in reports if spills or serialized] == []
+
+
 def test_fp8_specs_and_their_limits():
     spec = default_spec(64, "e5m2", False, "sm90a", out_dtype="fp16")
     assert (spec.padded_head_dim, spec.block_m, spec.block_n, spec.out_dtype, spec.elem_bytes) == (64, 192, 128, "fp16", 1)

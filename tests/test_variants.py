@@ -195,3 +195,50 @@ def test_windows_the_hopper_kernels_bound_themselves():
     problem = SimpleNamespace(seqlen_q=300, seqlen_k=200)
     assert _window_bounds((499, 7), problem) == (499, 7)
     assert _window_bounds((500, 2**31 - 2**20 - 1), problem) == (-1, -1)
+
+
+@pytest.mark.parametrize("head_dim,causal,window,out_dtype,return_lse", [
+    (64, True, (300, 0), "bf16", True), (128, False, (200, 130), "fp16", False), (256, False, (-1, 70), "bf16", False),
+    (128, True, (0, 0), "bf16", True)])
+def test_fp8_windows_the_hopper_kernel_bounds_itself(monkeypatch, head_dim, causal, window, out_dtype, return_lse):
+    """An FP8 call with a window runs the warp-specialized kernel with local=True, no mask_mod or
+    block mask, for the call's output dtype, with the bounds in its parameter block (CPU stand-ins
+    for the device, tests/fake_device.py); a forced spec keeps the window as a mask_mod."""
+    cupy = pytest.importorskip("cupy")
+    import cuflash
+    import fake_device
+    from cuflash import forward
+    from cuflash.core import compile as _compile
+    from cuflash.core.params import FORWARD_STRUCT
+    from cuflash.core.policy import default_spec
+    from cuflash.fp8 import PreparedV
+
+    kernel, _ = fake_device.install(monkeypatch, cupy)
+    monkeypatch.setattr(sparsity, "_window_masks", {})  # the forced call's block mask stays with this test
+    specs = []
+    monkeypatch.setattr(_compile, "get_kernel", lambda spec, device_id: specs.append(spec) or kernel)
+    forward._default.cache_clear()
+    try:
+        seqlen_q, seqlen_k = 1100, 700
+        q = fake_device.fake_array(cupy, (1, 4, seqlen_q, head_dim), np.uint8, 0x1000_0000)
+        k = fake_device.fake_array(cupy, (1, 2, seqlen_k, head_dim), np.uint8, 0x2000_0000)
+        v = PreparedV(fake_device.fake_array(cupy, (1, 2, head_dim, 704), np.uint8, 0x3000_0000),
+                      (1, 2, seqlen_k, head_dim), "bhsd")
+        descale = fake_device.fake_array(cupy, (), np.float32, 0x4000_0000)
+        call = dict(causal=causal, window_size=window, fp8_format="e4m3", q_descale=descale, k_descale=descale,
+                    v_descale=descale, out_dtype=out_dtype, return_lse=return_lse)
+        cuflash.attention(q, k, v, **call)
+        spec = specs[-1]
+        assert spec == default_spec(head_dim, "e4m3", causal, "sm90a", out_dtype=out_dtype, seqlen=seqlen_q,
+                                    lse=return_lse).replace(local=True)
+        assert spec.local and spec.warp_specialized and not spec.mask_mod and not spec.block_sparse
+        # causal bounds the right edge itself: no right bound is passed
+        assert FORWARD_STRUCT.unpack(kernel.calls[-1][2][0])[-2:] == (window[0], -1 if causal else window[1])
+        forced = default_spec(head_dim, "e4m3", causal, "sm90a", out_dtype=out_dtype, lse=True)
+        monkeypatch.setattr(sparsity, "kernel_tables", lambda *args: (None, None, b""))  # tables live on the device
+        cuflash.attention(q, k, v, spec=forced, **call)
+        assert not specs[-1].local and specs[-1].mask_mod and specs[-1].block_sparse
+        assert FORWARD_STRUCT.unpack(kernel.calls[-1][2][0])[-2:] == (-1, -1)
+    finally:
+        fake_device.uninstall(cupy)
+        forward._default.cache_clear()

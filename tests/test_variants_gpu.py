@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import cuflash
 from cuflash import mods, reference
-from cuflash.testing import assert_attention_close, assert_gradients_close, to_numpy
+from cuflash.testing import Fp8AttentionProblem, assert_attention_close, assert_gradients_close, to_numpy
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -24,6 +24,23 @@ CASES = [
     (False, (64, 64), 30.0, 128, "fp16"),
 ]
 LENGTHS = [(200, 200), (77, 300), (300, 77)]
+# (head_dim, fp8 format, causal, window_size, softcap): FP8 windows the Hopper kernel bounds itself
+FP8_WINDOWS = [
+    (64, "e4m3", True, (300, 0), 0.0),
+    (64, "e4m3", False, (200, 130), 0.0),
+    (128, "e4m3", True, (0, 0), 0.0),
+    (128, "e4m3", False, (-1, 70), 30.0),
+    (128, "e5m2", True, (300, 0), 0.0),
+    (128, "e5m2", False, (200, 130), 0.0),
+    (256, "e4m3", True, (300, 0), 0.0),
+    (256, "e4m3", False, (517, -1), 0.0),
+]
+FP8_LENGTHS = [(1100, 1100), (700, 1500), (1500, 700)]
+
+
+def _fp8_call(fmt):
+    """(out_dtype, descale granularity, layout) of the FP8 window tests, varied by format."""
+    return ("fp16", "tensor", "bhsd") if fmt == "e5m2" else ("bf16", "head", "bshd")
 
 
 def _mask(window_size, seqlen_q, seqlen_k):
@@ -101,6 +118,16 @@ def warm_variant_kernels():
                   for c in (False, True) for n in (700, 1100, 1500)]
         specs += [policy.default_bwd_spec(d, "bf16", c, arch, False).replace(local=True) for d in (64, 128, 256)
                   for c in (False, True)]
+        for head_dim, fmt, causal, window_size, softcap in FP8_WINDOWS:  # test_fp8_windows_over_many_key_tiles
+            problem = SimpleNamespace(causal=causal, head_dim=head_dim, dtype=SimpleNamespace(tag=fmt),
+                                      device_id=device)
+            cap = modset.prepare(sparsity.flash_mods(problem, (-1, -1), softcap, None, None, None)[0], None, device) \
+                if softcap else None
+            for lse in (True, False):
+                spec = policy.default_spec(head_dim, fmt, causal, arch, out_dtype=_fp8_call(fmt)[0], seqlen=1500,
+                                           lse=lse)
+                spec = _forward._with_mods(spec, cap, problem, spec.out_dtype) if cap is not None else spec
+                specs.append(spec.replace(local=True))
     cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
 
 
@@ -152,6 +179,39 @@ def test_windows_over_many_key_tiles(head_dim, causal, window_size, poison):
                                                window_size=window_size)
             assert_gradients_close(grads, reference.attention_backward_reference(dout, q, k, v, **args), "bf16",
                                    baselines=reference.attention_backward_naive(dout, q, k, v, **args))
+
+
+@pytest.mark.usefixtures("warm_variant_kernels")
+@pytest.mark.parametrize("head_dim,fmt,causal,window_size,softcap", FP8_WINDOWS)
+def test_fp8_windows_over_many_key_tiles(head_dim, fmt, causal, window_size, softcap, poison):
+    """The Hopper FP8 kernel's own window bounds (KernelSpec.local) over lengths of many key tiles,
+    against the float64 reference of the dequantized inputs with FP8 naive as the baseline: both
+    edges masked, rows with no key (O = 0, LSE = -inf), seqlen_q != seqlen_k both ways, GQA; one
+    length pair without the LSE (causal: the one with rows that see no key; head dim 256: row sums
+    on the tensor cores)."""
+    from cuflash.core.compile import device_arch
+
+    if device_arch() != "sm90a":
+        pytest.skip("the FP8 kernel that bounds a window itself needs sm_90a")
+    out_dtype, granularity, layout = _fp8_call(fmt)
+    without_lse = (1500, 700) if causal else (700, 1500)
+    for seqlen_q, seqlen_k in FP8_LENGTHS:
+        problem = Fp8AttentionProblem(1, 4, 2, seqlen_q, seqlen_k, head_dim, fmt, granularity, out_dtype,
+                                      causal=causal, layout=layout)
+        inputs = problem.make_inputs(cupy, seed=head_dim + seqlen_q)
+        return_lse = (seqlen_q, seqlen_k) != without_lse
+        poison(inputs.q.size * 2, 4 * seqlen_q * 4)
+        result = cuflash.attention(inputs.q, inputs.k, inputs.v, window_size=window_size, softcap=softcap,
+                                   return_lse=return_lse, **problem.attention_kwargs(inputs))
+        out, lse = result if return_lse else (result, None)
+        assert out.dtype == problem.out_numpy_dtype
+        codes = [to_numpy(x) for x in (inputs.q, inputs.k, inputs.v)]
+        args = dict(_reference_args(causal, window_size, softcap, seqlen_q, seqlen_k, layout), fp8_format=fmt,
+                    q_descale=to_numpy(inputs.q_descale), k_descale=to_numpy(inputs.k_descale),
+                    v_descale=to_numpy(inputs.v_descale))
+        ref, ref_lse = reference.attention_fp8_reference(*codes, **args)
+        naive, _ = reference.attention_fp8_naive(*codes, out_dtype=out_dtype, **args)
+        assert_attention_close(out, ref, fmt, baseline=naive, lse=lse, ref_lse=ref_lse if return_lse else None)
 
 
 def test_rows_outside_every_window_give_zeros_and_minus_infinity():
