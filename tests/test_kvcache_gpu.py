@@ -317,3 +317,9 @@ def test_bad_device_values_under_memcheck():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "ERROR SUMMARY: 0 errors" in run.stdout + run.stderr
     assert "varlen nan rows 20" in run.stdout and "done" in run.stdout
+
+
+def test_the_device_reports_its_memory_bus():
+    """The split policy reads the bus width (FP8 caches fill two blocks per SM on wide buses)."""
+    from cuflash.core.launch import _memory_bus_bits
+    assert _memory_bus_bits(cupy.cuda.runtime.getDevice()) >= 1024

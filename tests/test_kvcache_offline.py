@@ -60,6 +60,10 @@ def test_split_policy():
     assert decode_blocks_per_sm(decode_spec(64, "bf16", "e4m3", False, 4, "sm90a")) == 2
     for cache, paged, rows in (("e4m3", True, 4), ("bf16", True, 4), ("bf16", False, 64)):
         assert decode_blocks_per_sm(decode_spec(128, "bf16", cache, paged, rows, "sm90a")) == 2
+    # a memory bus of 6144 bits (H200) or more: FP8 caches at two, 16-bit ones as before
+    for bus, fp8 in ((5120, 1), (6144, 2), (8192, 2)):
+        assert decode_blocks_per_sm(decode_spec(128, "bf16", "e4m3", False, 4, "sm90a"), bus) == fp8
+        assert decode_blocks_per_sm(decode_spec(128, "bf16", "bf16", False, 4, "sm90a"), bus) == 1
 
 
 def _report(spec):

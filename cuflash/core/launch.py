@@ -108,6 +108,19 @@ def _multiprocessors(device_id: int) -> int:
     return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
 
 
+_ATTR_MEMORY_BUS_WIDTH = 37  # cudaDevAttrGlobalMemoryBusWidth
+
+
+@functools.lru_cache(maxsize=None)
+def _memory_bus_bits(device_id: int) -> int:
+    """Width of the device's memory bus in bits (0 where the runtime does not say)."""
+    import cupy
+    try:
+        return int(cupy.cuda.runtime.deviceGetAttribute(_ATTR_MEMORY_BUS_WIDTH, device_id))
+    except Exception:  # a runtime without the attribute: the narrow-bus policy
+        return 0
+
+
 def _stream_key(device_id: int) -> tuple:
     """Key of the per-stream buffers (work counter, split workspace): kernels on one stream run
     one after another, so a stream's launches can share them."""

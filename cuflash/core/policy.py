@@ -236,11 +236,17 @@ DECODE_MAX_STAGES = 4
 DECODE_BLOCKS_PER_SM = 2
 DECODE_BLOCKS_PER_SM_STREAMING = 1
 DECODE_MIN_TILES_PER_SPLIT = 4
+#: Memory buses at least this wide (bits; the H200's HBM3e) feed an FP8 cache faster than one
+#: block per multiprocessor dequantizes it: FP8 caches take two blocks there.
+DECODE_FP8_WIDE_BUS_BITS = 6144
 
 
-def decode_blocks_per_sm(spec) -> int:
-    """Blocks per multiprocessor that a decode spec's splits fill (see DECODE_BLOCKS_PER_SM)."""
+def decode_blocks_per_sm(spec, bus_bits: int = 0) -> int:
+    """Blocks per multiprocessor that a decode spec's splits fill (see DECODE_BLOCKS_PER_SM) on a
+    device whose memory bus is `bus_bits` wide (see DECODE_FP8_WIDE_BUS_BITS)."""
     streaming = not spec.paged and spec.warps_m == 1 and (not spec.fp8 or spec.fp8_in_registers)
+    if spec.fp8 and bus_bits >= DECODE_FP8_WIDE_BUS_BITS:
+        streaming = False
     return DECODE_BLOCKS_PER_SM_STREAMING if streaming else DECODE_BLOCKS_PER_SM
 
 
