@@ -66,6 +66,26 @@ def test_split_policy():
         assert decode_blocks_per_sm(decode_spec(128, "bf16", "bf16", False, 4, "sm90a"), bus) == 1
 
 
+def test_memory_bus_width_from_the_runtime(monkeypatch):
+    """The split policy's bus width: the runtime's attribute, or 0 (the narrow-bus policy) where
+    the runtime cannot say."""
+    cupy = pytest.importorskip("cupy")
+    from cuflash.core import launch
+
+    calls = []
+    monkeypatch.setattr(cupy.cuda.runtime, "deviceGetAttribute",
+                        lambda attr, device: calls.append((attr, device)) or 6144)
+    launch._memory_bus_bits.cache_clear()
+    assert launch._memory_bus_bits(3) == 6144 and calls == [(37, 3)]
+
+    def fails(attr, device):
+        raise cupy.cuda.runtime.CUDARuntimeError(1)
+    monkeypatch.setattr(cupy.cuda.runtime, "deviceGetAttribute", fails)
+    launch._memory_bus_bits.cache_clear()
+    assert launch._memory_bus_bits(3) == 0
+    launch._memory_bus_bits.cache_clear()
+
+
 def _report(spec):
     r = compile_offline(spec)
     return spec.name, r.registers, r.spills
