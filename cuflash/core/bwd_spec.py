@@ -168,16 +168,17 @@ class BwdSpec:
         fragments' order and into the accumulator by bulk reduce-add; the accumulator keeps that
         order within each query tile (:attr:`dq_chunk_cols`), and the conversion puts the rows
         back. With :attr:`split_head_dim` the tile has no region of its own: each warpgroup's
-        chunks overwrite the halves of the step's Q and dO tiles its own dK and dV have read. Packed sequences (varlen) start
-        their tiles :data:`VARLEN_DQ_GAP` rows apart in the accumulator: sequence s at its first
-        packed row + 64 s."""
+        chunks overwrite the halves of the step's Q and dO tiles its own dK and dV have read.
+        Packed sequences (varlen) start their tiles :data:`VARLEN_DQ_GAP` rows apart in the
+        accumulator: sequence s at its first packed row + 64 s."""
         return self.family == "wgmma" and self.accum_dq
 
     @property
     def double_dq(self) -> bool:
-        """:attr:`bulk_dq` over whole query tiles (not packed sequences, not block-sparse, not a window,
-        not a split head dim): two partial tiles in shared memory, by the step's parity, each added in
-        the next step while dV and dK are computed (:attr:`ordered_dq`: on its key tile's turn)."""
+        """:attr:`bulk_dq` over whole query tiles (not packed sequences, not block-sparse, not a
+        window, not a split head dim): two partial tiles in shared memory, by the step's parity,
+        each added in the next step while dV and dK are computed (:attr:`ordered_dq`: on its key
+        tile's turn)."""
         return (self.bulk_dq and not self.varlen and not self.block_sparse and not self.split_head_dim
                 and not self.local)
 
