@@ -134,6 +134,24 @@ def test_forced_splits_agree_with_one(paged):
         assert np.all(many_lse[~finite] == one_lse[~finite]) and np.abs(many_lse - one_lse)[finite].max() < 1e-3
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_merge_kernel_agrees_with_the_last_split(paged, monkeypatch):
+    from cuflash import kvcache
+    from cuflash.core import policy
+    rng = np.random.default_rng(11)
+    lens = np.array([4000, 0, 333])
+    q, kc, vc, table, new = _make(rng, batch=3, seqlen_q=9, heads=16, heads_k=2, head_dim=128, dtype="bf16",
+                                  lengths=lens, capacity=4096, page_size=16 if paged else None, seqlen_new=1)
+    results = []
+    for apart in (1 << 40, 0):  # never, always
+        monkeypatch.setattr(policy, "DECODE_MERGE_APART_BYTES", apart)
+        monkeypatch.setattr(kvcache, "_plans", {})
+        results.append(_check(q, kc, vc, lens, table, new, dtype="bf16", num_splits=17))
+    (one, one_lse), (two, two_lse) = results
+    assert np.array_equal(one.view(np.uint16), two.view(np.uint16))
+    assert np.array_equal(one_lse, two_lse, equal_nan=True)
+
+
 @pytest.mark.parametrize("window_size,causal", [((64, -1), True), ((0, -1), True), ((300, 0), True),
                                                 ((100, 20), False), ((-1, 7), False)])
 @pytest.mark.parametrize("softcap", [0.0, 30.0])
@@ -240,6 +258,9 @@ def test_invalid_host_inputs_are_named():
              v_new=cupy.zeros((2, 1, 8, 64), dtype=cupy.float16))
     with pytest.raises(ValueError, match="16-byte aligned rows"):
         call(q[..., :32], kc[..., 1:33], kc[..., 1:33], cache_seqlens=lens)
+    huge = cupy.lib.stride_tricks.as_strided(kc, shape=(2, 16, 2, 64), strides=(2**31, 256, 128, 2))
+    with pytest.raises(ValueError, match="k_cache .* has pages of 2 GiB or more"):
+        call(q, huge, huge, cache_seqlens=lens, page_table=cupy.zeros((2, 4), dtype=cupy.int32))
     with pytest.raises(ValueError, match="cache_seqlens=129 is outside"):
         call(q, kc, kc, cache_seqlens=129)
     with pytest.raises(ValueError, match="num_splits=0"):

@@ -66,6 +66,15 @@ def test_split_policy():
         assert decode_blocks_per_sm(decode_spec(128, "bf16", "bf16", False, 4, "sm90a"), bus) == 1
 
 
+def test_large_split_partials_are_merged_by_the_merge_kernel():
+    from cuflash.core.policy import decode_merge_apart
+    wide, narrow = decode_spec(128, "bf16", "bf16", False, 64, "sm90a"), decode_spec(128, "bf16", "bf16", False, 4, "sm90a")
+    assert decode_merge_apart(wide, 64, 33) and decode_merge_apart(wide, 64 * 8, 9)  # 1 MB, 288 KB per row tile
+    assert not decode_merge_apart(wide, 64 * 8, 8)      # 256 KB per row tile: the last split merges
+    assert not decode_merge_apart(narrow, 4, 128)       # 4 rows of 128 splits: 256 KB
+    assert not decode_merge_apart(wide, 64, 1)          # no splits, nothing to merge
+
+
 def test_memory_bus_width_from_the_runtime(monkeypatch):
     """The split policy's bus width: the runtime's attribute, or 0 (the narrow-bus policy) where
     the runtime cannot say."""

@@ -313,11 +313,11 @@ def test_kvcache_plans_launch_their_kernels_on_one_kept_block(monkeypatch):
 
     driver = fake_device.FakeDriver(sizes=[DECODE_STRUCT.size])
     monkeypatch.setattr(cupy.cuda.driver, "launchKernel", driver)
-    kernels = tuple(fake_device.FakeKernel(ptr) for ptr in (0xA, 0xB))  # attend, append
+    kernels = tuple(fake_device.FakeKernel(ptr) for ptr in (0xA, 0xB, 0xC))  # attend, append, merge
     template = bytes(range(256)) * (DECODE_STRUCT.size // 256) + bytes(DECODE_STRUCT.size % 256)
     run = kvcache._driver_launcher(kernels, 0x99, template)
     plan = SimpleNamespace(problem=SimpleNamespace(seqlen_new=3, heads_k=2, batch=4), grid=(8, 1, 5),
-                           spec=SimpleNamespace(threads=256, smem_bytes=70000), splits=5)
+                           spec=SimpleNamespace(threads=256, smem_bytes=70000), splits=5, merge_grid=None)
     pointers = tuple(0x1000 * (i + 1) for i in range(7))
     run(plan, pointers, True)
     want = kvcache._POINTERS.pack(*pointers) + template[kvcache._POINTERS.size:]
@@ -333,6 +333,11 @@ def test_kvcache_plans_launch_their_kernels_on_one_kept_block(monkeypatch):
     run(plan, pointers[::-1], True)
     assert len(driver.launches) == 3 and driver.launches[-1][0][0] == 0xA
     assert driver.launches[-1][1][0][:56] == kvcache._POINTERS.pack(*pointers[::-1])
+    plan.splits, plan.merge_grid = 5, (8, 12, 1)  # splits merged by the merge kernel, after the attention
+    run = kvcache._driver_launcher(kernels, 0x99, template)
+    run(plan, pointers, True)
+    assert [launch_[0] for launch_ in driver.launches[3:]] == [
+        (0xA, (8, 1, 5), (256, 1, 1), 70000, 0x99), (0xC, (8, 12, 1), (256, 1, 1), 0, 0x99)]
 
 
 @pytest.mark.parametrize("device", ["sm90a"], indirect=True)

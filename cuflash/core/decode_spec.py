@@ -1,9 +1,10 @@
 """The KV-cache attention's specializations (decode, speculative verification, chunked prefill).
 
-A :class:`DecodeSpec` names one module of two kernels (decode.cuh): the attention over the
+A :class:`DecodeSpec` names one module of three kernels (decode.cuh): the attention over the
 cache (one block per batch, kv head, tile of query rows and split of the keys; the last split of
-a row tile to finish merges the splits' partial results), and the append of new keys and values
-into the cache. Python computes the shared-memory layout; the template fills it in.
+a row tile to finish merges the splits' partial results), the append of new keys and values
+into the cache, and the merge of the splits as a kernel of its own, for row tiles whose partials
+are too many for one block. Python computes the shared-memory layout; the template fills it in.
 """
 from __future__ import annotations
 
@@ -79,8 +80,8 @@ class DecodeSpec:
                 f"n{self.block_n}s{self.num_stages}_{self.arch}")
 
     @property
-    def kernel_names(self) -> tuple[str, str]:
-        return (f"{self.name}_attend", f"{self.name}_append")
+    def kernel_names(self) -> tuple[str, str, str]:
+        return (f"{self.name}_attend", f"{self.name}_append", f"{self.name}_merge")
 
     @property
     def threads(self) -> int:

@@ -155,6 +155,10 @@ def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_t
         capacity, num_pages, paged = page_table.shape[1] * page_size, slots, True
         if capacity >= 2**31:
             raise ValueError(f"page_table {page_table.shape} x page_size {page_size} = {capacity} keys is too many")
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if abs(x.strides[0]) >= 2**31 or (page_size - 1) * abs(x.strides[1]) >= 2**31:
+                raise ValueError(f"{name} (shape {x.shape}, strides {x.strides}) has pages of 2 GiB or more: a page's "
+                                 f"stride and its rows must span under 2**31 bytes")
     if cache_seqlens is None:  # packed sequences (varlen): the offsets hold the lengths
         pass
     elif isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
@@ -270,9 +274,9 @@ class KVCachePlan:
     """The launches of one call shape (the caller keys plans by everything but the arrays'
     addresses): the kernels, their grids, and the parameter block with all but the first seven
     pointers filled in. Append (with new keys), then attend (the last split of each row tile to
-    finish merges the splits' partials)."""
+    finish merges the splits' partials, or the merge kernel after it: merge_grid)."""
 
-    __slots__ = ("spec", "problem", "kernels", "splits", "template", "grid", "buffers", "_lse_scratch",
+    __slots__ = ("spec", "problem", "kernels", "splits", "template", "grid", "merge_grid", "buffers", "_lse_scratch",
                  "_driver", "_stream", "spare")
 
     def __init__(self, kernels, spec: DecodeSpec, problem: KVCacheProblem, *, page_table, cache_seqlens, splits,
@@ -294,6 +298,10 @@ class KVCachePlan:
         o_part = lse_part = counts = 0
         self.buffers = (page_table, cache_seqlens, k_array, v_array, *cu_seqlens, sinks)
         self.grid = (problem.batch * problem.heads_k, ceil_div(problem.rows, spec.block_m), splits)
+        merge_apart = policy.decode_merge_apart(spec, problem.rows, splits)
+        # the merge kernel: a block per (kv head, a few rows), one (row, 4 dims) item per thread
+        merge_rows = max(1, spec.threads // (problem.head_dim // 4))
+        self.merge_grid = (self.grid[0], min(65535, ceil_div(problem.rows, merge_rows)), 1) if merge_apart else None
         if splits > 1:
             ws = _workspace(cupy, splits * rows * (problem.head_dim + 1), (problem.device_id, stream))
             o_part, lse_part = ws.data.ptr, ws.data.ptr + 4 * splits * rows * problem.head_dim
@@ -317,7 +325,7 @@ class KVCachePlan:
             problem.capacity, problem.page_size,
             problem.page_size.bit_length() - 1 if problem.page_size & (problem.page_size - 1) == 0 else -1,
             problem.num_pages, page_table.strides[0] // 4 if page_table is not None else 0,
-            splits, 1 if per_head else 0, *problem.window, problem.softcap * _LOG2E,
+            splits, int(merge_apart), 1 if per_head else 0, *problem.window, problem.softcap * _LOG2E,
             problem.scale * _LOG2E * k_factor * boost, v_factor * boost, problem.total_q, problem.total_k,
         )
         self.template = raw
@@ -351,12 +359,14 @@ class KVCachePlan:
         raw = bytearray(self.template)
         _POINTERS.pack_into(raw, 0, *pointers)
         params = (np.frombuffer(raw, dtype=_PARAMS),)
-        attend, append = self.kernels
+        attend, append, merge = self.kernels
         if problem.seqlen_new:
             append((problem.seqlen_new, problem.heads_k, problem.batch), (128, 1, 1), params)
         if not out.size:
             return
         attend(self.grid, (self.spec.threads, 1, 1), params, shared_mem=self.spec.smem_bytes)
+        if self.merge_grid:
+            merge(self.merge_grid, (self.spec.threads, 1, 1), params)
 
 
 def _driver_launcher(kernels, stream: int, template: bytes):
@@ -368,7 +378,7 @@ def _driver_launcher(kernels, stream: int, template: bytes):
         from cupy.cuda import driver
         launch_kernel, error = driver.launchKernel, driver.CUDADriverError
         # CuPy's RawKernel holds the loaded function (its .kernel) once it is compiled
-        attend, append = (int(k.kernel.ptr) for k in kernels)
+        attend, append, merge = (int(k.kernel.ptr) for k in kernels)
     except (ImportError, AttributeError, TypeError, ValueError):
         return None
     arguments = DriverArguments([len(template)])
@@ -384,6 +394,8 @@ def _driver_launcher(kernels, stream: int, template: bytes):
             launches.append((append, problem.seqlen_new, problem.heads_k, problem.batch, 128, 0))
         if attend_rows:
             launches.append((attend, *plan.grid, plan.spec.threads, plan.spec.smem_bytes))
+            if plan.merge_grid:
+                launches.append((merge, *plan.merge_grid, plan.spec.threads, 0))
         return plan_launches.setdefault(attend_rows, tuple(launches))
 
     def run(plan, pointers, attend_rows: bool) -> None:

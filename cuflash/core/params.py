@@ -91,7 +91,9 @@ DECODE_PARAM_FIELDS = (
     ("capacity", "int", "i4"),        # keys one sequence's cache holds
     ("page_size", "int", "i4"), ("page_shift", "int", "i4"),  # log2(page_size), or -1
     ("num_pages", "int", "i4"), ("page_table_stride", "int", "i4"),
-    ("num_splits", "int", "i4"), ("descale_head_stride", "int", "i4"),
+    ("num_splits", "int", "i4"),
+    ("merge_apart", "int", "i4"),  # 1: the merge kernel merges the splits, 0: each row tile's last split
+    ("descale_head_stride", "int", "i4"),
     # keys a query at position i sees: i - window_left .. i + window_right (negative: unbounded;
     # causal: window_right 0)
     ("window_left", "int", "i4"), ("window_right", "int", "i4"),

@@ -239,6 +239,15 @@ DECODE_MIN_TILES_PER_SPLIT = 4
 #: Memory buses at least this wide (bits; the H200's HBM3e) feed an FP8 cache faster than one
 #: block per multiprocessor dequantizes it: FP8 caches take two blocks there.
 DECODE_FP8_WIDE_BUS_BITS = 6144
+#: A row tile whose splits' float32 partials pass this many bytes is merged by the merge kernel
+#: (blocks of a few rows over the whole GPU) rather than by its last split (one block).
+DECODE_MERGE_APART_BYTES = 256 * 1024
+
+
+def decode_merge_apart(spec, rows: int, splits: int) -> bool:
+    """Whether the splits of a decode launch (``rows`` query rows per kv head) are merged by the
+    merge kernel (see DECODE_MERGE_APART_BYTES)."""
+    return splits > 1 and splits * min(rows, spec.block_m) * spec.head_dim * 4 > DECODE_MERGE_APART_BYTES
 
 
 def decode_blocks_per_sm(spec, bus_bits: int = 0) -> int:

@@ -30,8 +30,16 @@ struct Bool {
     static constexpr bool value = kValue;
 };
 
+// a * b as a 64-bit product of two 32-bit operands (one instruction).
+__device__ __forceinline__ long long mul_wide(int a, int b) {
+    long long r;
+    asm("mul.wide.s32 %0, %1, %2;" : "=l"(r) : "r"(a), "r"(b));
+    return r;
+}
+
 // Where key `key` of one (batch, kv head) sits: byte offsets of its K and V rows from the
-// sequence's base pointers; false for a page id outside the cache (offsets then 0).
+// sequence's base pointers; false for a page id outside the cache (offsets then 0). A paged
+// cache's page stride and a page's rows span under 2^31 bytes (checked on the host).
 template <bool kPaged>
 struct CacheRows {
     long long k_row, v_row, k_page, v_page;  // bytes
@@ -53,8 +61,8 @@ struct CacheRows {
             const int slot = key - page_index(key) * page_size;
             const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(num_pages);
             page = ok ? page : 0;
-            k_off = page * k_page + slot * k_row;
-            v_off = page * v_page + slot * v_row;
+            k_off = mul_wide(page, static_cast<int>(k_page)) + slot * static_cast<int>(k_row);
+            v_off = mul_wide(page, static_cast<int>(v_page)) + slot * static_cast<int>(v_row);
             return ok;
         }
     }
@@ -115,6 +123,37 @@ __device__ __forceinline__ void fetch_pages(const CacheRows<kPaged>& rows, int (
     }
 }
 
+// load_key_tile for kEven tiles of a paged cache whose page ids `pages` were fetched ahead: each
+// thread's rows step by kStep from tid / kSrcChunks, its chunk column fixed; kPow2: page sizes
+// that are powers of two. Returns whether a key before kv_len sits on a page outside the cache.
+template <class Cfg, bool kPow2>
+__device__ __forceinline__ bool load_paged_tile(const CacheRows<true>& rows, const int (&pages)[TileCopies<Cfg>::kIters],
+                                                const unsigned char* k, const unsigned char* v, u32 k_dst,
+                                                u32 v_dst, int pitch, int key0, int kv_len, int tid) {
+    using T = TileCopies<Cfg>;
+    const int r0 = tid / Cfg::kSrcChunks, chunk = tid % Cfg::kSrcChunks;
+    const int k_row = static_cast<int>(rows.k_row), v_row = static_cast<int>(rows.v_row);
+    const int k_page = static_cast<int>(rows.k_page), v_page = static_cast<int>(rows.v_page);
+    const int slot_mask = (1 << rows.page_shift) - 1;
+    k += chunk * 16;
+    v += chunk * 16;
+    bool bad = false;
+#pragma unroll
+    for (int it = 0; it < T::kIters; ++it) {
+        const int row = r0 + it * T::kStep, key = key0 + row;
+        const bool ok = static_cast<unsigned>(pages[it]) < static_cast<unsigned>(rows.num_pages);
+        const bool valid = key < kv_len;
+        bad |= valid && !ok;
+        const int page = ok ? pages[it] : 0;
+        const int slot = kPow2 ? key & slot_mask : key % rows.page_size;
+        const u32 dst = Cfg::kWgmma ? swizzled_offset(row, chunk, Cfg::kBlockN)
+                                    : row * pitch + stage_chunk<Cfg>(row, chunk) * 16;
+        cp_async_16(k_dst + dst, k + (mul_wide(page, k_page) + slot * k_row), valid && ok);
+        cp_async_16(v_dst + dst, v + (mul_wide(page, v_page) + slot * v_row), valid && ok);
+    }
+    return bad;
+}
+
 // This thread's cp.async copies of one key tile into a K and a V tile of row pitch `pitch`
 // bytes; keys at or past kv_len are zero-filled. Sets `bad` for a key on a page id outside the
 // cache (also zero-filled). kPrefetched: `pages` holds the rows' page ids (fetch_pages).
@@ -123,6 +162,11 @@ __device__ __forceinline__ void load_key_tile(const CacheRows<kPaged>& rows, con
                                               const unsigned char* k, const unsigned char* v, u32 k_dst, u32 v_dst,
                                               int pitch, int key0, int kv_len, int tid, bool& bad) {
     using T = TileCopies<Cfg>;
+    if constexpr (kPaged && kPrefetched) {
+        bad |= rows.page_shift >= 0 ? load_paged_tile<Cfg, true>(rows, pages, k, v, k_dst, v_dst, pitch, key0, kv_len, tid)
+                                    : load_paged_tile<Cfg, false>(rows, pages, k, v, k_dst, v_dst, pitch, key0, kv_len, tid);
+        return;
+    }
 #pragma unroll
     for (int it = 0; it < T::kIters; ++it) {
         const int idx = tid + it * T::kThreads;
@@ -276,28 +320,17 @@ __device__ __forceinline__ KeyRange key_range(const Params& p, int r, int seqlen
     return {lo, hi};
 }
 
-// The last block of a row tile's splits to finish merges their partials into the output: each
-// split's stores are fenced before its count; the block that brings the count to num_splits
-// reads every split's partials (from L2) and resets the count for the next launch. First one
-// warp per query row: its weights exp(LSE_s - LSE) / sum in shared memory (NaN for every split
-// when one split is NaN, 0 where no split attends) and its LSE; then every thread takes (row,
-// 4 dims) items, kBatch at a time, with eight splits' rows of each in flight at once.
-// `scratch`: shared memory no longer in use (block_m * kMaxSplits floats and one int).
-template <class Cfg>
-__device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, float* scratch, int bh, int row0,
-                                             int row_end, int seqlen_q) {
-    constexpr int kWarps = Cfg::kWarps, kThreads = 32 * kWarps, kBatch = 4;
+// Merges the splits' partials of rows row0 .. row_end - 1 of kv head bh into the output: first
+// one warp per query row: its weights exp(LSE_s - LSE) / sum in shared memory (NaN for every
+// split when one split is NaN, 0 where no split attends) and its LSE; then every thread takes
+// (row, 4 dims) items, kBatch at a time, with eight splits' rows of each in flight at once.
+// `scratch`: (row_end - row0) * num_splits floats of shared memory.
+template <class Cfg, int kBatch>
+__device__ __forceinline__ void merge_rows(const typename Cfg::Params& p, float* scratch, int bh, int row0,
+                                           int row_end, int seqlen_q) {
+    constexpr int kWarps = Cfg::kWarps, kThreads = 32 * kWarps;
     constexpr int kQuads = Cfg::kHeadDimStored / 4;  // 4-dim groups of a row
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    int* last = reinterpret_cast<int*>(scratch + 16 * Cfg::kWarpsM * Cfg::kMaxSplits);
-    unsigned* count = p.split_counts + static_cast<long long>(bh) * gridDim.y + blockIdx.y;
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) *last = atomicAdd(count, 1u) == static_cast<unsigned>(p.num_splits - 1);
-    __syncthreads();
-    if (!*last) return;
-    __threadfence();
-    if (tid == 0) *count = 0u;
     const int group = p.group, hk = bh % p.heads_k, b = bh / p.heads_k;
     const int n_rows = row_end - row0, n = p.num_splits;
     const long long states = static_cast<long long>(p.batch) * p.heads * seqlen_q;
@@ -369,6 +402,40 @@ __device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, floa
             out[0] = pack2<Cfg::kBF16>(acc[k].x, acc[k].y);
             out[1] = pack2<Cfg::kBF16>(acc[k].z, acc[k].w);
         }
+    }
+}
+
+// The last block of a row tile's splits to finish merges their partials (merge_rows): each
+// split's stores are fenced before its count; the block that brings the count to num_splits
+// reads every split's partials (from L2) and resets the count for the next launch. `scratch`:
+// shared memory no longer in use (block_m * kMaxSplits floats and one int).
+template <class Cfg>
+__device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, float* scratch, int bh, int row0,
+                                             int row_end, int seqlen_q) {
+    int* last = reinterpret_cast<int*>(scratch + 16 * Cfg::kWarpsM * Cfg::kMaxSplits);
+    unsigned* count = p.split_counts + static_cast<long long>(bh) * gridDim.y + blockIdx.y;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *last = atomicAdd(count, 1u) == static_cast<unsigned>(p.num_splits - 1);
+    __syncthreads();
+    if (!*last) return;
+    __threadfence();
+    if (threadIdx.x == 0) *count = 0u;
+    merge_rows<Cfg, 4>(p, scratch, bh, row0, row_end, seqlen_q);
+}
+
+// The merge as a kernel of its own (p.merge_apart), after the attention: block (bh, y) merges
+// rows kMergeRows * y .. (one (row, 4 dims) item per thread) of kv head bh, for the row tiles
+// whose partials are too many for one block to read quickly.
+template <class Cfg>
+__device__ __forceinline__ void decode_merge(const typename Cfg::Params& p) {
+    constexpr int kMergeRows = Cfg::kWarps * 32 / (Cfg::kHeadDimStored / 4) > 0
+                                   ? Cfg::kWarps * 32 / (Cfg::kHeadDimStored / 4) : 1;
+    __shared__ float scratch[kMergeRows * Cfg::kMaxSplits];
+    const int rows = p.seqlen_q * p.group;
+    for (int row0 = blockIdx.y * kMergeRows; row0 < rows; row0 += gridDim.y * kMergeRows) {
+        merge_rows<Cfg, 1>(p, scratch, blockIdx.x, row0, min(rows, row0 + kMergeRows), p.seqlen_q);
+        __syncthreads();
     }
 }
 
@@ -758,7 +825,7 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
         }
     }
     if constexpr (!Cfg::kVarlen) {
-        if (p.num_splits > 1)
+        if (p.num_splits > 1 && !p.merge_apart)
             merge_splits<Cfg>(p, reinterpret_cast<float*>(smem + Cfg::kSmemStages), b * p.heads_k + hk, row0,
                               min(rows, row0 + BM), seqlen_q);
     }
