@@ -1,7 +1,8 @@
 """Timing: CUDA-event medians of heated shares in interleaved rounds of rotating order.
 
-One CUDA event pair per repetition, the L2 cache flushed before each (as
-``triton.testing.do_bench`` does); the median is reported. The implementations of a configuration
+One CUDA event pair per repetition, the L2 cache flushed before each by reading a buffer larger
+than it (so that the flush leaves no dirty lines whose write-back would land in the timed call);
+the median is reported. The implementations of a configuration
 (cuflash and its peers) are timed in interleaved rounds, each round a share of the repetitions of
 every one, in an order that rotates from round to round, and each share right after about
 ``BENCH_HEAT_MS`` of GPU work of the same implementation: the GPU's clock follows the power drawn
@@ -25,6 +26,12 @@ BENCH_HEAT_MS = 50.0
 _MAX_HEAT_CALLS = 1000
 
 _L2_FLUSH_BYTES = 256 * 2**20
+
+
+def _cupy_flush_buffer():
+    """A zeroed buffer of _L2_FLUSH_BYTES whose read (a max over its words) evicts the L2 cache."""
+    import cupy
+    return cupy.zeros(_L2_FLUSH_BYTES // 4, dtype=cupy.uint32)
 
 
 def _synchronize_all():
@@ -52,13 +59,13 @@ def cuda_event_times_ms(fn, reps: int = 30, warmup: int = 3, flush_l2: bool = Tr
     before its kernel starts; after a synchronization the GPU would wait for it, inside the
     events)."""
     import cupy
-    scratch = cupy.empty(_L2_FLUSH_BYTES, dtype=cupy.uint8) if flush_l2 else None
+    scratch = _cupy_flush_buffer() if flush_l2 else None
     for _ in range(max(warmup, 1)):
         fn()
     pairs = []
     for _ in range(reps):
         if scratch is not None:
-            scratch.fill(0)
+            scratch.max()
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         start.record()
         fn()
@@ -79,13 +86,13 @@ def torch_event_times_ms(fn, reps: int = 30, warmup: int = 3, flush_l2: bool = T
     per repetition; warm-up as in :func:`cuda_event_times_ms`."""
     import torch
     _synchronize_all()
-    scratch = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda") if flush_l2 else None
+    scratch = torch.zeros(_L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
     for _ in range(max(warmup, 1)):
         fn()
     pairs = []
     for _ in range(reps):
         if scratch is not None:
-            scratch.zero_()
+            scratch.max()
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
