@@ -340,7 +340,9 @@ def test_bad_device_values_under_memcheck():
     assert "varlen nan rows 20" in run.stdout and "done" in run.stdout
 
 
-def test_the_device_reports_its_memory_bus():
-    """The split policy reads the bus width (FP8 caches fill two blocks per SM on wide buses)."""
-    from cuflash.core.launch import _memory_bus_bits
-    assert _memory_bus_bits(cupy.cuda.runtime.getDevice()) >= 1024
+def test_the_device_reports_its_memory_bandwidth():
+    """The split policy reads the memory's bandwidth (FP8 caches fill two blocks per SM on fast
+    memories) from the runtime's clock and bus width."""
+    from cuflash.core.launch import _memory_bandwidth_gbs, _memory_bus_bits
+    device = cupy.cuda.runtime.getDevice()
+    assert _memory_bus_bits(device) >= 1024 and _memory_bandwidth_gbs(device) >= 500

@@ -60,10 +60,10 @@ def test_split_policy():
     assert decode_blocks_per_sm(decode_spec(64, "bf16", "e4m3", False, 4, "sm90a")) == 2
     for cache, paged, rows in (("e4m3", True, 4), ("bf16", True, 4), ("bf16", False, 64)):
         assert decode_blocks_per_sm(decode_spec(128, "bf16", cache, paged, rows, "sm90a")) == 2
-    # a memory bus of 6144 bits (H200) or more: FP8 caches at two, 16-bit ones as before
-    for bus, fp8 in ((5120, 1), (6144, 2), (8192, 2)):
-        assert decode_blocks_per_sm(decode_spec(128, "bf16", "e4m3", False, 4, "sm90a"), bus) == fp8
-        assert decode_blocks_per_sm(decode_spec(128, "bf16", "bf16", False, 4, "sm90a"), bus) == 1
+    # a memory of 3800 GB/s (H200) or more: FP8 caches at two, 16-bit ones as before
+    for gbs, fp8 in ((3352, 1), (3800, 2), (4800, 2)):
+        assert decode_blocks_per_sm(decode_spec(128, "bf16", "e4m3", False, 4, "sm90a"), gbs) == fp8
+        assert decode_blocks_per_sm(decode_spec(128, "bf16", "bf16", False, 4, "sm90a"), gbs) == 1
 
 
 def test_large_split_partials_are_merged_by_the_merge_kernel():
@@ -93,6 +93,24 @@ def test_memory_bus_width_from_the_runtime(monkeypatch):
     launch._memory_bus_bits.cache_clear()
     assert launch._memory_bus_bits(3) == 0
     launch._memory_bus_bits.cache_clear()
+
+
+def test_memory_bandwidth_from_the_runtime(monkeypatch):
+    """The FP8 split policy's memory bandwidth: twice the memory clock times the bus width (an
+    H100's 2619 MHz over 5120 bits: 3352 GB/s), or 0 where the runtime cannot say."""
+    cupy = pytest.importorskip("cupy")
+    from cuflash.core import launch
+
+    attributes = {36: 2619000, 37: 5120}
+    monkeypatch.setattr(cupy.cuda.runtime, "deviceGetAttribute", lambda attr, device: attributes[attr])
+    for fn in (launch._memory_bus_bits, launch._memory_bandwidth_gbs):
+        fn.cache_clear()
+    assert round(launch._memory_bandwidth_gbs(2)) == 3352
+    del attributes[36]
+    launch._memory_bandwidth_gbs.cache_clear()
+    assert launch._memory_bandwidth_gbs(2) == 0
+    for fn in (launch._memory_bus_bits, launch._memory_bandwidth_gbs):
+        fn.cache_clear()
 
 
 def _report(spec):

@@ -18,7 +18,7 @@ import numpy as np
 from . import dtypes, policy
 from .decode_spec import CACHE_DTYPES, MAX_SPLITS, DecodeSpec
 from .params import DECODE_STRUCT
-from .launch import _memory_bus_bits, _multiprocessors
+from .launch import _memory_bandwidth_gbs, _multiprocessors
 from .spec import HEAD_DIMS, ceil_div
 from .validate import aligned_for_async_copy, validate_softcap, validate_window
 
@@ -244,7 +244,7 @@ def choose_splits(spec: DecodeSpec, problem: KVCacheProblem, num_splits) -> int:
         return int(num_splits)
     blocks = problem.batch * problem.heads_k * ceil_div(problem.rows, spec.block_m)
     return policy.decode_splits(blocks, ceil_div(problem.capacity, spec.block_n), _multiprocessors(problem.device_id),
-                                policy.decode_blocks_per_sm(spec, _memory_bus_bits(problem.device_id)))
+                                policy.decode_blocks_per_sm(spec, _memory_bandwidth_gbs(problem.device_id)))
 
 
 _workspaces: dict = {}

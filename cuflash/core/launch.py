@@ -108,17 +108,30 @@ def _multiprocessors(device_id: int) -> int:
     return cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
 
 
-_ATTR_MEMORY_BUS_WIDTH = 37  # cudaDevAttrGlobalMemoryBusWidth
+_ATTR_MEMORY_CLOCK_RATE = 36  # cudaDevAttrMemoryClockRate (kHz)
+_ATTR_MEMORY_BUS_WIDTH = 37  # cudaDevAttrGlobalMemoryBusWidth (bits)
+
+
+def _device_attribute(attr: int, device_id: int) -> int:
+    """A device attribute from the runtime, 0 where it does not say."""
+    import cupy
+    try:
+        return int(cupy.cuda.runtime.deviceGetAttribute(attr, device_id))
+    except Exception:  # a runtime without the attribute
+        return 0
 
 
 @functools.lru_cache(maxsize=None)
 def _memory_bus_bits(device_id: int) -> int:
     """Width of the device's memory bus in bits (0 where the runtime does not say)."""
-    import cupy
-    try:
-        return int(cupy.cuda.runtime.deviceGetAttribute(_ATTR_MEMORY_BUS_WIDTH, device_id))
-    except Exception:  # a runtime without the attribute: the narrow-bus policy
-        return 0
+    return _device_attribute(_ATTR_MEMORY_BUS_WIDTH, device_id)
+
+
+@functools.lru_cache(maxsize=None)
+def _memory_bandwidth_gbs(device_id: int) -> float:
+    """The device memory's peak bandwidth in GB/s, double data rate over the bus (0 where the
+    runtime does not say)."""
+    return 2 * _device_attribute(_ATTR_MEMORY_CLOCK_RATE, device_id) * 1e3 * _memory_bus_bits(device_id) / 8 / 1e9
 
 
 def _stream_key(device_id: int) -> tuple:

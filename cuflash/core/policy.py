@@ -236,9 +236,10 @@ DECODE_MAX_STAGES = 4
 DECODE_BLOCKS_PER_SM = 2
 DECODE_BLOCKS_PER_SM_STREAMING = 1
 DECODE_MIN_TILES_PER_SPLIT = 4
-#: Memory buses at least this wide (bits; the H200's HBM3e) feed an FP8 cache faster than one
-#: block per multiprocessor dequantizes it: FP8 caches take two blocks there.
-DECODE_FP8_WIDE_BUS_BITS = 6144
+#: Memories of at least this peak bandwidth (GB/s, from the runtime's memory clock and bus width;
+#: the H200's HBM3e) feed an FP8 cache faster than one block per multiprocessor dequantizes it:
+#: FP8 caches take two blocks there.
+DECODE_FP8_FAST_MEMORY_GBS = 3800
 #: A row tile whose splits' float32 partials pass this many bytes is merged by the merge kernel
 #: (blocks of a few rows over the whole GPU) rather than by its last split (one block).
 DECODE_MERGE_APART_BYTES = 256 * 1024
@@ -250,11 +251,11 @@ def decode_merge_apart(spec, rows: int, splits: int) -> bool:
     return splits > 1 and splits * min(rows, spec.block_m) * spec.head_dim * 4 > DECODE_MERGE_APART_BYTES
 
 
-def decode_blocks_per_sm(spec, bus_bits: int = 0) -> int:
+def decode_blocks_per_sm(spec, memory_gbs: float = 0) -> int:
     """Blocks per multiprocessor that a decode spec's splits fill (see DECODE_BLOCKS_PER_SM) on a
-    device whose memory bus is `bus_bits` wide (see DECODE_FP8_WIDE_BUS_BITS)."""
+    device whose memory's peak bandwidth is `memory_gbs` (see DECODE_FP8_FAST_MEMORY_GBS)."""
     streaming = not spec.paged and spec.warps_m == 1 and (not spec.fp8 or spec.fp8_in_registers)
-    if spec.fp8 and bus_bits >= DECODE_FP8_WIDE_BUS_BITS:
+    if spec.fp8 and memory_gbs >= DECODE_FP8_FAST_MEMORY_GBS:
         streaming = False
     return DECODE_BLOCKS_PER_SM_STREAMING if streaming else DECODE_BLOCKS_PER_SM
 
