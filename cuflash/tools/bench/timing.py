@@ -2,13 +2,13 @@
 
 One CUDA event pair per repetition, the L2 cache flushed before each by reading a buffer larger
 than it (so that the flush leaves no dirty lines whose write-back would land in the timed call);
-the median is reported. The implementations of a configuration
-(cuflash and its peers) are timed in interleaved rounds, each round a share of the repetitions of
-every one, in an order that rotates from round to round, and each share right after about
-``BENCH_HEAT_MS`` of GPU work of the same implementation: the GPU's clock follows the power drawn
-over the last tens of milliseconds, so each implementation is timed on the clock of its own load
-(docs/tuning.md, "Benchmark method"). torch is optional and never imported at module level; both
-libraries are synchronized around every timed region.
+the median is reported. The implementations of a configuration (cuflash and its peers) are timed in
+interleaved rounds, each round a share of the repetitions of every one, in an order that rotates
+from round to round, and each share right after about ``BENCH_HEAT_MS`` of GPU work of the same
+implementation: the GPU's clock follows the power drawn over the last tens of milliseconds, so each
+implementation is timed on the clock of its own load (docs/tuning.md, "Benchmark method"). torch is
+optional and never imported at module level; both libraries are synchronized around every timed
+region.
 """
 from __future__ import annotations
 
