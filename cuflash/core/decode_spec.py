@@ -88,6 +88,11 @@ class DecodeSpec:
         return 32 * WARPS
 
     @property
+    def merge_rows(self) -> int:
+        """Query rows per block of the merge kernel: one (row, 4 dims) item per thread."""
+        return max(1, self.threads // (self.head_dim // 4))
+
+    @property
     def block_m(self) -> int:
         """Query rows (tokens x heads of one kv head) per block."""
         return 16 * self.warps_m

@@ -299,9 +299,8 @@ class KVCachePlan:
         self.buffers = (page_table, cache_seqlens, k_array, v_array, *cu_seqlens, sinks)
         self.grid = (problem.batch * problem.heads_k, ceil_div(problem.rows, spec.block_m), splits)
         merge_apart = policy.decode_merge_apart(spec, problem.rows, splits)
-        # the merge kernel: a block per (kv head, a few rows), one (row, 4 dims) item per thread
-        merge_rows = max(1, spec.threads // (problem.head_dim // 4))
-        self.merge_grid = (self.grid[0], min(65535, ceil_div(problem.rows, merge_rows)), 1) if merge_apart else None
+        # the merge kernel: a block per (kv head, spec.merge_rows rows)
+        self.merge_grid = (self.grid[0], min(65535, ceil_div(problem.rows, spec.merge_rows)), 1) if merge_apart else None
         if splits > 1:
             ws = _workspace(cupy, splits * rows * (problem.head_dim + 1), (problem.device_id, stream))
             o_part, lse_part = ws.data.ptr, ws.data.ptr + 4 * splits * rows * problem.head_dim

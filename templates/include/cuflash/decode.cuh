@@ -58,13 +58,16 @@ struct CacheRows {
             v_off = key * v_row;
             return true;
         } else {
-            const int slot = key - page_index(key) * page_size;
-            const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(num_pages);
-            page = ok ? page : 0;
-            k_off = mul_wide(page, static_cast<int>(k_page)) + slot * static_cast<int>(k_row);
-            v_off = mul_wide(page, static_cast<int>(v_page)) + slot * static_cast<int>(v_row);
-            return ok;
+            return page_offsets(page, key - page_index(key) * page_size, k_off, v_off);
         }
+    }
+    // The offsets of row `slot` of page id `page` (page 0 for an id outside the cache: false).
+    __device__ __forceinline__ bool page_offsets(int page, int slot, long long& k_off, long long& v_off) const {
+        const bool ok = static_cast<unsigned>(page) < static_cast<unsigned>(num_pages);
+        page = ok ? page : 0;
+        k_off = mul_wide(page, static_cast<int>(k_page)) + slot * static_cast<int>(k_row);
+        v_off = mul_wide(page, static_cast<int>(v_page)) + slot * static_cast<int>(v_row);
+        return ok;
     }
     __device__ __forceinline__ bool locate(int key, long long& k_off, long long& v_off) const {
         return offsets(key, page_of(key), k_off, v_off);
@@ -132,8 +135,6 @@ __device__ __forceinline__ bool load_paged_tile(const CacheRows<true>& rows, con
                                                 u32 v_dst, int pitch, int key0, int kv_len, int tid) {
     using T = TileCopies<Cfg>;
     const int r0 = tid / Cfg::kSrcChunks, chunk = tid % Cfg::kSrcChunks;
-    const int k_row = static_cast<int>(rows.k_row), v_row = static_cast<int>(rows.v_row);
-    const int k_page = static_cast<int>(rows.k_page), v_page = static_cast<int>(rows.v_page);
     const int slot_mask = (1 << rows.page_shift) - 1;
     k += chunk * 16;
     v += chunk * 16;
@@ -141,15 +142,15 @@ __device__ __forceinline__ bool load_paged_tile(const CacheRows<true>& rows, con
 #pragma unroll
     for (int it = 0; it < T::kIters; ++it) {
         const int row = r0 + it * T::kStep, key = key0 + row;
-        const bool ok = static_cast<unsigned>(pages[it]) < static_cast<unsigned>(rows.num_pages);
+        const int slot = kPow2 ? key & slot_mask : key % rows.page_size;
+        long long k_off, v_off;
+        const bool ok = rows.page_offsets(pages[it], slot, k_off, v_off);
         const bool valid = key < kv_len;
         bad |= valid && !ok;
-        const int page = ok ? pages[it] : 0;
-        const int slot = kPow2 ? key & slot_mask : key % rows.page_size;
         const u32 dst = Cfg::kWgmma ? swizzled_offset(row, chunk, Cfg::kBlockN)
                                     : row * pitch + stage_chunk<Cfg>(row, chunk) * 16;
-        cp_async_16(k_dst + dst, k + (mul_wide(page, k_page) + slot * k_row), valid && ok);
-        cp_async_16(v_dst + dst, v + (mul_wide(page, v_page) + slot * v_row), valid && ok);
+        cp_async_16(k_dst + dst, k + k_off, valid && ok);
+        cp_async_16(v_dst + dst, v + v_off, valid && ok);
     }
     return bad;
 }
@@ -429,8 +430,7 @@ __device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, floa
 // whose partials are too many for one block to read quickly.
 template <class Cfg>
 __device__ __forceinline__ void decode_merge(const typename Cfg::Params& p) {
-    constexpr int kMergeRows = Cfg::kWarps * 32 / (Cfg::kHeadDimStored / 4) > 0
-                                   ? Cfg::kWarps * 32 / (Cfg::kHeadDimStored / 4) : 1;
+    constexpr int kMergeRows = Cfg::kMergeRows;
     __shared__ float scratch[kMergeRows * Cfg::kMaxSplits];
     const int rows = p.seqlen_q * p.group;
     for (int row0 = blockIdx.y * kMergeRows; row0 < rows; row0 += gridDim.y * kMergeRows) {
