@@ -343,6 +343,6 @@ def test_bad_device_values_under_memcheck():
 def test_the_device_reports_its_memory_bandwidth():
     """The split policy reads the memory's bandwidth (FP8 caches fill two blocks per SM on fast
     memories) from the runtime's clock and bus width."""
-    from cuflash.core.launch import _memory_bandwidth_gbs, _memory_bus_bits
+    from cuflash.core.launch import _ATTR_MEMORY_BUS_WIDTH, _device_attribute, _memory_bandwidth_gbs
     device = cupy.cuda.runtime.getDevice()
-    assert _memory_bus_bits(device) >= 1024 and _memory_bandwidth_gbs(device) >= 500
+    assert _device_attribute(_ATTR_MEMORY_BUS_WIDTH, device) >= 1024 and _memory_bandwidth_gbs(device) >= 500

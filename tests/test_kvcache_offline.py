@@ -75,26 +75,6 @@ def test_large_split_partials_are_merged_by_the_merge_kernel():
     assert not decode_merge_apart(wide, 64, 1)          # no splits, nothing to merge
 
 
-def test_memory_bus_width_from_the_runtime(monkeypatch):
-    """The split policy's bus width: the runtime's attribute, or 0 (the narrow-bus policy) where
-    the runtime cannot say."""
-    cupy = pytest.importorskip("cupy")
-    from cuflash.core import launch
-
-    calls = []
-    monkeypatch.setattr(cupy.cuda.runtime, "deviceGetAttribute",
-                        lambda attr, device: calls.append((attr, device)) or 6144)
-    launch._memory_bus_bits.cache_clear()
-    assert launch._memory_bus_bits(3) == 6144 and calls == [(37, 3)]
-
-    def fails(attr, device):
-        raise cupy.cuda.runtime.CUDARuntimeError(1)
-    monkeypatch.setattr(cupy.cuda.runtime, "deviceGetAttribute", fails)
-    launch._memory_bus_bits.cache_clear()
-    assert launch._memory_bus_bits(3) == 0
-    launch._memory_bus_bits.cache_clear()
-
-
 def test_memory_bandwidth_from_the_runtime(monkeypatch):
     """The FP8 split policy's memory bandwidth: twice the memory clock times the bus width (an
     H100's 2619 MHz over 5120 bits: 3352 GB/s), or 0 where the runtime cannot say."""
@@ -103,14 +83,18 @@ def test_memory_bandwidth_from_the_runtime(monkeypatch):
 
     attributes = {36: 2619000, 37: 5120}
     monkeypatch.setattr(cupy.cuda.runtime, "deviceGetAttribute", lambda attr, device: attributes[attr])
-    for fn in (launch._memory_bus_bits, launch._memory_bandwidth_gbs):
-        fn.cache_clear()
+    launch._memory_bandwidth_gbs.cache_clear()
     assert round(launch._memory_bandwidth_gbs(2)) == 3352
     del attributes[36]
     launch._memory_bandwidth_gbs.cache_clear()
     assert launch._memory_bandwidth_gbs(2) == 0
-    for fn in (launch._memory_bus_bits, launch._memory_bandwidth_gbs):
-        fn.cache_clear()
+
+    def fails(attr, device):
+        raise cupy.cuda.runtime.CUDARuntimeError(1)
+    monkeypatch.setattr(cupy.cuda.runtime, "deviceGetAttribute", fails)
+    launch._memory_bandwidth_gbs.cache_clear()
+    assert launch._memory_bandwidth_gbs(2) == 0
+    launch._memory_bandwidth_gbs.cache_clear()
 
 
 def _report(spec):

@@ -122,16 +122,12 @@ def _device_attribute(attr: int, device_id: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _memory_bus_bits(device_id: int) -> int:
-    """Width of the device's memory bus in bits (0 where the runtime does not say)."""
-    return _device_attribute(_ATTR_MEMORY_BUS_WIDTH, device_id)
-
-
-@functools.lru_cache(maxsize=None)
 def _memory_bandwidth_gbs(device_id: int) -> float:
-    """The device memory's peak bandwidth in GB/s, double data rate over the bus (0 where the
-    runtime does not say)."""
-    return 2 * _device_attribute(_ATTR_MEMORY_CLOCK_RATE, device_id) * 1e3 * _memory_bus_bits(device_id) / 8 / 1e9
+    """The device memory's peak bandwidth in GB/s: double data rate over the bus, from the
+    runtime's memory clock and bus width (0 where the runtime does not say)."""
+    clock_khz = _device_attribute(_ATTR_MEMORY_CLOCK_RATE, device_id)
+    bus_bits = _device_attribute(_ATTR_MEMORY_BUS_WIDTH, device_id)
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9
 
 
 def _stream_key(device_id: int) -> tuple:
