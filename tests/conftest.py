@@ -88,10 +88,10 @@ def warm_kvcache_kernels():
         specs += [hopper_spec(d, "bf16", c, 1500, arch).replace(local=True) for d in (64, 128, 256)
                   for c in (False, True)]  # windows on it
         from cuflash.core.policy import default_bwd_spec  # the one-launch varlen backward
-        specs += [default_bwd_spec(d, t, c, arch, False, family="wgmma").replace(varlen=True, tma_loads=False)
+        specs += [default_bwd_spec(d, t, c, arch, False, family="wgmma").replace(varlen=True)
                   for d in (64, 96, 128, 256) for t in ("bf16", "fp16") for c in (False, True)]
-        specs += [default_bwd_spec(d, "bf16", c, arch, False, family="wgmma").replace(
-            varlen=True, tma_loads=False, local=True) for d in (64, 128, 256) for c in (False, True)]
+        specs += [default_bwd_spec(d, "bf16", c, arch, False, family="wgmma").replace(varlen=True, local=True)
+                  for d in (64, 128, 256) for c in (False, True)]
     cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
 
 

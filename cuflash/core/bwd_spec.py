@@ -52,7 +52,7 @@ class BwdSpec:
     mask_mod: str = ""    # digest of a traced mask_mod; "" for none
     block_sparse: bool = False  # wgmma with a mask_mod: each key tile's query tiles from a block mask
     varlen: bool = False  # wgmma, not deterministic, no mods: packed sequences of their own lengths (cu_seqlens)
-    tma_loads: bool = False  # wgmma, not varlen: K, V and the query tiles by TMA (tensor maps), not cp.async
+    tma_loads: bool = False  # wgmma: K, V and the query tiles by TMA (tensor maps), not cp.async
     local: bool = False  # wgmma, not deterministic, no mask_mod: a window of keys per query (window_left / right)
 
     def __post_init__(self):
@@ -71,8 +71,8 @@ class BwdSpec:
             problems.append("varlen applies to the wgmma backward that is not deterministic, without mods")
         if self.local and (self.family != "wgmma" or self.deterministic or self.mask_mod):
             problems.append("local applies to the wgmma backward that is not deterministic, without a mask_mod")
-        if self.tma_loads and (self.family != "wgmma" or self.varlen):
-            problems.append("tma_loads applies to the wgmma backward of dense batches (not varlen)")
+        if self.tma_loads and self.family != "wgmma":
+            problems.append("tma_loads applies to the wgmma backward")
         if self.family == "wgmma":
             if self.arch != "sm90a":
                 problems.append(f"the wgmma backward needs sm90a (got arch={self.arch})")
@@ -252,6 +252,13 @@ class BwdSpec:
         return self.block_n // self.score_tile[1]
 
     @property
+    def stats_rows(self) -> int:
+        """lse2 / delta values per ring slot of the wgmma kernel: a query tile's, and with TMA on
+        packed sequences 4 more, since their bulk copy starts at the 16-byte boundary below the
+        tile's first row."""
+        return self.block_m + (4 if self.varlen and self.tma_loads else 0)
+
+    @property
     def smem_row_bytes(self) -> int:
         """Padded row pitch of the Q, dO, K and V tiles: an odd number of 16-byte chunks."""
         chunks = self.head_dim * 2 // _CHUNK
@@ -279,8 +286,8 @@ class BwdSpec:
             scores = self.block_n * self.block_m * 2
             for region, size in (("k", kv), ("v", kv), ("q", self.num_stages * q), ("do", self.num_stages * q),
                                  ("ds", scores), ("p", scores if self.split_head_dim else 0),
-                                 ("lse2", self.num_stages * self.block_m * 4),
-                                 ("delta", self.num_stages * self.block_m * 4),
+                                 ("lse2", self.num_stages * self.stats_rows * 4),
+                                 ("delta", self.num_stages * self.stats_rows * 4),
                                  ("dq", self.block_m * self.padded_head_dim * 4 * (2 if self.double_dq else 1)
                                   if self.bulk_dq and not self.split_head_dim else 0),
                                  ("bars", 8 * (1 + self.num_stages) if self.tma_loads else 0)):

@@ -535,14 +535,16 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mo
     scored = params + mods_args
     pre((ceil_div(padded, 8), problem.heads, problem.batch), (_AUX_THREADS, 1, 1), params)
     keys, blocks_z, dkdv_args, dq_args = problem.seqlen_k, problem.batch, scored, params
-    if spec.tma_loads:  # the tensor maps between the parameters and the mods
+    maps = ()
+    if spec.tma_loads:  # the tensor maps between the parameters and the mods (or the offsets)
         from .tma import backward_maps
-        maps = backward_maps(spec, bp, tensors["q"], tensors["k"], tensors["v"], tensors["dout"])
-        dkdv_args = params + (maps,) + mods_args
+        maps = (backward_maps(spec, bp, tensors["q"], tensors["k"], tensors["v"], tensors["dout"]),)
+        dkdv_args = params + maps + mods_args
     rows = problem.seqlen_q
     if varlen is not None:  # (key tiles of the longest sequence, kv heads, sequences), the offsets last
         tail, blocks_z, keys, rows = varlen
-        dkdv_args = dq_args = params + _struct_args(tail)
+        dkdv_args = params + maps + _struct_args(tail)
+        dq_args = params + _struct_args(tail)
     dkdv((ceil_div(keys, spec.block_n), problem.heads_k, blocks_z), (spec.threads, 1, 1), dkdv_args,
          shared_mem=spec.smem_bytes)
     if spec.accum_dq:

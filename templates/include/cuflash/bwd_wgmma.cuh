@@ -4,7 +4,9 @@
 // ring of query tiles (Q, dO, lse2, delta) sit in shared memory in wgmma's 128-byte swizzled
 // layout (cuflash/wgmma.cuh). kTma: thread 0 loads them by TMA (tensor maps of q, k, v and dout;
 // bulk copies of lse2 and delta), each ring slot completing on its mbarrier; else every thread
-// copies its share with cp.async (packed sequences, and views TMA cannot read). Head dims up to 128: the key tile has 128 rows and each
+// copies its share with cp.async (views TMA cannot read). Packed sequences (kVarlen) read their
+// tiles at the sequence's first rows of arrays of batch 1, and their lse2 / delta copies start at
+// the 16-byte boundary below the tile's first row (kStatsRows values per slot). Head dims up to 128: the key tile has 128 rows and each
 // warpgroup owns 64 of them with their dK / dV accumulators (registers, for the whole loop).
 // Per query tile of kBlockM rows:
 //   S^T = K Q^T and dP^T = V dO^T     both operands from shared memory (K-major);
@@ -43,7 +45,7 @@
 // The generated kernel provides Cfg with kHeadDim, kHeadDimStored, kBlockM, kBlockN, kStages,
 // kCausal, kBF16, kDqKernel, kDqDouble, kOrderedDq, kSplitD, kChunksPerRow (of the padded tile), kChunksValid (of
 // the problem's rows), kSmemK, kSmemV, kSmemQ, kSmemDO, kQTileBytes, kSmemLse2,
-// kSmemDelta, kSmemDS, kSmemP, kTma, kSmemBars, the Params struct and the wgmma_scores / wgmma_grad (or
+// kSmemDelta, kSmemDS, kSmemP, kTma, kStatsRows, kSmemBars, the Params struct and the wgmma_scores / wgmma_grad (or
 // wgmma_grad_ss) / wgmma_dq wrappers.
 #pragma once
 #include "cuflash/bwd_mma.cuh"
@@ -148,7 +150,9 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
     constexpr int kValid = Cfg::kChunksValid;
     // kTma: mbarriers at kSmemBars, the K/V tiles' first, then one per ring slot.
     constexpr bool kTma = Cfg::kTma;
-    static_assert(!(kTma && kVarlen), "packed sequences load by cp.async");
+    // The tensor maps' coordinates: packed sequences are arrays of batch 1, the sequence's rows from
+    // its first one (rows past it are the next sequence's, which the masks leave out).
+    const int q_row0 = kVarlen ? w.q_start : 0, k_row0 = kVarlen ? w.k_start : 0, map_batch = kVarlen ? 0 : w.batch;
     const u32 kv_full = base + Cfg::kSmemBars;
     auto slot_full = [&](int slot) { return kv_full + 8 + 8 * slot; };
     if constexpr (kTma) {
@@ -160,8 +164,8 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
             mbar_arrive_expect_tx(kv_full, 2 * kColBlocks * kBN * 128);
 #pragma unroll
             for (int cb = 0; cb < kColBlocks; ++cb) {
-                tma_load_4d(sK + cb * kBN * 128, &maps->k, kv_full, cb * 64, w.n0, w.head_k, w.batch);
-                tma_load_4d(sV + cb * kBN * 128, &maps->v, kv_full, cb * 64, w.n0, w.head_k, w.batch);
+                tma_load_4d(sK + cb * kBN * 128, &maps->k, kv_full, cb * 64, k_row0 + w.n0, w.head_k, map_batch);
+                tma_load_4d(sV + cb * kBN * 128, &maps->v, kv_full, cb * 64, k_row0 + w.n0, w.head_k, map_batch);
             }
         }
         __syncthreads();  // the barriers are initialized
@@ -173,32 +177,41 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         cp_async_commit();
     }
 
+    // Step t's row in lse2 / delta; kVarlen with kTma: its offset from the 16-byte boundary below.
+    auto stats_row = [&](int t) {
+        return kVarlen ? query_rows(p, 0, w.step_head(p.group, t), w.q_start + step_m0(t)).row
+                       : query_rows(p, w.batch, w.step_head(p.group, t), step_m0(t)).row;
+    };
+    constexpr bool kStatsShifted = Cfg::kStatsRows != kBM;
+    static_assert(!kStatsShifted || (kTma && kVarlen && Cfg::kStatsRows == kBM + 4), "4 more values per slot");
     // Step t's query tile (DkdvWork::step_head / step_m0) into ring slot `slot` (kTma: by thread 0).
     auto load_step = [&](int t, int slot) {
         const int m0 = step_m0(t);
         const QueryRows rows = kVarlen ? query_rows(p, 0, w.step_head(p.group, t), w.q_start + m0)
                                        : query_rows(p, w.batch, w.step_head(p.group, t), m0);
+        const u32 s_lse2 = base + Cfg::kSmemLse2 + slot * Cfg::kStatsRows * 4;
+        const u32 s_delta = base + Cfg::kSmemDelta + slot * Cfg::kStatsRows * 4;
         if constexpr (kTma) {
             const u32 bar = slot_full(slot);
             const int head = w.step_head(p.group, t);
-            mbar_arrive_expect_tx(bar, 2 * Cfg::kQTileBytes + 2 * kBM * 4);
+            mbar_arrive_expect_tx(bar, 2 * Cfg::kQTileBytes + 2 * Cfg::kStatsRows * 4);
 #pragma unroll
             for (int cb = 0; cb < kColBlocks; ++cb) {
-                tma_load_4d(sQ + slot * Cfg::kQTileBytes + cb * kBM * 128, &maps->q, bar, cb * 64, m0, head, w.batch);
-                tma_load_4d(sDO + slot * Cfg::kQTileBytes + cb * kBM * 128, &maps->dout, bar, cb * 64, m0, head,
-                            w.batch);
+                tma_load_4d(sQ + slot * Cfg::kQTileBytes + cb * kBM * 128, &maps->q, bar, cb * 64, q_row0 + m0, head,
+                            map_batch);
+                tma_load_4d(sDO + slot * Cfg::kQTileBytes + cb * kBM * 128, &maps->dout, bar, cb * 64, q_row0 + m0,
+                            head, map_batch);
             }
-            bulk_load(base + Cfg::kSmemLse2 + slot * kBM * 4, p.lse2 + rows.row, kBM * 4, bar);
-            bulk_load(base + Cfg::kSmemDelta + slot * kBM * 4, p.delta + rows.row, kBM * 4, bar);
+            const long long first = kStatsShifted ? rows.row & ~3ll : rows.row;  // bulk copies start 16-byte aligned
+            bulk_load(s_lse2, p.lse2 + first, Cfg::kStatsRows * 4, bar);
+            bulk_load(s_delta, p.delta + first, Cfg::kStatsRows * 4, bar);
             return;
         }
         copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads, false, kValid>(
             q_layout, sQ + slot * Cfg::kQTileBytes, rows.q, p.q_row_stride, seqlen_q_of() - m0, tid);
         copy_rows_async<kBM, Cfg::kChunksPerRow, kThreads, false, kValid>(
             q_layout, sDO + slot * Cfg::kQTileBytes, rows.dout, p.do_row_stride, seqlen_q_of() - m0, tid);
-        load_row_stats_async<kBM, kThreads, !kVarlen>(base + Cfg::kSmemLse2 + slot * kBM * 4,
-                                                      base + Cfg::kSmemDelta + slot * kBM * 4,
-                                                      p.lse2 + rows.row, p.delta + rows.row, tid);
+        load_row_stats_async<kBM, kThreads, !kVarlen>(s_lse2, s_delta, p.lse2 + rows.row, p.delta + rows.row, tid);
     };
 
     // kOrderedDq: the turn counter of step t's dQ tile; the block's turn is its key tile's index.
@@ -280,8 +293,9 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         const int slot = t % Cfg::kStages;
         const int head = w.step_head(p.group, t), m0 = step_m0(t);
         const u32 sQs = sQ + slot * Cfg::kQTileBytes, sDOs = sDO + slot * Cfg::kQTileBytes;
-        const float* s_lse2 = s_lse2_all + slot * kBM;
-        const float* s_delta = s_delta_all + slot * kBM;
+        const int stats_shift = kStatsShifted ? static_cast<int>(stats_row(t) & 3) : 0;
+        const float* s_lse2 = s_lse2_all + slot * Cfg::kStatsRows + stats_shift;
+        const float* s_delta = s_delta_all + slot * Cfg::kStatsRows + stats_shift;
 
         const int key0 = w.n0 + key_row0;
         // kVarlen: the rows past the sequence's queries (the next sequence's statistics) are masked
