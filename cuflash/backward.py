@@ -66,6 +66,19 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, lay
                                block_mask=block_mask, sinks=sinks, window_size=window_size, softcap=softcap)
 
 
+def loadable(spec: BwdSpec, q, k, v, dout, view=lambda x: x):
+    """(spec, (q, k, v, dout), copied): the arrays as the spec's kernels can load them. 16-byte
+    copies need aligned rows, so a misaligned view is copied once (copied: strides to read again);
+    strides the copy engine cannot take drop the TMA loads for cp.async. ``view`` gives the
+    batched view the checks read (packed sequences: x[None])."""
+    arrays, copied = (q, k, v, dout), False
+    if spec.async_copies and not all(aligned_for_async_copy(view(x)) for x in arrays):
+        arrays, copied = tuple(x if aligned_for_async_copy(view(x)) else aligned_copy(x) for x in arrays), True
+    if spec.tma_loads and not all(readable_by_tma(view(x)) for x in arrays):
+        spec = spec.replace(tma_loads=False)
+    return spec, arrays, copied
+
+
 def _sinks_grad(sinks, lse, delta):
     """d loss / d sinks[h] = -sum over (batch, row) of P_sink * rowsum(dO * O), where P_sink =
     exp(sinks[h] - lse) is the share of a row's probability its sink took: float32 [heads] from
@@ -118,14 +131,11 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
                                                  by_key=True)[2]
         if window != (-1, -1):
             spec = spec.replace(local=True)
-        if spec.async_copies and not all(aligned_for_async_copy(x) for x in (q, k, v, dout)):
-            # 16-byte copies need aligned rows; a misaligned view is copied once.
-            q, k, v, dout = (x if aligned_for_async_copy(x) else aligned_copy(x) for x in (q, k, v, dout))
+        spec, (q, k, v, dout), copied = loadable(spec, q, k, v, dout)
+        if copied:
             bp = validate_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
                                    deterministic=deterministic)
             problem = bp.forward
-        if spec.tma_loads and not all(readable_by_tma(x) for x in (q, k, v, dout)):
-            spec = spec.replace(tma_loads=False)  # strides the copy engine cannot take: cp.async
         if not lse.flags.c_contiguous:
             lse = cupy.ascontiguousarray(lse)
         padded = rows_padded(spec, problem.seqlen_q)

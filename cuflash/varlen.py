@@ -280,7 +280,8 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
     from .core.bwd_spec import VARLEN_DQ_GAP
     from .core.launch import launch_backward, rows_padded
     from .core.policy import default_bwd_spec
-    from .core.validate import aligned_copy, aligned_for_async_copy, readable_by_tma, validate_backward
+    from .backward import loadable
+    from .core.validate import validate_backward
     from .forward import _arch, _on_device
 
     for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
@@ -307,13 +308,10 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
             for x in (dq, dk, dv):
                 x.fill(0)
             return dq, dk, dv
-        # 16-byte copies need aligned rows; a misaligned view is copied once (and its strides read again)
-        if not all(aligned_for_async_copy(x[None]) for x in (q, k, v, dout)):
-            q, k, v, dout = (x if aligned_for_async_copy(x[None]) else aligned_copy(x) for x in (q, k, v, dout))
+        spec, (q, k, v, dout), copied = loadable(spec, q, k, v, dout, view=lambda x: x[None])
+        if copied:
             bp = validate_backward(dout[None], q[None], k[None], v[None], out[None], lse[None], causal=causal,
                                    scale=scale, layout="bshd", deterministic=False)
-        if not all(readable_by_tma(x[None]) for x in (q, k, v, dout)):
-            spec = spec.replace(tma_loads=False)  # strides the copy engine cannot take: cp.async
         out, lse = cupy.ascontiguousarray(out), cupy.ascontiguousarray(lse)
         offsets = [x if isinstance(x, cupy.ndarray) else cupy.asarray(h) for x, h in ((cu_q, offsets_q), (cu_k, offsets_k))]
         offsets = [_offsets(cupy, name, x, problem.device_id) for name, x in zip(("cu_seqlens_q", "cu_seqlens_k"), offsets)]
