@@ -325,6 +325,44 @@ def test_hopper_backward_loads_by_cp_async_where_tma_cannot_read(monkeypatch, br
         backward._default.cache_clear()  # its specs were chosen for the stand-in device
 
 
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_varlen_backward_loads_by_cp_async_where_tma_cannot_read(monkeypatch, broadcast):
+    cupy = pytest.importorskip("cupy")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import fake_device
+    from cuflash.core import compile as _compile
+    from cuflash.core import tma
+
+    from cuflash import varlen
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    fake_device.install(monkeypatch, cupy)
+    try:
+        specs, maps = [], []
+        kernels = tuple(fake_device.FakeKernel() for _ in range(3))
+        monkeypatch.setattr(_compile, "get_kernel", lambda spec, device_id: specs.append(spec) or kernels)
+        monkeypatch.setattr(tma, "backward_maps", lambda spec, bp, *arrays: maps.append(arrays) or np.zeros(
+            1, dtype=np.dtype((np.void, 512))))
+        offsets = np.array([0, 100, 256], dtype=np.int32)  # the host copy (the stand-in has no memory)
+        monkeypatch.setattr(varlen, "_host_offsets", lambda name, x, total: offsets)
+        total, heads, head_dim = 256, 4, 64
+        q, out, dout = (fake_device.fake_array(cupy, (total, heads, head_dim), bf16, 0x1000_0000 * (i + 1))
+                        for i in range(3))
+        # k and v: two kv heads, or (broadcast) one head's rows seen by both (head stride 0)
+        kv_strides = ((1 if broadcast else 2) * head_dim * 2, 0 if broadcast else head_dim * 2, 2)
+        k, v = (fake_device.fake_array(cupy, (total, 2, head_dim), bf16, 0x5000_0000 + i * 0x100_0000, kv_strides)
+                for i in range(2))
+        lse = fake_device.fake_array(cupy, (heads, total), np.float32, 0x6000_0000)
+        cu = fake_device.fake_array(cupy, (3,), np.int32, 0x6800_0000)
+        cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, causal=True)
+        (spec,) = specs
+        assert spec.family == "wgmma" and spec.varlen and spec.tma_loads != broadcast
+        assert len(maps) == (0 if broadcast else 1)
+        assert len(kernels[1].calls[0][2]) == (2 if broadcast else 3)  # parameters, (maps,) offsets
+    finally:
+        fake_device.uninstall(cupy)
+
+
 def _dkdv_order(key_tiles, heads_batch, heads_per_chunk, chunked):
     """(key tile, head_batch) of each block in launch order, as bwd_common.cuh's dkdv_work numbers
     the grid (x: key tiles, y * z: kv head and batch pairs)."""
