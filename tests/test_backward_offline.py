@@ -289,15 +289,18 @@ def test_hopper_backward_passes_its_tensor_maps_after_the_parameters(monkeypatch
     assert len(pre) == len(dq) == 1 and len(dkdv) == 2 and dkdv[1].tobytes() == bytes(range(256)) * 2
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("broadcast", [False, True])
-def test_hopper_backward_loads_by_cp_async_where_tma_cannot_read(monkeypatch, broadcast):
+def test_hopper_backward_loads_by_cp_async_where_tma_cannot_read(monkeypatch, broadcast, packed):
+    """Dense batches and (packed) the one-launch varlen backward: TMA where the copy engine reads
+    the views, cp.async for a kv head broadcast over two (head stride 0)."""
     cupy = pytest.importorskip("cupy")
     ml_dtypes = pytest.importorskip("ml_dtypes")
     import fake_device
     from cuflash.core import compile as _compile
     from cuflash.core import tma
 
-    from cuflash import backward
+    from cuflash import backward, varlen
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
     fake_device.install(monkeypatch, cupy)
@@ -308,59 +311,33 @@ def test_hopper_backward_loads_by_cp_async_where_tma_cannot_read(monkeypatch, br
         monkeypatch.setattr(_compile, "get_kernel", lambda spec, device_id: specs.append(spec) or kernels)
         monkeypatch.setattr(tma, "backward_maps", lambda spec, bp, *arrays: maps.append(arrays) or np.zeros(
             1, dtype=np.dtype((np.void, 512))))
-        shape = (1, 4, 128, 64)
-        q, out, dout = (fake_device.fake_array(cupy, shape, bf16, 0x1000_0000 * (i + 1)) for i in range(3))
+        rows, heads, head_dim = 256, 4, 64
+        lead = () if packed else (1,)  # packed: [total rows, heads, head_dim]; else bhsd
+        qshape = (rows, heads, head_dim) if packed else (1, heads, rows, head_dim)
+        q, out, dout = (fake_device.fake_array(cupy, qshape, bf16, 0x1000_0000 * (i + 1)) for i in range(3))
         # k and v: two kv heads, or (broadcast) one head's rows seen by both (head stride 0)
-        kv_strides = (128 * 64 * 2 * 2, 0 if broadcast else 128 * 64 * 2, 64 * 2, 2)
-        k, v = (fake_device.fake_array(cupy, (1, 2, 128, 64), bf16, 0x5000_0000 + i * 0x100_0000, kv_strides)
+        head_stride = 0 if broadcast else (head_dim if packed else rows * head_dim) * 2
+        row_stride = ((1 if broadcast else 2) * head_dim if packed else head_dim) * 2
+        kv_shape, kv_strides = (((rows, 2, head_dim), (row_stride, head_stride, 2)) if packed else
+                                ((1, 2, rows, head_dim), (2 * rows * head_dim * 2, head_stride, row_stride, 2)))
+        k, v = (fake_device.fake_array(cupy, kv_shape, bf16, 0x5000_0000 + i * 0x100_0000, kv_strides)
                 for i in range(2))
-        lse = fake_device.fake_array(cupy, (1, 4, 128), np.float32, 0x6000_0000)
-        cuflash.attention_backward(dout, q, k, v, out, lse)
+        lse = fake_device.fake_array(cupy, lead + (heads, rows), np.float32, 0x6000_0000)
+        if packed:
+            offsets = np.array([0, 100, rows], dtype=np.int32)  # the host copy (the stand-in has no memory)
+            monkeypatch.setattr(varlen, "_host_offsets", lambda name, x, total: offsets)
+            cu = fake_device.fake_array(cupy, (3,), np.int32, 0x6800_0000)
+            cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, causal=True)
+        else:
+            cuflash.attention_backward(dout, q, k, v, out, lse)
         (spec,) = specs
-        assert spec.family == "wgmma" and spec.tma_loads != broadcast
+        assert spec.family == "wgmma" and spec.varlen == packed and spec.tma_loads != broadcast
         assert len(maps) == (0 if broadcast else 1)
-        assert len(kernels[1].calls[0][2]) == (1 if broadcast else 2)  # the maps follow the parameters
+        # the maps follow the parameters (packed: the offsets last)
+        assert len(kernels[1].calls[0][2]) == (1 if broadcast else 2) + packed
     finally:
         fake_device.uninstall(cupy)
         backward._default.cache_clear()  # its specs were chosen for the stand-in device
-
-
-@pytest.mark.parametrize("broadcast", [False, True])
-def test_varlen_backward_loads_by_cp_async_where_tma_cannot_read(monkeypatch, broadcast):
-    cupy = pytest.importorskip("cupy")
-    ml_dtypes = pytest.importorskip("ml_dtypes")
-    import fake_device
-    from cuflash.core import compile as _compile
-    from cuflash.core import tma
-
-    from cuflash import varlen
-
-    bf16 = np.dtype(ml_dtypes.bfloat16)
-    fake_device.install(monkeypatch, cupy)
-    try:
-        specs, maps = [], []
-        kernels = tuple(fake_device.FakeKernel() for _ in range(3))
-        monkeypatch.setattr(_compile, "get_kernel", lambda spec, device_id: specs.append(spec) or kernels)
-        monkeypatch.setattr(tma, "backward_maps", lambda spec, bp, *arrays: maps.append(arrays) or np.zeros(
-            1, dtype=np.dtype((np.void, 512))))
-        offsets = np.array([0, 100, 256], dtype=np.int32)  # the host copy (the stand-in has no memory)
-        monkeypatch.setattr(varlen, "_host_offsets", lambda name, x, total: offsets)
-        total, heads, head_dim = 256, 4, 64
-        q, out, dout = (fake_device.fake_array(cupy, (total, heads, head_dim), bf16, 0x1000_0000 * (i + 1))
-                        for i in range(3))
-        # k and v: two kv heads, or (broadcast) one head's rows seen by both (head stride 0)
-        kv_strides = ((1 if broadcast else 2) * head_dim * 2, 0 if broadcast else head_dim * 2, 2)
-        k, v = (fake_device.fake_array(cupy, (total, 2, head_dim), bf16, 0x5000_0000 + i * 0x100_0000, kv_strides)
-                for i in range(2))
-        lse = fake_device.fake_array(cupy, (heads, total), np.float32, 0x6000_0000)
-        cu = fake_device.fake_array(cupy, (3,), np.int32, 0x6800_0000)
-        cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, causal=True)
-        (spec,) = specs
-        assert spec.family == "wgmma" and spec.varlen and spec.tma_loads != broadcast
-        assert len(maps) == (0 if broadcast else 1)
-        assert len(kernels[1].calls[0][2]) == (2 if broadcast else 3)  # parameters, (maps,) offsets
-    finally:
-        fake_device.uninstall(cupy)
 
 
 def _dkdv_order(key_tiles, heads_batch, heads_per_chunk, chunked):
