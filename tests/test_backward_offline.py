@@ -232,8 +232,8 @@ def test_launch_backward_packs_every_field_and_launches_three_kernels():
     spec = default_bwd_spec(64, "bf16", True, "sm90a").replace(varlen=True, tma_loads=False)
     launch_backward((kernel("pre"), kernel("dkdv"), kernel("dq")), spec, SimpleNamespace(forward=problem), tensors,
                     strides, padded=448, varlen=(varlen, 7, 260, 90))
-    assert calls[0][1] == (448 // 8, 8, 3) and calls[1][1] == (-(-260 // spec.block_n), 2, 7)
-    assert calls[2][1] == (-(-90 // 8), 8, 7)
+    assert calls[0][1] == (448 // 32, 8, 3) and calls[1][1] == (-(-260 // spec.block_n), 2, 7)  # 32 rows per block
+    assert calls[2][1] == (-(-90 // 32), 8, 7)
     assert all(len(c[3]) == 2 and c[3][1].tobytes() == varlen for c in calls[1:])
     assert all(np.frombuffer(c[3][0].tobytes(), dtype=fields)[0]["rows_padded"] == 448 for c in calls)
 

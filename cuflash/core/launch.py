@@ -495,7 +495,8 @@ _POINTERS = struct.Struct("<5Q")
 
 
 # -- backward -----------------------------------------------------------------------------------------
-_AUX_THREADS = 256  # kRowsPerAuxBlock warps, one query row each
+_AUX_THREADS = 256  # kRowsPerAuxBlock warps (bwd_common.cuh)
+_AUX_ROWS = 32  # query rows per block of the preprocess and the dQ conversion: kAuxRowsPerWarp per warp
 
 
 def rows_padded(spec: BwdSpec, seqlen_q: int) -> int:
@@ -533,7 +534,7 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mo
     pre, dkdv, dq = kernels
     mods_args = _struct_args(mods)
     scored = params + mods_args
-    pre((ceil_div(padded, 8), problem.heads, problem.batch), (_AUX_THREADS, 1, 1), params)
+    pre((ceil_div(padded, _AUX_ROWS), problem.heads, problem.batch), (_AUX_THREADS, 1, 1), params)
     keys, blocks_z, dkdv_args, dq_args = problem.seqlen_k, problem.batch, scored, params
     maps = ()
     if spec.tma_loads:  # the tensor maps between the parameters and the mods (or the offsets)
@@ -548,7 +549,7 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mo
     dkdv((ceil_div(keys, spec.block_n), problem.heads_k, blocks_z), (spec.threads, 1, 1), dkdv_args,
          shared_mem=spec.smem_bytes)
     if spec.accum_dq:
-        dq((ceil_div(max(rows, 1), 8), problem.heads, blocks_z), (_AUX_THREADS, 1, 1), dq_args)
+        dq((ceil_div(max(rows, 1), _AUX_ROWS), problem.heads, blocks_z), (_AUX_THREADS, 1, 1), dq_args)
     else:
         dq((ceil_div(problem.seqlen_q, spec.dq_tiles[0]), problem.heads, problem.batch),
            (32 * spec.dq_warps, 1, 1), scored, shared_mem=spec.dq_smem_bytes)

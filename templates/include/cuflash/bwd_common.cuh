@@ -173,37 +173,57 @@ __device__ __forceinline__ DkdvWork dkdv_work(const Params& p) {
     return w;
 }
 
-constexpr int kRowsPerAuxBlock = 8;  // warps (= rows) per block of the two kernels below
+constexpr int kRowsPerAuxBlock = 8;  // warps per block of the two kernels below
+constexpr int kAuxRowsPerWarp = 4;   // query rows per warp: each warp loads all of its rows first
 
+// Per query row: delta = rowsum(dO * O) and lse2 = lse * log2(e) (+inf for a row that attends
+// nothing), the dQ accumulator's row zeroed, and (kOrderedDq) the dQ tiles' turn counters.
 template <class Cfg>
 __device__ __forceinline__ void bwd_preprocess(const typename Cfg::Params& p) {
     const int lane = threadIdx.x % 32;
-    const int row = blockIdx.x * kRowsPerAuxBlock + threadIdx.x / 32;
     const int head = blockIdx.y, batch = blockIdx.z;
-    if (row >= p.rows_padded) return;
     const long long bh = static_cast<long long>(batch) * p.heads + head;
-    float delta = 0.f, lse2 = __int_as_float(0x7f800000);  // +inf: the row attends nothing
-    if (row < p.seqlen_q) {
-        const long long o_row = batch * p.o_batch_stride + head * p.o_head_stride + row * p.o_row_stride;
-        const long long do_row = batch * p.do_batch_stride + head * p.do_head_stride + row * p.do_row_stride;
-        for (int d = lane; d < Cfg::kHeadDim; d += 32)
-            delta += load_as_float<Cfg::kDtype>(p.dout, do_row + d) * load_as_float<Cfg::kDtype>(p.o, o_row + d);
+    const int row0 = blockIdx.x * kRowsPerAuxBlock * kAuxRowsPerWarp + threadIdx.x / 32;
+    float delta[kAuxRowsPerWarp];
 #pragma unroll
-        for (int w = 16; w >= 1; w /= 2) delta += __shfl_xor_sync(0xffffffffu, delta, w);
-        const float lse = p.lse[bh * p.seqlen_q + row];
-        if (lse != neg_inf()) lse2 = lse * kLog2e;
+    for (int i = 0; i < kAuxRowsPerWarp; ++i) {  // the loads of every row before any reduction
+        const int row = row0 + i * kRowsPerAuxBlock;
+        delta[i] = 0.f;
+        if (row < p.seqlen_q) {
+            const long long o_row = batch * p.o_batch_stride + head * p.o_head_stride + row * p.o_row_stride;
+            const long long do_row = batch * p.do_batch_stride + head * p.do_head_stride + row * p.do_row_stride;
+            for (int d = lane; d < Cfg::kHeadDim; d += 32)
+                delta[i] += load_as_float<Cfg::kDtype>(p.dout, do_row + d) * load_as_float<Cfg::kDtype>(p.o, o_row + d);
+        }
     }
-    if (lane == 0) {
-        p.delta[bh * p.rows_padded + row] = delta;
-        p.lse2[bh * p.rows_padded + row] = lse2;
-    }
-    if constexpr (Cfg::kOrderedDq) {
-        if (lane == 0 && row % Cfg::kDqTileRows == 0)
-            p.dq_sem[bh * (p.rows_padded / Cfg::kDqTileRows) + row / Cfg::kDqTileRows] = 0;
-    }
-    if constexpr (Cfg::kZeroAccum) {
-        float* accum = p.dq_accum + (bh * p.rows_padded + row) * Cfg::kAccumDim;
-        for (int d = lane; d < Cfg::kAccumDim; d += 32) accum[d] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kAuxRowsPerWarp; ++i) {
+        const int row = row0 + i * kRowsPerAuxBlock;
+        if (row >= p.rows_padded) break;
+        float lse2 = __int_as_float(0x7f800000);  // +inf: the row attends nothing
+#pragma unroll
+        for (int w = 16; w >= 1; w /= 2) delta[i] += __shfl_xor_sync(0xffffffffu, delta[i], w);
+        if (row < p.seqlen_q) {
+            const float lse = p.lse[bh * p.seqlen_q + row];
+            if (lse != neg_inf()) lse2 = lse * kLog2e;
+        }
+        if (lane == 0) {
+            p.delta[bh * p.rows_padded + row] = delta[i];
+            p.lse2[bh * p.rows_padded + row] = lse2;
+        }
+        if constexpr (Cfg::kOrderedDq) {
+            if (lane == 0 && row % Cfg::kDqTileRows == 0)
+                p.dq_sem[bh * (p.rows_padded / Cfg::kDqTileRows) + row / Cfg::kDqTileRows] = 0;
+        }
+        if constexpr (Cfg::kZeroAccum) {
+            float* accum = p.dq_accum + (bh * p.rows_padded + row) * Cfg::kAccumDim;
+            if constexpr (Cfg::kAccumDim % 4 == 0) {  // rows of whole 16-byte words
+                for (int d = lane; d < Cfg::kAccumDim / 4; d += 32)
+                    reinterpret_cast<float4*>(accum)[d] = make_float4(0.f, 0.f, 0.f, 0.f);
+            } else {
+                for (int d = lane; d < Cfg::kAccumDim; d += 32) accum[d] = 0.f;
+            }
+        }
     }
 }
 
@@ -218,35 +238,56 @@ __device__ __forceinline__ int dq_fragment_offset(int r, int d) {
     return (d - cc) * 64 + (fragment * 2 + rr / 8) * 64 + lane * 2 + cc % 2;
 }
 
-// kVarlen: blocks (rows, head, sequence) over the packed rows, whose dQ is at the sequence's
-// first row + 64 * sequence in the accumulator (bwd_wgmma.cuh).
+// dQ from its float32 accumulator, times the softmax scale, in the input dtype; each warp loads
+// all of its rows before it stores. kVarlen: blocks (rows, head, sequence) over the packed rows,
+// whose dQ is at the sequence's first row + 64 * sequence in the accumulator (bwd_wgmma.cuh).
 template <class Cfg>
 __device__ __forceinline__ void bwd_convert_dq(const typename Cfg::Params& p, const VarlenArgs& va = VarlenArgs{}) {
+    constexpr int kPerLane = (Cfg::kHeadDim + 31) / 32;
     const int lane = threadIdx.x % 32;
-    int row = blockIdx.x * kRowsPerAuxBlock + threadIdx.x / 32;
     const int head = blockIdx.y;
-    int batch = blockIdx.z;
-    long long tile_row = row / 64 * 64;  // the accumulator's first row of the row's tile, in its head
-    const int tile_r = row % 64;         // the row within that tile
+    const int row0 = blockIdx.x * kRowsPerAuxBlock * kAuxRowsPerWarp + threadIdx.x / 32;
+    int batch = blockIdx.z, start = 0, rows = p.seqlen_q, gap = 0;  // the block's rows: row0 + 8 i of `rows`
     if constexpr (Cfg::kVarlen) {
-        const int start = va.cu_seqlens_q[batch];
-        if (row >= va.cu_seqlens_q[batch + 1] - start) return;
-        tile_row += start + 64 * batch;
-        row += start;
+        start = va.cu_seqlens_q[blockIdx.z];
+        rows = va.cu_seqlens_q[blockIdx.z + 1] - start;
+        gap = 64 * blockIdx.z;
         batch = 0;
     }
-    if (row >= p.seqlen_q) return;
     const long long bh = static_cast<long long>(batch) * p.heads + head;
-    const long long dq_row = batch * p.dq_batch_stride + head * p.dq_head_stride + row * p.dq_row_stride;
-    if constexpr (Cfg::kDqChunkCols) {
-        const float* tile = p.dq_accum + (bh * p.rows_padded + tile_row) * Cfg::kAccumDim;
-        for (int d = lane; d < Cfg::kHeadDim; d += 32)
-            store_from_float<Cfg::kDtype>(p.dq, dq_row + d,
-                                          tile[dq_fragment_offset<Cfg::kDqChunkCols>(tile_r, d)] * p.scale);
-    } else {
-        const float* accum = p.dq_accum + (bh * p.rows_padded + row) * Cfg::kAccumDim;
-        for (int d = lane; d < Cfg::kHeadDim; d += 32)
-            store_from_float<Cfg::kDtype>(p.dq, dq_row + d, accum[d] * p.scale);
+    auto valid = [&](int row) { return row < rows && start + row < p.seqlen_q; };
+    float x[kAuxRowsPerWarp][kPerLane];
+#pragma unroll
+    for (int i = 0; i < kAuxRowsPerWarp; ++i) {
+        const int row = row0 + i * kRowsPerAuxBlock;
+        if (!valid(row)) continue;
+        if constexpr (Cfg::kDqChunkCols) {
+            const long long tile_row = start + gap + row / 64 * 64;  // the accumulator's first row of the row's tile
+            const float* tile = p.dq_accum + (bh * p.rows_padded + tile_row) * Cfg::kAccumDim;
+#pragma unroll
+            for (int j = 0; j < kPerLane; ++j) {
+                const int d = lane + 32 * j;
+                if (d < Cfg::kHeadDim) x[i][j] = tile[dq_fragment_offset<Cfg::kDqChunkCols>(row % 64, d)];
+            }
+        } else {
+            const float* accum = p.dq_accum + (bh * p.rows_padded + start + row) * Cfg::kAccumDim;
+#pragma unroll
+            for (int j = 0; j < kPerLane; ++j) {
+                const int d = lane + 32 * j;
+                if (d < Cfg::kHeadDim) x[i][j] = accum[d];
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < kAuxRowsPerWarp; ++i) {
+        const int row = row0 + i * kRowsPerAuxBlock;
+        if (!valid(row)) continue;
+        const long long dq_row = batch * p.dq_batch_stride + head * p.dq_head_stride + (start + row) * p.dq_row_stride;
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) {
+            const int d = lane + 32 * j;
+            if (d < Cfg::kHeadDim) store_from_float<Cfg::kDtype>(p.dq, dq_row + d, x[i][j] * p.scale);
+        }
     }
 }
 
