@@ -1,4 +1,4 @@
-// The two small kernels around every backward pass, for any dtype, one warp per query row:
+// The two small kernels around every backward pass, for any dtype, 4 query rows per warp:
 //
 //   bwd_preprocess: delta = rowsum(dO * O) in float32, the LSE turned into the base-2 row offset
 //     the main kernels subtract (lse2 = lse * log2(e); +inf for a row that attends nothing, so
@@ -173,16 +173,131 @@ __device__ __forceinline__ DkdvWork dkdv_work(const Params& p) {
     return w;
 }
 
+// Rows of 16-byte words: a 16-byte aligned base and element strides of whole 8-element words.
+__device__ __forceinline__ bool rows_of_words(const void* base, long long s0, long long s1, long long s2) {
+    return (reinterpret_cast<unsigned long long>(base) % 16 == 0) && ((s0 | s1 | s2) % 8 == 0);
+}
+
+// Two 16-bit floats of one 32-bit word (the lower first) as float32, and back.
+template <int kKind>
+__device__ __forceinline__ float2 unpack_pair(u32 w) {
+    if constexpr (kKind == kBf16) {
+        return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+    } else {
+        float lo, hi;
+        asm("{ .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h; }"
+            : "=f"(lo), "=f"(hi) : "r"(w));
+        return make_float2(lo, hi);
+    }
+}
+
+template <int kKind>
+__device__ __forceinline__ u32 pack_pair(float lo, float hi) {
+    u32 w;
+    if constexpr (kKind == kBf16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    }
+    return w;
+}
+
+// The 16-byte path of the two kernels below: kAuxLanes lanes per row, each one 8-element word
+// of it at a time, 32 / kAuxLanes rows per load of a warp.
+template <int kHeadDim>
+struct AuxWords {
+    static constexpr int kWords = kHeadDim / 8;  // per row
+    static constexpr int kLanes = kWords >= 32 ? 32 : kWords > 8 ? (kWords > 16 ? 32 : 16) : (kWords > 4 ? 8 : 4);
+    static constexpr int kPerLane = (kWords + kLanes - 1) / kLanes;
+    static constexpr int kRowsPerLoad = 32 / kLanes;
+};
+
 constexpr int kRowsPerAuxBlock = 8;  // warps per block of the two kernels below
 constexpr int kAuxRowsPerWarp = 4;   // query rows per warp: each warp loads all of its rows first
 
+// The statistics of query row `row` (< rows_padded) once its delta is known: delta, lse2, the
+// dQ tile's turn counter and the accumulator's row zeroed, the last by `lanes` lanes from `lane`.
+template <class Cfg>
+__device__ __forceinline__ void bwd_write_row_stats(const typename Cfg::Params& p, long long bh, int row, float delta,
+                                                    int lane, int lanes) {
+    float lse2 = __int_as_float(0x7f800000);  // +inf: the row attends nothing
+    if (row < p.seqlen_q) {
+        const float lse = p.lse[bh * p.seqlen_q + row];
+        if (lse != neg_inf()) lse2 = lse * kLog2e;
+    }
+    if (lane == 0) {
+        p.delta[bh * p.rows_padded + row] = delta;
+        p.lse2[bh * p.rows_padded + row] = lse2;
+        if constexpr (Cfg::kOrderedDq) {
+            if (row % Cfg::kDqTileRows == 0)
+                p.dq_sem[bh * (p.rows_padded / Cfg::kDqTileRows) + row / Cfg::kDqTileRows] = 0;
+        }
+    }
+    if constexpr (Cfg::kZeroAccum) {
+        float* accum = p.dq_accum + (bh * p.rows_padded + row) * Cfg::kAccumDim;
+        if constexpr (Cfg::kAccumDim % 4 == 0) {  // rows of whole 16-byte words
+            for (int d = lane; d < Cfg::kAccumDim / 4; d += lanes)
+                reinterpret_cast<float4*>(accum)[d] = make_float4(0.f, 0.f, 0.f, 0.f);
+        } else {
+            for (int d = lane; d < Cfg::kAccumDim; d += lanes) accum[d] = 0.f;
+        }
+    }
+}
+
 // Per query row: delta = rowsum(dO * O) and lse2 = lse * log2(e) (+inf for a row that attends
-// nothing), the dQ accumulator's row zeroed, and (kOrderedDq) the dQ tiles' turn counters.
+// nothing), the dQ accumulator's row zeroed, and (kOrderedDq) the dQ tiles' turn counters. Each
+// warp loads all of its rows before it reduces or stores; in 16-byte words where O and dO allow.
 template <class Cfg>
 __device__ __forceinline__ void bwd_preprocess(const typename Cfg::Params& p) {
     const int lane = threadIdx.x % 32;
     const int head = blockIdx.y, batch = blockIdx.z;
     const long long bh = static_cast<long long>(batch) * p.heads + head;
+    if constexpr (Cfg::kDtype != kFp32 && Cfg::kHeadDim % 8 == 0) {
+        if (rows_of_words(p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride)
+            && rows_of_words(p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride)) {
+            using W = AuxWords<Cfg::kHeadDim>;
+            constexpr int kLoads = (kAuxRowsPerWarp + W::kRowsPerLoad - 1) / W::kRowsPerLoad;
+            const int sub = lane / W::kLanes, word = lane % W::kLanes;
+            const int row0 = (blockIdx.x * kRowsPerAuxBlock + threadIdx.x / 32) * kAuxRowsPerWarp + sub;
+            uint4 a[kLoads][W::kPerLane], b[kLoads][W::kPerLane];
+#pragma unroll
+            for (int i = 0; i < kLoads; ++i) {  // the loads of every row before any reduction
+                const int row = row0 + i * W::kRowsPerLoad;
+                const bool ok = sub + i * W::kRowsPerLoad < kAuxRowsPerWarp && row < p.seqlen_q;
+                const long long o_row = batch * p.o_batch_stride + head * p.o_head_stride + row * p.o_row_stride;
+                const long long do_row = batch * p.do_batch_stride + head * p.do_head_stride + row * p.do_row_stride;
+#pragma unroll
+                for (int j = 0; j < W::kPerLane; ++j) {
+                    const int c = word + j * W::kLanes;
+                    a[i][j] = b[i][j] = make_uint4(0u, 0u, 0u, 0u);
+                    if (ok && c < W::kWords) {
+                        a[i][j] = *reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(p.o) + o_row + 8 * c);
+                        b[i][j] = *reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(p.dout) + do_row + 8 * c);
+                    }
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < kLoads; ++i) {
+                float delta = 0.f;
+#pragma unroll
+                for (int j = 0; j < W::kPerLane; ++j) {
+                    const u32 wa[4] = {a[i][j].x, a[i][j].y, a[i][j].z, a[i][j].w};
+                    const u32 wb[4] = {b[i][j].x, b[i][j].y, b[i][j].z, b[i][j].w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float2 x = unpack_pair<Cfg::kDtype>(wa[e]), y = unpack_pair<Cfg::kDtype>(wb[e]);
+                        delta += x.x * y.x + x.y * y.y;
+                    }
+                }
+#pragma unroll
+                for (int w = W::kLanes / 2; w >= 1; w /= 2) delta += __shfl_xor_sync(0xffffffffu, delta, w);
+                const int row = row0 + i * W::kRowsPerLoad;
+                if (sub + i * W::kRowsPerLoad < kAuxRowsPerWarp && row < p.rows_padded)
+                    bwd_write_row_stats<Cfg>(p, bh, row, delta, word, W::kLanes);
+            }
+            return;
+        }
+    }
     const int row0 = blockIdx.x * kRowsPerAuxBlock * kAuxRowsPerWarp + threadIdx.x / 32;
     float delta[kAuxRowsPerWarp];
 #pragma unroll
@@ -200,30 +315,9 @@ __device__ __forceinline__ void bwd_preprocess(const typename Cfg::Params& p) {
     for (int i = 0; i < kAuxRowsPerWarp; ++i) {
         const int row = row0 + i * kRowsPerAuxBlock;
         if (row >= p.rows_padded) break;
-        float lse2 = __int_as_float(0x7f800000);  // +inf: the row attends nothing
 #pragma unroll
         for (int w = 16; w >= 1; w /= 2) delta[i] += __shfl_xor_sync(0xffffffffu, delta[i], w);
-        if (row < p.seqlen_q) {
-            const float lse = p.lse[bh * p.seqlen_q + row];
-            if (lse != neg_inf()) lse2 = lse * kLog2e;
-        }
-        if (lane == 0) {
-            p.delta[bh * p.rows_padded + row] = delta[i];
-            p.lse2[bh * p.rows_padded + row] = lse2;
-        }
-        if constexpr (Cfg::kOrderedDq) {
-            if (lane == 0 && row % Cfg::kDqTileRows == 0)
-                p.dq_sem[bh * (p.rows_padded / Cfg::kDqTileRows) + row / Cfg::kDqTileRows] = 0;
-        }
-        if constexpr (Cfg::kZeroAccum) {
-            float* accum = p.dq_accum + (bh * p.rows_padded + row) * Cfg::kAccumDim;
-            if constexpr (Cfg::kAccumDim % 4 == 0) {  // rows of whole 16-byte words
-                for (int d = lane; d < Cfg::kAccumDim / 4; d += 32)
-                    reinterpret_cast<float4*>(accum)[d] = make_float4(0.f, 0.f, 0.f, 0.f);
-            } else {
-                for (int d = lane; d < Cfg::kAccumDim; d += 32) accum[d] = 0.f;
-            }
-        }
+        bwd_write_row_stats<Cfg>(p, bh, row, delta[i], lane, 32);
     }
 }
 
@@ -256,6 +350,52 @@ __device__ __forceinline__ void bwd_convert_dq(const typename Cfg::Params& p, co
     }
     const long long bh = static_cast<long long>(batch) * p.heads + head;
     auto valid = [&](int row) { return row < rows && start + row < p.seqlen_q; };
+    if constexpr (Cfg::kDtype != kFp32 && Cfg::kHeadDim % 8 == 0 && Cfg::kAccumDim % 4 == 0) {
+        if (rows_of_words(p.dq, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride)) {
+            using W = AuxWords<Cfg::kHeadDim>;
+            constexpr int kLoads = (kAuxRowsPerWarp + W::kRowsPerLoad - 1) / W::kRowsPerLoad;
+            const int sub = lane / W::kLanes, word = lane % W::kLanes;
+            const int first = (blockIdx.x * kRowsPerAuxBlock + threadIdx.x / 32) * kAuxRowsPerWarp + sub;
+            float4 x[kLoads][W::kPerLane][2];
+#pragma unroll
+            for (int i = 0; i < kLoads; ++i) {  // 8 consecutive floats per word: in order in both layouts
+                const int row = first + i * W::kRowsPerLoad;
+                if (sub + i * W::kRowsPerLoad >= kAuxRowsPerWarp || !valid(row)) continue;
+#pragma unroll
+                for (int j = 0; j < W::kPerLane; ++j) {
+                    const int d = 8 * (word + j * W::kLanes);
+                    if (d >= Cfg::kHeadDim) continue;
+                    const float* src;
+                    if constexpr (Cfg::kDqChunkCols) {
+                        const long long tile_row = start + gap + row / 64 * 64;
+                        src = p.dq_accum + (bh * p.rows_padded + tile_row) * Cfg::kAccumDim
+                              + dq_fragment_offset<Cfg::kDqChunkCols>(row % 64, d);
+                    } else {
+                        src = p.dq_accum + (bh * p.rows_padded + start + row) * Cfg::kAccumDim + d;
+                    }
+                    x[i][j][0] = reinterpret_cast<const float4*>(src)[0];
+                    x[i][j][1] = reinterpret_cast<const float4*>(src)[1];
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < kLoads; ++i) {
+                const int row = first + i * W::kRowsPerLoad;
+                if (sub + i * W::kRowsPerLoad >= kAuxRowsPerWarp || !valid(row)) continue;
+                const long long dq_row = batch * p.dq_batch_stride + head * p.dq_head_stride + (start + row) * p.dq_row_stride;
+#pragma unroll
+                for (int j = 0; j < W::kPerLane; ++j) {
+                    const int d = 8 * (word + j * W::kLanes);
+                    if (d >= Cfg::kHeadDim) continue;
+                    const float4 u = x[i][j][0], v = x[i][j][1];
+                    const float s = p.scale;
+                    *reinterpret_cast<uint4*>(static_cast<unsigned short*>(p.dq) + dq_row + d) =
+                        make_uint4(pack_pair<Cfg::kDtype>(u.x * s, u.y * s), pack_pair<Cfg::kDtype>(u.z * s, u.w * s),
+                                   pack_pair<Cfg::kDtype>(v.x * s, v.y * s), pack_pair<Cfg::kDtype>(v.z * s, v.w * s));
+                }
+            }
+            return;
+        }
+    }
     float x[kAuxRowsPerWarp][kPerLane];
 #pragma unroll
     for (int i = 0; i < kAuxRowsPerWarp; ++i) {
