@@ -485,7 +485,9 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         if (tid == kDqThread) {
             if (kOrderedDq && w.steps >= 2) pass_dq_turn(w.steps - 2, false);
             if (w.steps > 0) add_dq_tile(w.steps - 1);
-            bulk_wait_group<0>();  // done before the block's shared memory goes
+            // Read before the block's shared memory goes (kOrderedDq: landed, before the next turn).
+            if constexpr (kOrderedDq) bulk_wait_group<0>();
+            else bulk_wait_group_read<0>();
             if (kOrderedDq && w.steps > 0) pass_dq_turn(w.steps - 1, false);
         }
     }
