@@ -178,30 +178,6 @@ __device__ __forceinline__ bool rows_of_words(const void* base, long long s0, lo
     return (reinterpret_cast<unsigned long long>(base) % 16 == 0) && ((s0 | s1 | s2) % 8 == 0);
 }
 
-// Two 16-bit floats of one 32-bit word (the lower first) as float32, and back.
-template <int kKind>
-__device__ __forceinline__ float2 unpack_pair(u32 w) {
-    if constexpr (kKind == kBf16) {
-        return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-    } else {
-        float lo, hi;
-        asm("{ .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h; }"
-            : "=f"(lo), "=f"(hi) : "r"(w));
-        return make_float2(lo, hi);
-    }
-}
-
-template <int kKind>
-__device__ __forceinline__ u32 pack_pair(float lo, float hi) {
-    u32 w;
-    if constexpr (kKind == kBf16) {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
-    } else {
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
-    }
-    return w;
-}
-
 // The 16-byte path of the two kernels below: kAuxLanes lanes per row, each one 8-element word
 // of it at a time, 32 / kAuxLanes rows per load of a warp.
 template <int kHeadDim>
@@ -285,8 +261,10 @@ __device__ __forceinline__ void bwd_preprocess(const typename Cfg::Params& p) {
                     const u32 wb[4] = {b[i][j].x, b[i][j].y, b[i][j].z, b[i][j].w};
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const float2 x = unpack_pair<Cfg::kDtype>(wa[e]), y = unpack_pair<Cfg::kDtype>(wb[e]);
-                        delta += x.x * y.x + x.y * y.y;
+                        float x0, x1, y0, y1;
+                        unpack2<Cfg::kDtype == kBf16>(wa[e], x0, x1);
+                        unpack2<Cfg::kDtype == kBf16>(wb[e], y0, y1);
+                        delta += x0 * y0 + x1 * y1;
                     }
                 }
 #pragma unroll
@@ -386,11 +364,12 @@ __device__ __forceinline__ void bwd_convert_dq(const typename Cfg::Params& p, co
                 for (int j = 0; j < W::kPerLane; ++j) {
                     const int d = 8 * (word + j * W::kLanes);
                     if (d >= Cfg::kHeadDim) continue;
+                    constexpr bool kBF16 = Cfg::kDtype == kBf16;
                     const float4 u = x[i][j][0], v = x[i][j][1];
                     const float s = p.scale;
-                    *reinterpret_cast<uint4*>(static_cast<unsigned short*>(p.dq) + dq_row + d) =
-                        make_uint4(pack_pair<Cfg::kDtype>(u.x * s, u.y * s), pack_pair<Cfg::kDtype>(u.z * s, u.w * s),
-                                   pack_pair<Cfg::kDtype>(v.x * s, v.y * s), pack_pair<Cfg::kDtype>(v.z * s, v.w * s));
+                    const u32 words[4] = {pack2<kBF16>(u.x * s, u.y * s), pack2<kBF16>(u.z * s, u.w * s),
+                                          pack2<kBF16>(v.x * s, v.y * s), pack2<kBF16>(v.z * s, v.w * s)};
+                    st_global_v4(static_cast<unsigned short*>(p.dq) + dq_row + d, words);
                 }
             }
             return;
