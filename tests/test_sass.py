@@ -131,6 +131,17 @@ def test_hopper_backward_uses_warpgroup_mma(head_dim, tmp_path):
         assert "LDG.E.STRONG.GPU" in code and "REDG.E.ADD.S32.STRONG.GPU" in code
 
 
+@pytest.mark.parametrize("head_dim, dtype", [(64, "fp16"), (96, "bf16"), (128, "bf16"), (256, "fp16")])
+def test_backward_preprocess_and_dq_conversion_move_16_byte_words(head_dim, dtype, tmp_path):
+    from cuflash.core.policy import default_bwd_spec
+    code = sass(default_bwd_spec(head_dim, dtype, False, "sm90a"), tmp_path)
+    kernels = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s+Function : |\Z)", code, re.S))
+    pre = next(c for name, c in kernels.items() if name.endswith("_pre"))
+    conv = next(c for name, c in kernels.items() if name.endswith("_dq"))
+    assert "LDG.E.128" in pre and "STG.E.128" in pre  # O and dO read, the accumulator zeroed, in words
+    assert "LDG.E.128" in conv and "STG.E.128" in conv  # the accumulator read, dQ written, in words
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_kvcache_tiles_of_64_rows_use_warpgroup_mma_on_hopper(paged, tmp_path):
     """KV-cache tiles of 64 query rows at head dim 128: wgmma on sm90a (S and P V), mma.sync on sm80."""
