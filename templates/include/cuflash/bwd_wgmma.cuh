@@ -177,11 +177,6 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         cp_async_commit();
     }
 
-    // Step t's row in lse2 / delta; kVarlen with kTma: its offset from the 16-byte boundary below.
-    auto stats_row = [&](int t) {
-        return kVarlen ? query_rows(p, 0, w.step_head(p.group, t), w.q_start + step_m0(t)).row
-                       : query_rows(p, w.batch, w.step_head(p.group, t), step_m0(t)).row;
-    };
     constexpr bool kStatsShifted = Cfg::kStatsRows != kBM;
     static_assert(!kStatsShifted || (kTma && kVarlen && Cfg::kStatsRows == kBM + 4), "4 more values per slot");
     // Step t's query tile (DkdvWork::step_head / step_m0) into ring slot `slot` (kTma: by thread 0).
@@ -293,7 +288,9 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
         const int slot = t % Cfg::kStages;
         const int head = w.step_head(p.group, t), m0 = step_m0(t);
         const u32 sQs = sQ + slot * Cfg::kQTileBytes, sDOs = sDO + slot * Cfg::kQTileBytes;
-        const int stats_shift = kStatsShifted ? static_cast<int>(stats_row(t) & 3) : 0;
+        // kStatsShifted: the step's first row of lse2 / delta sits (sequence's first row) % 4 past the
+        // 16-byte boundary below it, since rows_padded and m0 are multiples of 4 (varlen.py).
+        const int stats_shift = kStatsShifted ? w.q_start & 3 : 0;
         const float* s_lse2 = s_lse2_all + slot * Cfg::kStatsRows + stats_shift;
         const float* s_delta = s_delta_all + slot * Cfg::kStatsRows + stats_shift;
 
