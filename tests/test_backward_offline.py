@@ -403,3 +403,16 @@ def test_ordered_dq_has_its_turn_counters_in_the_parameter_block():
     for args in calls:
         params = np.frombuffer(args[0].tobytes(), dtype=fields)[0]
         assert params["dq_sem"] == 0x1000 * len(names) and params["dq_accum"] == 0xA000
+
+
+def test_small_kernels_grid_matches_their_rows_per_block():
+    """The host's block size and rows per block of the preprocess and the dQ conversion are the
+    kernels' own (bwd_common.cuh): a mismatch would leave rows without delta, lse2 or dQ."""
+    from cuflash.core import launch
+    from cuflash.core.render import include_dir
+
+    header = (include_dir() / "cuflash" / "bwd_common.cuh").read_text()
+    warps = int(re.search(r"constexpr int kRowsPerAuxBlock = (\d+);", header).group(1))
+    rows_per_warp = int(re.search(r"constexpr int kAuxRowsPerWarp = (\d+);", header).group(1))
+    assert launch._AUX_THREADS == 32 * warps
+    assert launch._AUX_ROWS == warps * rows_per_warp
