@@ -90,7 +90,9 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
     const float* s_delta_all = reinterpret_cast<const float*>(smem + Cfg::kSmemDelta);
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int wg = warp / 4;
+    // Taken from lane 0, so that the compiler sees it warp-uniform: the descriptors derived from
+    // it then stay on the uniform datapath instead of being moved there for every wgmma.
+    const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
     const int key_row0 = (kSplitD ? 0 : wg * 64) + (warp % 4) * 16;  // first key row (in the tile) of this warp
     const int grad_col0 = kSplitD ? wg * kGradCols : 0;             // first dK / dV column of this warpgroup
     constexpr bool kDqDouble = Cfg::kDqDouble;
@@ -179,6 +181,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
 
     constexpr bool kStatsShifted = Cfg::kStatsRows != kBM;
     static_assert(!kStatsShifted || (kTma && kVarlen && Cfg::kStatsRows == kBM + 4), "4 more values per slot");
+    constexpr Flag<!kStatsShifted> kStatPairs{};  // the slots' statistics start 16-byte aligned: columns read in pairs
     // Step t's query tile (DkdvWork::step_head / step_m0) into ring slot `slot` (kTma: by thread 0).
     auto load_step = [&](int t, int slot) {
         const int m0 = step_m0(t);
@@ -330,12 +333,15 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
             return reinterpret_cast<u32*>(smem + tile + swizzled_offset(key_row0 + lane / 4 + 8 * half, nt, kBN)
                                           + (lane % 4) * 4);
         };
+        // Stored by stmatrix, two n=8 tiles at a time: lane l addresses row l % 8 of matrix l / 8,
+        // the (tile nt + l / 16, half l / 8 % 2) one.
         auto store_tile = [&](int tile, const u32 (&f)[kQT][2]) {
+            static_assert(kQT % 2 == 0, "pairs of n=8 tiles");
+            const int row = key_row0 + lane % 8 + 8 * (lane / 8 % 2);
 #pragma unroll
-            for (int nt = 0; nt < kQT; ++nt) {
-                *tile_word(tile, nt, 0) = f[nt][0];
-                *tile_word(tile, nt, 1) = f[nt][1];
-            }
+            for (int nt = 0; nt < kQT; nt += 2)
+                stmatrix_x4(base + tile + swizzled_offset(row, nt + lane / 16, kBN), f[nt][0], f[nt][1], f[nt + 1][0],
+                            f[nt + 1][1]);
         };
 
         u32 fp_tiles[kQT][2], fds_tiles[kQT][2];
@@ -350,11 +356,11 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
             float dmod[kGrad ? kQT : 1][4];  // d score_mod / d score (kGrad)
             if constexpr (kMods)
                 mod_scores_t<Cfg, kGrad>(st, dmod, mods, p.scale, w.batch, head, lane, key0, m0, mask_elements);
-            recompute_probs<false>(st, s_lse2, kMods ? kLog2e : p.scale_log2, lane, masked, allowed);
+            recompute_probs<false>(st, s_lse2, kMods ? kLog2e : p.scale_log2, lane, masked, allowed, kStatPairs);
             pack_fragments<kBF16>(fp_tiles, st);
             wgmma_wait<0>();
             fence_operands(dpt);
-            recompute_dscores<kBF16, false>(dpt, fp_tiles, s_delta, lane);
+            recompute_dscores<kBF16, false>(dpt, fp_tiles, s_delta, lane, masked || kMods, kStatPairs);
             if constexpr (kGrad) chain_score_mod(dpt, dmod);
             pack_fragments<kBF16>(fds_tiles, dpt);
             if constexpr (!Cfg::kDqKernel) store_tile(Cfg::kSmemDS, fds_tiles);  // for dQ
@@ -369,7 +375,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                 float none[1][4];
                 if constexpr (kMods)
                     mod_scores_t<Cfg, false>(sc, none, mods, p.scale, w.batch, head, lane, key0, m0, mask_elements);
-                recompute_probs<false>(sc, s_lse2, kMods ? kLog2e : p.scale_log2, lane, masked, allowed);
+                recompute_probs<false>(sc, s_lse2, kMods ? kLog2e : p.scale_log2, lane, masked, allowed, kStatPairs);
                 pack_fragments<kBF16>(fp_tiles, sc);
                 store_tile(Cfg::kSmemP, fp_tiles);
             }
@@ -381,7 +387,7 @@ __device__ __forceinline__ void bwd_dkdv_wgmma(const typename Cfg::Params& p, co
                     fp_tiles[nt][0] = *tile_word(Cfg::kSmemP, nt, 0);
                     fp_tiles[nt][1] = *tile_word(Cfg::kSmemP, nt, 1);
                 }
-                recompute_dscores<kBF16, false>(sc, fp_tiles, s_delta, lane);
+                recompute_dscores<kBF16, false>(sc, fp_tiles, s_delta, lane, true, kStatPairs);
                 pack_fragments<kBF16>(fds_tiles, sc);
                 store_tile(Cfg::kSmemDS, fds_tiles);
             }

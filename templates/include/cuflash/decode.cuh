@@ -25,11 +25,6 @@ __device__ __forceinline__ float tanh_approx(float x) {
     return y;
 }
 
-template <bool kValue>
-struct Bool {
-    static constexpr bool value = kValue;
-};
-
 // a * b as a 64-bit product of two 32-bit operands (one instruction).
 __device__ __forceinline__ long long mul_wide(int a, int b) {
     long long r;
@@ -545,7 +540,7 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
         cp_async_commit();
     };
 #pragma unroll
-    for (int s = 0; s < Cfg::kStages - 1; ++s) issue(t0 + s, Bool<false>());
+    for (int s = 0; s < Cfg::kStages - 1; ++s) issue(t0 + s, Flag<false>());
     if constexpr (kPrefetch) fetch_pages<Cfg>(cache, pages, (t0 + Cfg::kStages - 1) * BN, kv_keys, tid);
 
     float scale_log2 = p.scale_log2;
@@ -626,7 +621,7 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
             k_tile = stage_k((t - t0) % Cfg::kStages);
             v_tile = stage_v((t - t0) % Cfg::kStages);
         }
-        issue(t + Cfg::kStages - 1, Bool<kPrefetch>());
+        issue(t + Cfg::kStages - 1, Flag<kPrefetch>());
         if constexpr (kPrefetch) fetch_pages<Cfg>(cache, pages, (t + Cfg::kStages) * BN, kv_keys, tid);
 
         float s[kNT][4];

@@ -54,12 +54,6 @@
 
 namespace cuflash {
 
-// A compile-time flag passed as an argument (to generic lambdas).
-template <bool B>
-struct Flag {
-    static constexpr bool value = B;
-};
-
 // Tensor maps of q, k and v, as 4-d tensors (head_dim, seqlen, heads, batch); boxes of 64
 // columns by kBlockM (q) or kBlockN (k, v) rows.
 struct FwdTensorMaps {

@@ -8,6 +8,12 @@ namespace cuflash {
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+// A compile-time flag passed as an argument (to generic lambdas).
+template <bool B>
+struct Flag {
+    static constexpr bool value = B;
+};
+
 __device__ __forceinline__ u32 smem_addr(const void* ptr) {
     return static_cast<u32>(__cvta_generic_to_shared(ptr));
 }
@@ -115,6 +121,12 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// ---- registers -> shared memory: four 8 x 8 16-bit matrices, lane i addressing row i % 8 of
+// matrix i / 8 (sm_90) ----
+__device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n"
+                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
