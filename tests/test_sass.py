@@ -115,6 +115,9 @@ def test_hopper_backward_uses_warpgroup_mma(head_dim, tmp_path):
     # dQ's partial tiles by bulk reduce-add (above 128 columns from the step's Q and dO tiles)
     assert spec.bulk_dq and spec.double_dq == (head_dim <= 128)
     assert "UBLKRED.G.S.ADD.F32" in code and "REDG.E.ADD.F32" not in code
+    # the wgmma descriptors stay on the uniform datapath (fewer moves into it than wgmmas), and
+    # the P and dS tiles go to shared memory by stmatrix
+    assert code.count("R2UR") < code.count("HGMMA") and "STSM" in code
     if head_dim in (128, 256):  # packed sequences take the bulk add and TMA too (cp.async for views it cannot read)
         varlen = sass(spec.replace(varlen=True), tmp_path)
         assert "UBLKRED.G.S.ADD.F32" in varlen and "UTMALDG.4D" in varlen and "LDGSTS" not in varlen
