@@ -51,7 +51,7 @@ __device__ __forceinline__ void load_row_stats_async(u32 s_lse2, u32 s_delta, co
 // branch that every lane of the block takes alike: unmasked tiles (all but the causal diagonal
 // and the sequence tails) do not execute the per-element tests at all.
 // kPairs (column statistics 8-byte aligned): each n=8 tile's two columns read as one float2.
-template <bool kRowStats, bool kPairs, int kNT>
+template <bool kRowStats, bool kPairs>
 __device__ __forceinline__ float fragment_stat(const float* stats, int nt, int e, int lane) {
     if constexpr (kPairs && !kRowStats) {
         const float2 pair = *reinterpret_cast<const float2*>(stats + nt * 8 + 2 * (lane % 4));
@@ -68,7 +68,7 @@ __device__ __forceinline__ void recompute_probs(float (&s)[kNT][4], const float*
     for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            s[nt][e] = exp2_approx(fmaf(s[nt][e], scale_log2, -fragment_stat<kRowStats, kPairs, kNT>(s_lse2, nt, e, lane)));
+            s[nt][e] = exp2_approx(fmaf(s[nt][e], scale_log2, -fragment_stat<kRowStats, kPairs>(s_lse2, nt, e, lane)));
     }
     if (masked) {
 #pragma unroll
@@ -81,10 +81,10 @@ __device__ __forceinline__ void recompute_probs(float (&s)[kNT][4], const float*
 }
 
 // dS = P * (dP - delta) in place on dP's fragments, P taken from its packed 16-bit form (the
-// value the P^T dO / P V products used). Where P is 0 (masked, or a row that attends nothing) dS
-// is 0 even if dP is not finite, so a NaN in V reaches no gradient it does not belong to.
-// zero_where_masked false: a tile without masked pairs, whose P is 0 only by underflow, where the
-// exact product is not finite either; dS is then the plain product.
+// value the P^T dO / P V products used). With zero_where_masked, where P is 0 (masked, or a row
+// that attends nothing) dS is 0 even if dP is not finite, so a NaN in V reaches no gradient it does
+// not belong to. Without it (a tile with no masked pair, no mods) P is 0 only by underflow, where
+// the exact product is not finite either, and dS is the plain product.
 template <bool kBF16, bool kRowStats, int kNT, bool kPairs = false>
 __device__ __forceinline__ void recompute_dscores(float (&dp)[kNT][4], const u32 (&probs)[kNT][2],
                                                   const float* s_delta, int lane, bool zero_where_masked = true,
@@ -97,7 +97,7 @@ __device__ __forceinline__ void recompute_dscores(float (&dp)[kNT][4], const u32
             unpack2<kBF16>(probs[nt][1], prob[2], prob[3]);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float ds = prob[e] * (dp[nt][e] - fragment_stat<kRowStats, kPairs, kNT>(s_delta, nt, e, lane));
+                const float ds = prob[e] * (dp[nt][e] - fragment_stat<kRowStats, kPairs>(s_delta, nt, e, lane));
                 dp[nt][e] = decltype(keep_zeros)::value && prob[e] == 0.f ? 0.f : ds;
             }
         }
