@@ -25,7 +25,7 @@ def _offsets(cupy, name, x, device):
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, causal=False, scale=None,
-                     window_size=(-1, -1), softcap=0.0, return_lse=False, sinks=None):
+                     window_size=(-1, -1), softcap=0.0, return_lse=False, sinks=None, score_mod=None, mask_mod=None):
     """Attention of each packed sequence to its own keys, as FlashAttention's varlen call.
 
     Args:
@@ -42,6 +42,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
             :func:`cuflash.attention_with_kvcache`.
         return_lse: also return the natural-log LSE, float32 [heads, total_q].
         sinks: attention sinks, a float CuPy array [heads] (see :func:`cuflash.attention`).
+        score_mod, mask_mod: as for :func:`cuflash.attention`, with ``b`` the sequence's index
+            and ``q_idx`` / ``kv_idx`` positions within the sequence (from 0). They run on the
+            Hopper kernel (sm90a, fp16/bf16); elsewhere they raise ValueError.
 
     Returns:
         The output [total_q, heads, head_dim] in q's dtype (and the LSE). Sequences may be empty;
@@ -94,6 +97,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     if sinks is not None:
         from .core.validate import validate_sinks
         sinks = validate_sinks(sinks, problem.heads, problem.device_id)
+    mods = _varlen_mods(problem, score_mod, mask_mod)
     with _on_device(device):
         # NaN until written: all-ones bytes are NaN in fp16, bf16 and float32 (a byte memset runs at
         # full bandwidth, unlike a 16-bit fill)
@@ -102,7 +106,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         for x in (out, lse):
             x.data.memset_async(0xFF, x.nbytes)
         if batch and max_seqlen_q and out.size and not _hopper(q, k, v, cu_q, cu_k, out, lse, int(max_seqlen_q),
-                                                               problem, sinks):
+                                                               problem, sinks, mods):
+            if score_mod is not None or mask_mod is not None:
+                raise ValueError(f"score_mod and mask_mod on attention_varlen run on the Hopper kernel (sm90a, fp16 "
+                                 f"or bf16, a positive scale, 16-byte aligned rows, a head dim it takes); this call "
+                                 f"has {_arch(device)}, {problem.dtype.tag}, head_dim={head_dim}, "
+                                 f"scale={problem.scale}")
             spec = _kv.select_spec(problem, _arch(device))
             kernels = _compile.get_kernel(spec, device)
             plan = _kv.KVCachePlan(kernels, spec, problem, page_table=None, cache_seqlens=None, splits=1,
@@ -123,11 +132,26 @@ def hopper_spec(head_dim: int, dtype: str, causal: bool, max_seqlen_q: int, arch
     return spec.replace(varlen=True) if spec.warp_specialized else None
 
 
-def _hopper(q, k, v, cu_q, cu_k, out, lse, max_seqlen_q, problem, sinks=None) -> bool:
+def _varlen_mods(problem, score_mod, mask_mod):
+    """The call's mods (modset.prepare) with its softcap as the score_mod, checked beside its
+    window and cap as attention's are; None where it has none."""
+    from .core import modset
+    from .core.validate import variant_mods
+    from .mods import _softcap_mod
+
+    if score_mod is None and mask_mod is None and not problem.softcap:
+        return None
+    variant_mods((tuple(problem.window), problem.softcap), problem.causal, score_mod, mask_mod)
+    if score_mod is None and problem.softcap:
+        score_mod = _softcap_mod(problem.softcap)
+    return modset.prepare(score_mod, mask_mod, problem.device_id)
+
+
+def _hopper(q, k, v, cu_q, cu_k, out, lse, max_seqlen_q, problem, sinks=None, mods=None) -> bool:
     """Run the forward on the Hopper warp-specialized kernel's varlen specialization where it
     applies (sm90a, fp16/bf16, a positive scale, rows TMA can read, a head dim the kernel takes; a
-    window as the kernel's own bounds, spec.local; a softcap as its score_mod); False where it
-    does not."""
+    window as the kernel's own bounds, spec.local; a softcap or the call's mods as its mods); False
+    where it does not."""
     from .core.launch import LaunchPlan
     from .core.validate import readable_by_tma, validate
     from .forward import _arch
@@ -154,11 +178,9 @@ def _hopper(q, k, v, cu_q, cu_k, out, lse, max_seqlen_q, problem, sinks=None) ->
     if not plain:
         spec = spec.replace(local=True)
     varlen = struct.pack("<QQii", cu_q.data.ptr, cu_k.data.ptr, q.shape[0], k.shape[0])
-    if problem.softcap:
+    if mods is not None:
         from .core import modset
-        from .mods import _softcap_mod
-        mods = modset.prepare(_softcap_mod(problem.softcap), None, problem.device_id)
-        spec = spec.replace(score_mod=mods.score_digest)
+        spec = spec.replace(score_mod=mods.score_digest, mask_mod=mods.mask_digest)
         varlen = (varlen, modset.kernel_argument(mods))
     kernel = _compile.get_kernel(spec, problem.device_id)
     out_strides = (0, out.strides[1] // out.itemsize, out.strides[0] // out.itemsize)
@@ -179,19 +201,22 @@ def _host_offsets(name, x, total):
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
-                              deterministic=False, family=None, sinks=None, window_size=(-1, -1), softcap=0.0):
+                              deterministic=False, family=None, sinks=None, window_size=(-1, -1), softcap=0.0,
+                              score_mod=None, mask_mod=None):
     """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen`, and ``dsinks`` (a fourth, in the
     sinks' dtype) with ``sinks``.
 
     Args:
         dout: [total_q, heads, head_dim], the gradient of the output.
-        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_size, softcap: as passed to the
-            forward (a softcap runs sequence by sequence).
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_size, softcap, score_mod,
+            mask_mod: as passed to the forward. score_mod and mask_mod run in one launch (family
+            "wgmma"; at head dims 192 and up only a score_mod whose derivative is 1, as adding a
+            bias); a softcap where that launch cannot take it runs sequence by sequence.
         out, lse: the forward's output and LSE ([heads, total_q], ``return_lse=True``).
         deterministic: dQ in a fixed order (bit-identical runs).
         sinks: the forward's sinks (its LSE includes them).
         family: ``"wgmma"``: every sequence in one launch of the Hopper K/V-outer kernel's varlen
-            specialization (sm90a, fp16/bf16, CuPy arrays, not deterministic, no softcap);
+            specialization (sm90a, fp16/bf16, CuPy arrays, not deterministic);
             ``"sequences"``: each sequence on :func:`cuflash.attention_backward`; None:
             ``"wgmma"`` where it applies, else ``"sequences"``.
 
@@ -202,7 +227,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     Offsets must rise from 0 to the packed row counts (checked, ValueError). The keys of a
     sequence with no queries get zero gradients."""
     from .backward import _attention_backward
-    from .core.validate import validate_sinks, validate_variants
+    from .core.validate import validate_sinks, validate_variants, variant_mods
 
     xp = _xp(q)
     total_q, total_k = q.shape[0], k.shape[0]
@@ -221,14 +246,24 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         raise ValueError(f"family='wgmma', deterministic={deterministic}: the one-launch varlen backward is "
                          f"not deterministic")
     variants = validate_variants(window_size, softcap, causal)
-    if family == "wgmma" and variants is not None and variants[1]:
-        raise ValueError(f"family='wgmma', softcap={softcap}: the one-launch varlen backward takes no softcap; "
-                         f"family='sequences' does")
     window = variants[0] if variants is not None else (-1, -1)
-    if family == "wgmma" or (family is None and not (variants and variants[1]) and not deterministic
-                             and _one_launch_applies(q)):
+    cap = variants[1] if variants is not None else 0.0
+    user_mods = score_mod is not None or mask_mod is not None
+    if user_mods:
+        variant_mods((window, cap), causal, score_mod, mask_mod)  # a cap beside a score_mod, a window beside a mask_mod
+    if cap:
+        from .mods import _softcap_mod
+        score_mod = _softcap_mod(cap)
+    why = _one_launch_refusal(q, deterministic, score_mod)
+    if family == "wgmma" and why:
+        raise ValueError(f"family='wgmma': the one-launch varlen backward does not run this call: {why}")
+    if user_mods and (why or family == "sequences"):
+        raise ValueError(f"score_mod and mask_mod on attention_varlen_backward run in one launch of the Hopper "
+                         f"backward (family='wgmma'), which does not run this call: "
+                         f"{why or 'family=' + repr(family)}")
+    if family == "wgmma" or (family is None and not why):
         grads = _hopper_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, offsets_q, offsets_k, causal,
-                                 scale, window)
+                                 scale, window, score_mod, mask_mod)
         return grads if sinks is None else (*grads, _varlen_sinks_grad(dout, out, lse, sinks, sinks32))
     dq, dk, dv = (xp.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
     for b in range(offsets_q.size - 1):
@@ -257,26 +292,43 @@ def _varlen_sinks_grad(dout, out, lse, sinks, sinks32):
     return _sinks_grad(sinks32, lse[None], delta[None]).astype(sinks.dtype, copy=False)
 
 
-def _one_launch_applies(q) -> bool:
-    """Whether the one-launch backward runs these inputs: CuPy fp16/bf16 arrays on sm90a, at a
-    head dim whose default backward is the Hopper kernel (_hopper_backward checks the rest)."""
+def _one_launch_refusal(q, deterministic: bool, score_mod) -> str:
+    """Why the one-launch backward cannot run these inputs ("" where it can): it takes CuPy
+    fp16/bf16 arrays on sm90a, not deterministic, at a head dim whose default backward is the
+    Hopper kernel, and there a score_mod whose derivative is 1 where that kernel splits the head
+    dim (_hopper_backward checks the rest)."""
+    from .core import mod_grad, modset
     from .core.dtypes import from_tag
     from .core.policy import default_bwd_spec
     from .forward import _arch
 
     cupy = sys.modules.get("cupy")
     if cupy is None or not isinstance(q, cupy.ndarray) or q.dtype.name not in ("float16", "bfloat16"):
-        return False
-    return (_arch(q.device.id) == "sm90a"
-            and default_bwd_spec(q.shape[-1], from_tag(q.dtype.name).tag, False, "sm90a", False).family == "wgmma")
+        return f"it takes CuPy float16 or bfloat16 arrays, q is {type(q).__name__} {getattr(q, 'dtype', '')}"
+    if deterministic:
+        return "it is not deterministic"
+    arch = _arch(q.device.id)
+    if arch != "sm90a":
+        return f"it runs on sm90a, the device is {arch}"
+    spec = default_bwd_spec(q.shape[-1], from_tag(q.dtype.name).tag, False, "sm90a", False)
+    if spec.family != "wgmma":
+        return f"head_dim={q.shape[-1]} runs on the portable backward"
+    if spec.split_head_dim and score_mod is not None and not mod_grad.adds_only(modset.traced(score_mod, "score")):
+        return (f"at head_dim={q.shape[-1]} it takes only a score_mod whose derivative is 1 (a bias added to the "
+                f"score)")
+    return ""
 
 
-def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, causal, scale, window=(-1, -1)):
+def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, causal, scale, window=(-1, -1),
+                     score_mod=None, mask_mod=None):
     """attention_varlen_backward on the Hopper K/V-outer kernel's varlen specialization: one launch
     of blocks (key tile, kv head, sequence); the preprocess and the dQ conversion run over all
-    packed rows as one sequence. ``window``: checked (left, right), bounded by the kernel."""
+    packed rows as one sequence. ``window``: checked (left, right), bounded by the kernel; the mods
+    (a softcap among them) checked beside it."""
     import cupy
 
+    from .core import mod_grad
+    from .core import modset as _modset
     from .core.bwd_spec import VARLEN_DQ_GAP
     from .core.launch import launch_backward, rows_padded
     from .core.policy import default_bwd_spec
@@ -297,6 +349,12 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
     plain = window[0] < 0 and (causal or window[1] < 0)  # no bound beyond the causal one
     spec = default_bwd_spec(problem.head_dim, problem.dtype.tag, causal, arch, False, family="wgmma").replace(
         varlen=True, local=not plain)
+    mods = _modset.prepare(score_mod, mask_mod, problem.device_id)
+    if mods is not None:
+        if spec.split_head_dim and mods.score is not None and not mod_grad.adds_only(mods.score):
+            raise ValueError(f"family='wgmma' at head_dim={problem.head_dim} takes only a score_mod whose "
+                             f"derivative is 1 (a bias added to the score)")
+        spec = spec.replace(score_mod=mods.score_digest, mask_mod=mods.mask_digest)
     total_q, heads, head_dim = q.shape
     total_k, heads_k = k.shape[:2]
     sequences = offsets_q.size - 1
@@ -326,22 +384,30 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
                    for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk),
                                    ("dv", dv))}
         args = struct.pack("<QQii", offsets[0].data.ptr, offsets[1].data.ptr, total_q, total_k)
-        launch_backward(_compile.get_kernel(spec, problem.device_id), spec, bp, tensors, strides, padded=padded,
+        launch_backward(_compile.get_kernel(spec, problem.device_id), spec, bp, tensors, strides,
+                        _modset.kernel_argument(mods), padded=padded,
                         varlen=(args, sequences, max_seqlen_k, max_seqlen_q), window=window)
     return dq, dk, dv
 
 
 def attention_varlen_with_grad(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, causal=False, scale=None,
-                               deterministic=False, sinks=None, window_size=(-1, -1), softcap=0.0):
+                               deterministic=False, sinks=None, window_size=(-1, -1), softcap=0.0, score_mod=None,
+                               mask_mod=None):
     """The forward output and a function from ``dout`` to ``(dq, dk, dv)`` (and ``dsinks`` with
     ``sinks``), as :func:`cuflash.attention_with_grad` for packed sequences."""
+    from .core import modset
+
+    # traced once for both passes
+    score_mod, mask_mod = modset.traced(score_mod, "score"), modset.traced(mask_mod, "mask")
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, causal=causal,
-                                scale=scale, return_lse=True, sinks=sinks, window_size=window_size, softcap=softcap)
+                                scale=scale, return_lse=True, sinks=sinks, window_size=window_size, softcap=softcap,
+                                score_mod=score_mod, mask_mod=mask_mod)
 
     def backward(dout):
         return attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal=causal,
                                          scale=scale, deterministic=deterministic, sinks=sinks,
-                                         window_size=window_size, softcap=softcap)
+                                         window_size=window_size, softcap=softcap, score_mod=score_mod,
+                                         mask_mod=mask_mod)
     return out, backward
 
 

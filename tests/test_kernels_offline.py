@@ -58,7 +58,8 @@ _WS = dict(head_dim=128, dtype="bf16", causal=False, block_m=128, block_n=128, n
     (dict(warp_specialized=False, num_warps=8, overlap=False), "pingpong applies to the warp-specialized"),
     (dict(family="mma", block_m=128, num_warps=8, pingpong=False), "warp_specialized applies to the wgmma family"),
     (dict(block_n=176, num_stages=3), "shared memory"),
-    (dict(varlen=True, mask_mod="0123456789ab"), "varlen applies to the warp-specialized kernel on fp16 or bf16"),
+    (dict(varlen=True, mask_mod="0123456789ab", block_sparse=True),
+     "varlen applies to the warp-specialized kernel on fp16 or bf16"),
     (dict(varlen=True, warp_specialized=False, pingpong=False, num_warps=8), "varlen applies"),
 ])
 def test_invalid_warp_specialized_specs_are_named(kwargs, match):

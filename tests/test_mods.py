@@ -406,3 +406,23 @@ def test_the_fp8_reference_and_baseline_take_mods():
     assert np.abs(capped - plain[0]).max() > 0.1                    # the cap changes the result
     assert np.abs(naive.astype(np.float64) - capped).max() < 0.05   # within the baseline's roundings
     assert np.allclose(naive_lse, capped_lse, atol=1e-3)
+
+
+def test_varlen_backward_runs_mods_only_in_its_one_launch():
+    """Per-sequence calls would see b = 0, so mods on packed sequences refuse every other path."""
+    import cuflash
+
+    q = np.ones((10, 2, 64), dtype=np.float16)
+    lse = np.zeros((2, 10), dtype=np.float32)
+    cu = np.array([0, 4, 10], dtype=np.int32)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + 0.5 * b
+
+    with pytest.raises(ValueError, match="one launch of the Hopper backward.*CuPy"):
+        cuflash.attention_varlen_backward(q, q, q, q, q, lse, cu, cu, score_mod=bias)
+    with pytest.raises(ValueError, match="softcap=5.0 and score_mod"):
+        cuflash.attention_varlen_backward(q, q, q, q, q, lse, cu, cu, score_mod=bias, softcap=5.0)
+    with pytest.raises(ValueError, match="window_size"):
+        cuflash.attention_varlen_backward(q, q, q, q, q, lse, cu, cu, causal=True, window_size=(3, 0),
+                                          mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)

@@ -51,7 +51,7 @@ class BwdSpec:
     score_mod: str = ""   # digest of a traced score_mod (mod_codegen.register); "" for none
     mask_mod: str = ""    # digest of a traced mask_mod; "" for none
     block_sparse: bool = False  # wgmma with a mask_mod: each key tile's query tiles from a block mask
-    varlen: bool = False  # wgmma, not deterministic, no mods: packed sequences of their own lengths (cu_seqlens)
+    varlen: bool = False  # wgmma, not deterministic, no block mask: packed sequences of their own lengths (cu_seqlens)
     tma_loads: bool = False  # wgmma: K, V and the query tiles by TMA (tensor maps), not cp.async
     local: bool = False  # wgmma, not deterministic, no mask_mod: a window of keys per query (window_left / right)
 
@@ -67,8 +67,8 @@ class BwdSpec:
             problems.append("score_mod and mask_mod run on the tensor-core backward kernels (fp16, bf16)")
         if self.block_sparse and not (self.family == "wgmma" and self.mask_mod):
             problems.append("block_sparse applies to the wgmma backward with a mask_mod")
-        if self.varlen and (self.family != "wgmma" or self.deterministic or self.score_mod or self.mask_mod):
-            problems.append("varlen applies to the wgmma backward that is not deterministic, without mods")
+        if self.varlen and (self.family != "wgmma" or self.deterministic or self.block_sparse):
+            problems.append("varlen applies to the wgmma backward that is not deterministic, without a block mask")
         if self.local and (self.family != "wgmma" or self.deterministic or self.mask_mod):
             problems.append("local applies to the wgmma backward that is not deterministic, without a mask_mod")
         if self.tma_loads and self.family != "wgmma":

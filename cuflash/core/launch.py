@@ -544,7 +544,7 @@ def launch_backward(kernels, spec: BwdSpec, bp, tensors: dict, strides: dict, mo
     rows = problem.seqlen_q
     if varlen is not None:  # (key tiles of the longest sequence, kv heads, sequences), the offsets last
         tail, blocks_z, keys, rows = varlen
-        dkdv_args = params + maps + _struct_args(tail)
+        dkdv_args = params + maps + _struct_args(tail) + mods_args
         dq_args = params + _struct_args(tail)
     dkdv((ceil_div(keys, spec.block_n), problem.heads_k, blocks_z), (spec.threads, 1, 1), dkdv_args,
          shared_mem=spec.smem_bytes)

@@ -175,8 +175,8 @@ class KernelSpec:
                             f"kernel (family={self.family!r}, warp_specialized={self.warp_specialized})")
         if self.block_sparse and not (self.warp_specialized and self.mask_mod):
             problems.append("block_sparse applies to the warp-specialized kernel with a mask_mod")
-        if self.varlen and (not self.warp_specialized or self.fp8 or self.mask_mod):
-            problems.append("varlen applies to the warp-specialized kernel on fp16 or bf16, without a mask_mod")
+        if self.varlen and (not self.warp_specialized or self.fp8 or self.block_sparse):
+            problems.append("varlen applies to the warp-specialized kernel on fp16 or bf16, without a block mask")
         if self.sinks and not self.lse:
             problems.append("sinks need the kernel's exact LSE (lse=True)")
         if self.local and (not self.warp_specialized or self.block_sparse):
