@@ -254,9 +254,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     if cap:
         from .mods import _softcap_mod
         score_mod = _softcap_mod(cap)
-    why = _one_launch_refusal(q, deterministic, score_mod)
-    if family == "wgmma" and why:
-        raise ValueError(f"family='wgmma': the one-launch varlen backward does not run this call: {why}")
+    # family="wgmma" is taken as asked for: _hopper_backward names what it cannot run
+    why = "" if family == "wgmma" else _one_launch_refusal(q, deterministic, score_mod)
     if user_mods and (why or family == "sequences"):
         raise ValueError(f"score_mod and mask_mod on attention_varlen_backward run in one launch of the Hopper "
                          f"backward (family='wgmma'), which does not run this call: "
@@ -353,7 +352,7 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
     if mods is not None:
         if spec.split_head_dim and mods.score is not None and not mod_grad.adds_only(mods.score):
             raise ValueError(f"family='wgmma' at head_dim={problem.head_dim} takes only a score_mod whose "
-                             f"derivative is 1 (a bias added to the score)")
+                             f"derivative is 1 (a bias added to the score), not a softcap or this score_mod")
         spec = spec.replace(score_mod=mods.score_digest, mask_mod=mods.mask_digest)
     total_q, heads, head_dim = q.shape
     total_k, heads_k = k.shape[:2]
