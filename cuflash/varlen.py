@@ -259,7 +259,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     if user_mods and (why or family == "sequences"):
         raise ValueError(f"score_mod and mask_mod on attention_varlen_backward run in one launch of the Hopper "
                          f"backward (family='wgmma'), which does not run this call: "
-                         f"{why or 'family=' + repr(family)}")
+                         f"{'family=' + repr(family) if family == 'sequences' else why}")
     if family == "wgmma" or (family is None and not why):
         grads = _hopper_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, offsets_q, offsets_k, causal,
                                  scale, window, score_mod, mask_mod)
