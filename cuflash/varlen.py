@@ -132,19 +132,35 @@ def hopper_spec(head_dim: int, dtype: str, causal: bool, max_seqlen_q: int, arch
     return spec.replace(varlen=True) if spec.warp_specialized else None
 
 
-def _varlen_mods(problem, score_mod, mask_mod):
-    """The call's mods (modset.prepare) with its softcap as the score_mod, checked beside its
-    window and cap as attention's are; None where it has none."""
-    from .core import modset
+def _with_softcap(window, cap, causal, score_mod, mask_mod):
+    """The call's (score_mod, mask_mod) with its softcap as the score_mod, checked beside its
+    window and cap as attention's are (a cap beside a score_mod, a window beside a mask_mod)."""
     from .core.validate import variant_mods
     from .mods import _softcap_mod
 
+    if score_mod is not None or mask_mod is not None:
+        variant_mods((tuple(window), cap), causal, score_mod, mask_mod)
+    return (_softcap_mod(cap) if cap else score_mod), mask_mod
+
+
+def _varlen_mods(problem, score_mod, mask_mod):
+    """The forward's mods (modset.prepare), its softcap among them; None where it has none."""
+    from .core import modset
+
     if score_mod is None and mask_mod is None and not problem.softcap:
         return None
-    variant_mods((tuple(problem.window), problem.softcap), problem.causal, score_mod, mask_mod)
-    if score_mod is None and problem.softcap:
-        score_mod = _softcap_mod(problem.softcap)
+    score_mod, mask_mod = _with_softcap(problem.window, problem.softcap, problem.causal, score_mod, mask_mod)
     return modset.prepare(score_mod, mask_mod, problem.device_id)
+
+
+def _split_refusal(spec, score_graph) -> str:
+    """Why a Hopper backward spec cannot take this score_mod ("" where it can): where it splits
+    the head dim between warpgroups it takes only one whose derivative is 1."""
+    from .core import mod_grad
+
+    if spec.split_head_dim and score_graph is not None and not mod_grad.adds_only(score_graph):
+        return f"at head_dim={spec.head_dim} it takes only a score_mod whose derivative is 1 (a bias added to the score)"
+    return ""
 
 
 def _hopper(q, k, v, cu_q, cu_k, out, lse, max_seqlen_q, problem, sinks=None, mods=None) -> bool:
@@ -227,7 +243,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     Offsets must rise from 0 to the packed row counts (checked, ValueError). The keys of a
     sequence with no queries get zero gradients."""
     from .backward import _attention_backward
-    from .core.validate import validate_sinks, validate_variants, variant_mods
+    from .core.validate import validate_sinks, validate_variants
 
     xp = _xp(q)
     total_q, total_k = q.shape[0], k.shape[0]
@@ -249,11 +265,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     window = variants[0] if variants is not None else (-1, -1)
     cap = variants[1] if variants is not None else 0.0
     user_mods = score_mod is not None or mask_mod is not None
-    if user_mods:
-        variant_mods((window, cap), causal, score_mod, mask_mod)  # a cap beside a score_mod, a window beside a mask_mod
-    if cap:
-        from .mods import _softcap_mod
-        score_mod = _softcap_mod(cap)
+    score_mod, mask_mod = _with_softcap(window, cap, causal, score_mod, mask_mod)
     # family="wgmma" is taken as asked for: _hopper_backward names what it cannot run
     why = "" if family == "wgmma" else _one_launch_refusal(q, deterministic, score_mod)
     if user_mods and (why or family == "sequences"):
@@ -296,7 +308,7 @@ def _one_launch_refusal(q, deterministic: bool, score_mod) -> str:
     fp16/bf16 arrays on sm90a, not deterministic, at a head dim whose default backward is the
     Hopper kernel, and there a score_mod whose derivative is 1 where that kernel splits the head
     dim (_hopper_backward checks the rest)."""
-    from .core import mod_grad, modset
+    from .core import modset
     from .core.dtypes import from_tag
     from .core.policy import default_bwd_spec
     from .forward import _arch
@@ -312,10 +324,7 @@ def _one_launch_refusal(q, deterministic: bool, score_mod) -> str:
     spec = default_bwd_spec(q.shape[-1], from_tag(q.dtype.name).tag, False, "sm90a", False)
     if spec.family != "wgmma":
         return f"head_dim={q.shape[-1]} runs on the portable backward"
-    if spec.split_head_dim and score_mod is not None and not mod_grad.adds_only(modset.traced(score_mod, "score")):
-        return (f"at head_dim={q.shape[-1]} it takes only a score_mod whose derivative is 1 (a bias added to the "
-                f"score)")
-    return ""
+    return _split_refusal(spec, modset.traced(score_mod, "score"))
 
 
 def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, causal, scale, window=(-1, -1),
@@ -326,7 +335,6 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
     (a softcap among them) checked beside it."""
     import cupy
 
-    from .core import mod_grad
     from .core import modset as _modset
     from .core.bwd_spec import VARLEN_DQ_GAP
     from .core.launch import launch_backward, rows_padded
@@ -350,9 +358,9 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
         varlen=True, local=not plain)
     mods = _modset.prepare(score_mod, mask_mod, problem.device_id)
     if mods is not None:
-        if spec.split_head_dim and mods.score is not None and not mod_grad.adds_only(mods.score):
-            raise ValueError(f"family='wgmma' at head_dim={problem.head_dim} takes only a score_mod whose "
-                             f"derivative is 1 (a bias added to the score), not a softcap or this score_mod")
+        why = _split_refusal(spec, mods.score)
+        if why:
+            raise ValueError(f"family='wgmma': {why}, not a softcap or this score_mod")
         spec = spec.replace(score_mod=mods.score_digest, mask_mod=mods.mask_digest)
     total_q, heads, head_dim = q.shape
     total_k, heads_k = k.shape[:2]
