@@ -58,6 +58,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
 
     from .forward import _arch, _on_device
 
+    key = None
+    if score_mod is None and mask_mod is None:  # a repeated call: straight to its launch plan
+        key = _plan_key(cupy, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, window_size, softcap,
+                        sinks)
+        plan = _plans.get(key) if key is not None else None
+        if plan is not None and not (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
+            out, lse = _poisoned_outputs(cupy, q)
+            plan.launch(q, k, v, out, lse)
+            return (out, lse) if return_lse else out
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, cupy.ndarray):
             raise TypeError(f"{name} must be a CuPy array, got {type(x).__name__}")
@@ -94,19 +103,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         problem.window, problem.softcap, True, total_q, total_k)
     if math.ceil(problem.rows / 64) > 65535:
         raise ValueError(f"max_seqlen_q x heads / heads_k = {problem.rows} query rows per kv head is too many")
+    sinks_arg = sinks
     if sinks is not None:
         from .core.validate import validate_sinks
         sinks = validate_sinks(sinks, problem.heads, problem.device_id)
     mods = _varlen_mods(problem, score_mod, mask_mod)
     with _on_device(device):
-        # NaN until written: all-ones bytes are NaN in fp16, bf16 and float32 (a byte memset runs at
-        # full bandwidth, unlike a 16-bit fill)
-        out = cupy.empty(q.shape, dtype=q.dtype)
-        lse = cupy.empty((heads, total_q), dtype=cupy.float32)
-        for x in (out, lse):
-            x.data.memset_async(0xFF, x.nbytes)
-        if batch and max_seqlen_q and out.size and not _hopper(q, k, v, cu_q, cu_k, out, lse, int(max_seqlen_q),
-                                                               problem, sinks, mods):
+        out, lse = _poisoned_outputs(cupy, q)
+        hopper = _hopper(q, k, v, cu_q, cu_k, out, lse, int(max_seqlen_q), problem, sinks, mods) \
+            if batch and max_seqlen_q and out.size else None
+        if hopper is not None:
+            if key is not None and cu_q is cu_seqlens_q and cu_k is cu_seqlens_k and sinks is sinks_arg:
+                if len(_plans) >= _MAX_PLANS:
+                    _plans.clear()
+                _plans[key] = hopper
+        elif batch and max_seqlen_q and out.size:
             if score_mod is not None or mask_mod is not None:
                 raise ValueError(f"score_mod and mask_mod on attention_varlen run on the Hopper kernel (sm90a, fp16 "
                                  f"or bf16, a positive scale, 16-byte aligned rows, a head dim it takes); this call "
@@ -120,6 +131,45 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                                    sinks=sinks)
             plan.launch(q4, k4, v4, None, None, out, lse)
     return (out, lse) if return_lse else out
+
+
+def _poisoned_outputs(cupy, q):
+    """The output and LSE [heads, total_q], NaN until written: all-ones bytes are NaN in fp16, bf16
+    and float32 (a byte memset runs at full bandwidth, unlike a 16-bit fill)."""
+    out = cupy.empty(q.shape, dtype=q.dtype)
+    lse = cupy.empty((q.shape[1], q.shape[0]), dtype=cupy.float32)
+    for x in (out, lse):
+        x.data.memset_async(0xFF, x.nbytes)
+    return out, lse
+
+
+#: Launch plans of the Hopper forward by everything a call's validation and launch depend on but
+#: the addresses of q, k, v and the outputs (the offsets' and sinks' addresses sit in the plan).
+_plans: dict = {}
+_MAX_PLANS = 256
+
+
+def _plan_key(cupy, q, k, v, cu_q, cu_k, max_seqlen_q, causal, scale, window_size, softcap, sinks):
+    """The key of a call's plan, or None for one that always takes the full path (anything but
+    CuPy arrays, max_seqlen_q read from the offsets, offsets that are copied, another device)."""
+    nd = cupy.ndarray
+    if type(q) is not nd or type(k) is not nd or type(v) is not nd or type(cu_q) is not nd or type(cu_k) is not nd:
+        return None
+    if type(max_seqlen_q) is not int or not (sinks is None or type(sinks) is nd):
+        return None
+    device = q.data.device_id
+    if cupy.cuda.runtime.getDevice() != device or cu_q.strides != (4,) or cu_k.strides != (4,):
+        return None
+    key = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype, cu_q.data.ptr,
+           cu_q.shape, cu_q.dtype, cu_q.data.device_id, cu_k.data.ptr, cu_k.shape, cu_k.dtype, cu_k.data.device_id,
+           max_seqlen_q, causal, scale, window_size, softcap,
+           None if sinks is None else (sinks.data.ptr, sinks.shape, sinks.strides, sinks.dtype, sinks.data.device_id),
+           device, cupy.cuda.get_current_stream().ptr)
+    try:
+        hash(key)
+    except TypeError:  # a list window or an unhashable scale: the full path takes or names it
+        return None
+    return key
 
 
 def hopper_spec(head_dim: int, dtype: str, causal: bool, max_seqlen_q: int, arch: str):
@@ -163,46 +213,47 @@ def _split_refusal(spec, score_graph) -> str:
     return ""
 
 
-def _hopper(q, k, v, cu_q, cu_k, out, lse, max_seqlen_q, problem, sinks=None, mods=None) -> bool:
+def _hopper(q, k, v, cu_q, cu_k, out, lse, max_seqlen_q, problem, sinks=None, mods=None):
     """Run the forward on the Hopper warp-specialized kernel's varlen specialization where it
     applies (sm90a, fp16/bf16, a positive scale, rows TMA can read, a head dim the kernel takes; a
-    window as the kernel's own bounds, spec.local; a softcap or the call's mods as its mods); False
-    where it does not."""
+    window as the kernel's own bounds, spec.local; a softcap or the call's mods as its mods): its
+    launch plan, or None where it does not apply."""
     from .core.launch import LaunchPlan
     from .core.validate import readable_by_tma, validate
     from .forward import _arch
 
     plain = problem.window == ((-1, 0) if problem.causal else (-1, -1))  # no window beyond the causal bound
     if _arch(problem.device_id) != "sm90a":
-        return False
+        return None
     if problem.scale <= 0 or not all(readable_by_tma(x[None]) for x in (q, k, v)):
-        return False
+        return None
     # the maps' view: every packed row as one sequence of batch 1; the kernel's: batch sequences of
     # up to max_seqlen_q queries, their rows found from the offsets (batch strides unused; its
     # seqlen_k, which only picks tiles and bands, taken as max_seqlen_q)
     rows = validate(q[None], k[None], v[None], causal=problem.causal, scale=problem.scale, layout="bshd")
     if rows.dtype.tag not in ("fp16", "bf16"):
-        return False
+        return None
     kernel_problem = dataclasses.replace(rows, batch=cu_q.size - 1, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_q,
                                          q_strides=(0, *rows.q_strides[1:]), k_strides=(0, *rows.k_strides[1:]),
                                          v_strides=(0, *rows.v_strides[1:]))
     spec = hopper_spec(rows.head_dim, rows.dtype.tag, rows.causal, max_seqlen_q, _arch(problem.device_id))
     if spec is None:
-        return False
+        return None
     if sinks is not None:
         spec = spec.replace(sinks=True, lse=True)
     if not plain:
         spec = spec.replace(local=True)
-    varlen = struct.pack("<QQii", cu_q.data.ptr, cu_k.data.ptr, q.shape[0], k.shape[0])
+    varlen = struct.pack("<QQiiii", cu_q.data.ptr, cu_k.data.ptr, q.shape[0], k.shape[0], max_seqlen_q, k.shape[0])
     if mods is not None:
         from .core import modset
         spec = spec.replace(score_mod=mods.score_digest, mask_mod=mods.mask_digest)
         varlen = (varlen, modset.kernel_argument(mods))
     kernel = _compile.get_kernel(spec, problem.device_id)
     out_strides = (0, out.strides[1] // out.itemsize, out.strides[0] // out.itemsize)
-    LaunchPlan(kernel, spec, kernel_problem, q, k, v, out, lse, out_strides, mods=varlen,
-               map_problem=rows, sinks=sinks, window=tuple(problem.window)).launch(q, k, v, out, lse)
-    return True
+    plan = LaunchPlan(kernel, spec, kernel_problem, q, k, v, out, lse, out_strides, mods=varlen,
+                      map_problem=rows, sinks=sinks, window=tuple(problem.window))
+    plan.launch(q, k, v, out, lse)
+    return plan
 
 
 def _host_offsets(name, x, total):
@@ -216,9 +267,9 @@ def _host_offsets(name, x, total):
     return host
 
 
-def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
-                              deterministic=False, family=None, sinks=None, window_size=(-1, -1), softcap=0.0,
-                              score_mod=None, mask_mod=None):
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+                              max_seqlen_k=None, causal=False, scale=None, deterministic=False, family=None, sinks=None,
+                              window_size=(-1, -1), softcap=0.0, score_mod=None, mask_mod=None):
     """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen`, and ``dsinks`` (a fourth, in the
     sinks' dtype) with ``sinks``.
 
@@ -229,6 +280,11 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             "wgmma"; at head dims 192 and up only a score_mod whose derivative is 1, as adding a
             bias); a softcap where that launch cannot take it runs sequence by sequence.
         out, lse: the forward's output and LSE ([heads, total_q], ``return_lse=True``).
+        max_seqlen_q, max_seqlen_k: the longest sequence's query and key counts. With both, the
+            one launch reads the offsets on the device only (no synchronization): a sequence
+            whose offsets fall outside the packed rows, decrease, or pass these counts gets NaN
+            gradients, as do rows that no such sequence covers. Without them the offsets are
+            read on the host and checked (ValueError).
         deterministic: dQ in a fixed order (bit-identical runs).
         sinks: the forward's sinks (its LSE includes them).
         family: ``"wgmma"``: every sequence in one launch of the Hopper K/V-outer kernel's varlen
@@ -238,10 +294,10 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
     The per-sequence walk runs :func:`cuflash.attention_backward` on each sequence's rows, writing
     straight into the packed gradients, and each sequence costs one backward call's host time.
-    Both read the offsets on the host once (a synchronization for CuPy offsets; NumPy offsets are
-    taken as they are).
-    Offsets must rise from 0 to the packed row counts (checked, ValueError). The keys of a
-    sequence with no queries get zero gradients."""
+    It reads the offsets on the host once (a synchronization for CuPy offsets; NumPy offsets are
+    taken as they are), as the one launch does without max_seqlen_q and max_seqlen_k.
+    Offsets read on the host must rise from 0 to the packed row counts (checked, ValueError). The
+    keys of a sequence with no queries get zero gradients."""
     from .backward import _attention_backward
     from .core.validate import validate_sinks, validate_variants
 
@@ -249,10 +305,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     total_q, total_k = q.shape[0], k.shape[0]
     sinks32 = None if sinks is None else validate_sinks(sinks, q.shape[1],
                                                        getattr(getattr(q, "device", None), "id", -1))
-    offsets_q = _host_offsets("cu_seqlens_q", cu_seqlens_q, total_q)
-    offsets_k = _host_offsets("cu_seqlens_k", cu_seqlens_k, total_k)
-    if offsets_q.size != offsets_k.size:
-        raise ValueError(f"cu_seqlens_q has {offsets_q.size} offsets and cu_seqlens_k {offsets_k.size}")
+    maxima = _maxima(max_seqlen_q, max_seqlen_k)
     for name, x, want in (("dout", dout, q.shape), ("out", out, q.shape), ("lse", lse, (q.shape[1], total_q))):
         if tuple(x.shape) != tuple(want):
             raise ValueError(f"{name} has shape {tuple(x.shape)}; it must be {tuple(want)}")
@@ -272,9 +325,17 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         raise ValueError(f"score_mod and mask_mod on attention_varlen_backward run in one launch of the Hopper "
                          f"backward (family='wgmma'), which does not run this call: "
                          f"{'family=' + repr(family) if family == 'sequences' else why}")
-    if family == "wgmma" or (family is None and not why):
-        grads = _hopper_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, offsets_q, offsets_k, causal,
-                                 scale, window, score_mod, mask_mod)
+    one_launch = family == "wgmma" or (family is None and not why)
+    offsets_q = offsets_k = None
+    if not one_launch or maxima is None or not (maxima[1] and total_q and total_k):  # else no host read
+        offsets_q = _host_offsets("cu_seqlens_q", cu_seqlens_q, total_q)
+        offsets_k = _host_offsets("cu_seqlens_k", cu_seqlens_k, total_k)
+        if offsets_q.size != offsets_k.size:
+            raise ValueError(f"cu_seqlens_q has {offsets_q.size} offsets and cu_seqlens_k {offsets_k.size}")
+        maxima = tuple(int(np.max(np.diff(x), initial=0)) for x in (offsets_q, offsets_k))
+    if one_launch:
+        grads = _hopper_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, offsets_q, offsets_k, maxima,
+                                 causal, scale, window, score_mod, mask_mod)
         return grads if sinks is None else (*grads, _varlen_sinks_grad(dout, out, lse, sinks, sinks32))
     dq, dk, dv = (xp.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
     for b in range(offsets_q.size - 1):
@@ -288,6 +349,14 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                             xp.ascontiguousarray(lse[:, qs])[None], grads, causal=causal, scale=scale, layout="bshd",
                             deterministic=deterministic, spec=None, **_variant_args(variants))
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, _varlen_sinks_grad(dout, out, lse, sinks, sinks32))
+
+
+def _maxima(max_seqlen_q, max_seqlen_k):
+    """(max_seqlen_q, max_seqlen_k) checked, or None where either is not given."""
+    for name, x in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, np.integer)) or not 0 <= x < 2**31):
+            raise ValueError(f"{name}={x!r} must be a non-negative integer below 2**31")
+    return None if max_seqlen_q is None or max_seqlen_k is None else (int(max_seqlen_q), int(max_seqlen_k))
 
 
 def _variant_args(variants) -> dict:
@@ -327,12 +396,14 @@ def _one_launch_refusal(q, deterministic: bool, score_mod) -> str:
     return _split_refusal(spec, modset.traced(score_mod, "score"))
 
 
-def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, causal, scale, window=(-1, -1),
-                     score_mod=None, mask_mod=None):
+def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, maxima, causal, scale,
+                     window=(-1, -1), score_mod=None, mask_mod=None):
     """attention_varlen_backward on the Hopper K/V-outer kernel's varlen specialization: one launch
     of blocks (key tile, kv head, sequence); the preprocess and the dQ conversion run over all
-    packed rows as one sequence. ``window``: checked (left, right), bounded by the kernel; the mods
-    (a softcap among them) checked beside it."""
+    packed rows as one sequence. ``offsets_q`` / ``offsets_k``: the offsets checked on the host,
+    or None (the kernels check them; the gradients start as NaN); ``maxima``: (max_seqlen_q,
+    max_seqlen_k). ``window``: checked (left, right), bounded by the kernel; the mods (a softcap
+    among them) checked beside it."""
     import cupy
 
     from .core import modset as _modset
@@ -364,14 +435,23 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
         spec = spec.replace(score_mod=mods.score_digest, mask_mod=mods.mask_digest)
     total_q, heads, head_dim = q.shape
     total_k, heads_k = k.shape[:2]
-    sequences = offsets_q.size - 1
-    max_seqlen_k = int(np.max(np.diff(offsets_k), initial=0))
-    max_seqlen_q = int(np.max(np.diff(offsets_q), initial=0))
+    max_seqlen_q, max_seqlen_k = maxima
+    checked = offsets_q is not None
+    if not checked:
+        cu_q, cu_k = (_offsets(cupy, name, x, problem.device_id)
+                      for name, x in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)))
+        if cu_q.size != cu_k.size:
+            raise ValueError(f"cu_seqlens_q has {cu_q.size} offsets and cu_seqlens_k {cu_k.size}")
+    sequences = (offsets_q if checked else cu_q).size - 1
     with _on_device(problem.device_id):
         dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
-        if not total_q or not total_k or not sequences or not max_seqlen_k or not heads_k:
+        if not checked:  # NaN (all-ones bytes) where no sequence the kernels accept writes
             for x in (dq, dk, dv):
-                x.fill(0)
+                x.data.memset_async(0xFF, x.nbytes)
+        if not sequences or not heads_k or (checked and (not total_q or not total_k or not max_seqlen_k)):
+            if checked:
+                for x in (dq, dk, dv):
+                    x.fill(0)
             return dq, dk, dv
         spec, (q, k, v, dout), copied = loadable(spec, q, k, v, dout, view=lambda x: x[None])
         if copied:
@@ -390,18 +470,21 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
         strides = {name: (0, x.strides[1] // x.itemsize, x.strides[0] // x.itemsize)
                    for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk),
                                    ("dv", dv))}
-        args = struct.pack("<QQii", offsets[0].data.ptr, offsets[1].data.ptr, total_q, total_k)
+        args = struct.pack("<QQiiii", offsets[0].data.ptr, offsets[1].data.ptr, total_q, total_k, max_seqlen_q,
+                           max_seqlen_k)
         launch_backward(_compile.get_kernel(spec, problem.device_id), spec, bp, tensors, strides,
                         _modset.kernel_argument(mods), padded=padded,
                         varlen=(args, sequences, max_seqlen_k, max_seqlen_q), window=window)
     return dq, dk, dv
 
 
-def attention_varlen_with_grad(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, causal=False, scale=None,
-                               deterministic=False, sinks=None, window_size=(-1, -1), softcap=0.0, score_mod=None,
-                               mask_mod=None):
+def attention_varlen_with_grad(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
+                               causal=False, scale=None, deterministic=False, sinks=None, window_size=(-1, -1),
+                               softcap=0.0, score_mod=None, mask_mod=None):
     """The forward output and a function from ``dout`` to ``(dq, dk, dv)`` (and ``dsinks`` with
-    ``sinks``), as :func:`cuflash.attention_with_grad` for packed sequences."""
+    ``sinks``), as :func:`cuflash.attention_with_grad` for packed sequences; with max_seqlen_q
+    and max_seqlen_k neither pass reads the offsets on the host (see
+    :func:`attention_varlen_backward`)."""
     from .core import modset
 
     # traced once for both passes
@@ -411,7 +494,8 @@ def attention_varlen_with_grad(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqle
                                 score_mod=score_mod, mask_mod=mask_mod)
 
     def backward(dout):
-        return attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal=causal,
+        return attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
                                          scale=scale, deterministic=deterministic, sinks=sinks,
                                          window_size=window_size, softcap=softcap, score_mod=score_mod,
                                          mask_mod=mask_mod)

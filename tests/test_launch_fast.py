@@ -3,6 +3,7 @@ goes through CuPy's kernel call, later ones through the driver on argument stora
 keeps; the storage holds pack_params' block for each call's pointers and the tensor maps of its
 arrays; outputs come from one allocation (or the stream's LSE scratch); anything the plan does
 not cover takes the full path."""
+import struct
 import threading
 
 import numpy as np
@@ -438,3 +439,31 @@ def test_calls_with_sinks_keep_a_plan_per_sinks_array(device):
     assert len(forward._plans) == 2
     plain = cuflash.attention(q, k, v, causal=True)
     assert plain.shape == q.shape and len(forward._plans) == 3
+
+
+@pytest.mark.parametrize("device", ["sm90a"], indirect=True)
+def test_repeated_varlen_calls_launch_from_their_plan(device, monkeypatch):
+    from cuflash import varlen
+
+    kernel, driver = device
+    varlen._plans.clear()
+    addresses = iter(range(0x3000_0000, 0x4000_0000, 0x10_0000))
+    monkeypatch.setattr(varlen, "_poisoned_outputs", lambda cupy_, q: (
+        fake_device.fake_array(cupy, q.shape, q.dtype, next(addresses)),
+        fake_device.fake_array(cupy, (q.shape[1], q.shape[0]), np.float32, next(addresses))))
+    q, k, v = _inputs(shape=(300, 4, 64))
+    cu, other = (fake_device.fake_array(cupy, (4,), np.int32, base) for base in (0x900, 0xA00))
+    call = dict(max_seqlen_q=200, causal=True)
+    cuflash.attention_varlen(q, k, v, cu, cu, **call)
+    assert len(varlen._plans) == 1 and len(kernel.calls) == 1 and not driver.launches
+    out = cuflash.attention_varlen(q, k, v, cu, cu, **call)  # the plan's launch, through the driver
+    assert len(varlen._plans) == 1 and len(kernel.calls) == 1 and len(driver.launches) == 1
+    assert out.shape == q.shape
+    assert struct.unpack("<QQiiii", kernel.calls[0][2][-1]) == (0x900, 0x900, 300, 300, 200, 300)  # VarlenArgs
+    for kwargs in (dict(call, max_seqlen_q=150), dict(call, window_size=(64, 0)), dict(call, causal=False)):
+        cuflash.attention_varlen(q, k, v, cu, cu, **kwargs)
+    cuflash.attention_varlen(q, k, v, other, cu, **call)
+    assert len(varlen._plans) == 5 and len(kernel.calls) == 5
+    assert varlen._plan_key(cupy, q, k, v, cu, cu, None, True, None, (-1, -1), 0.0, None) is None
+    assert varlen._plan_key(cupy, q, k, v, cu, cu, 200, True, None, [-1, -1], 0.0, None) is None
+    varlen._plans.clear()

@@ -177,6 +177,7 @@ def varlen_rows(reps: int = 30, echo=print, seed: int = 0) -> list[dict]:
     out, lse = cuflash.attention_varlen(q, k, v, cu, cu, max_seqlen_q=max(lens), causal=True, return_lse=True)
     dense_out, dense_lse = cuflash.attention(*dense[:3], causal=True, layout="bshd", return_lse=True)
     window = dict(causal=True, window_size=(VARLEN_WINDOW - 1, 0))
+    maxima = dict(max_seqlen_q=max(lens), max_seqlen_k=max(lens))  # the one launch reads no offsets on the host
     w_out, w_lse = cuflash.attention_varlen(q, k, v, cu, cu, max_seqlen_q=max(lens), return_lse=True, **window)
     wd_out, wd_lse = cuflash.attention(*dense[:3], layout="bshd", return_lse=True, **window)
     calls = {
@@ -185,13 +186,15 @@ def varlen_rows(reps: int = 30, echo=print, seed: int = 0) -> list[dict]:
         "backward varlen, per sequence": lambda: cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu,
                                                                                    causal=True, family="sequences"),
         "backward varlen, one launch": lambda: cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu,
-                                                                                 causal=True, family="wgmma"),
+                                                                                 causal=True, family="wgmma", **maxima),
+        "backward varlen, host offsets": lambda: cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu,
+                                                                                   causal=True, family="wgmma"),
         "backward dense, mean length": lambda: cuflash.attention_backward(dense[3], *dense[:3], dense_out, dense_lse,
                                                                           causal=True, layout="bshd"),
         "window varlen": lambda: cuflash.attention_varlen(q, k, v, cu, cu, max_seqlen_q=max(lens), **window),
         "window dense, mean length": lambda: cuflash.attention(*dense[:3], layout="bshd", **window),
         "backward window varlen": lambda: cuflash.attention_varlen_backward(dout, q, k, v, w_out, w_lse, cu, cu,
-                                                                            **window),
+                                                                            **window, **maxima),
         "backward window dense": lambda: cuflash.attention_backward(dense[3], *dense[:3], wd_out, wd_lse,
                                                                     layout="bshd", **window),
     }
@@ -199,6 +202,7 @@ def varlen_rows(reps: int = 30, echo=print, seed: int = 0) -> list[dict]:
     dense_flops = attention_flops(len(lens), VARLEN_HEADS, mean, mean, VARLEN_HEAD_DIM, True)
     flops = {"cuflash varlen": varlen, "cuflash dense, mean length": dense_flops,
              "backward varlen, per sequence": 2.5 * varlen, "backward varlen, one launch": 2.5 * varlen,
+             "backward varlen, host offsets": 2.5 * varlen,
              "backward dense, mean length": 2.5 * dense_flops}
     pair_flops = 4 * VARLEN_HEADS * VARLEN_HEAD_DIM
     flops["window varlen"] = pair_flops * sum(window_pairs(n, VARLEN_WINDOW) for n in lens)

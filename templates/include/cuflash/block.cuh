@@ -5,13 +5,22 @@
 
 namespace cuflash {
 
-// The offsets of packed sequences (cuflash.attention_varlen), int32 [batch + 1] each, and the
-// packed row counts: the warp-specialized forward's kernel argument when kVarlen.
+// The offsets of packed sequences (cuflash.attention_varlen), int32 [batch + 1] each, the
+// packed row counts, and the most queries and keys a sequence may have (the grid covers them):
+// the kernel argument of the warp-specialized forward and the varlen backward when kVarlen.
 struct VarlenArgs {
     const int* cu_seqlens_q;
     const int* cu_seqlens_k;
     int total_q, total_k;
+    int max_q, max_k;
 };
+
+// Whether sequence b's offsets lie in the packed rows, rise, and fit the grid; a sequence that
+// does not has no rows (its outputs are left as they are).
+__device__ __forceinline__ bool varlen_sequence_ok(const VarlenArgs& va, int q0, int q1, int k0, int k1) {
+    return 0 <= q0 && q0 <= q1 && q1 <= va.total_q && q1 - q0 <= va.max_q && 0 <= k0 && k0 <= k1 &&
+           k1 <= va.total_k && k1 - k0 <= va.max_k;
+}
 
 // kLocal (the warp-specialized kernel's window, Params window_left / window_right): query row r
 // sees keys r + causal_offset - window_left .. r + causal_offset + window_right, a negative bound
@@ -109,8 +118,7 @@ struct BlockWork {
         auto ld = [](const int* x) { return kReread ? ld_global_reread(x) : *x; };
         const int q0 = ld(va.cu_seqlens_q + batch), q1 = ld(va.cu_seqlens_q + batch + 1);
         const int k0 = ld(va.cu_seqlens_k + batch), k1 = ld(va.cu_seqlens_k + batch + 1);
-        const bool valid = 0 <= q0 && q0 <= q1 && q1 <= va.total_q && q1 - q0 <= p.seqlen_q && 0 <= k0 && k0 <= k1 &&
-                           k1 <= va.total_k;
+        const bool valid = varlen_sequence_ok(va, q0, q1, k0, k1) && q1 - q0 <= p.seqlen_q;
         q_start = q0;
         k_start = k0;
         seqlen_q = valid ? q1 - q0 : 0;

@@ -87,14 +87,18 @@ struct DkdvWork {
     // Packed sequences (set_sequence): this sequence's lengths and first rows in the packed q and k/v
     int seqlen_q, seqlen_k, q_start, k_start;
 
-    // The block's tile in packed sequence `batch` (varlen): its lengths from the offsets, which
-    // the host has checked; a key tile past the sequence's keys has no steps and stores nothing.
+    // The block's tile in packed sequence `batch` (varlen): its lengths from the offsets; a key
+    // tile past the sequence's keys, or of a sequence varlen_sequence_ok rejects (no keys), has
+    // no steps and stores nothing.
     template <int kBM, bool kCausal, class Params>
     __device__ __forceinline__ void set_sequence(const Params& p, const VarlenArgs& va) {
-        q_start = va.cu_seqlens_q[batch];
-        k_start = va.cu_seqlens_k[batch];
-        seqlen_q = va.cu_seqlens_q[batch + 1] - q_start;
-        seqlen_k = va.cu_seqlens_k[batch + 1] - k_start;
+        const int q0 = va.cu_seqlens_q[batch], q1 = va.cu_seqlens_q[batch + 1];
+        const int k0 = va.cu_seqlens_k[batch], k1 = va.cu_seqlens_k[batch + 1];
+        const bool valid = varlen_sequence_ok(va, q0, q1, k0, k1);
+        q_start = valid ? q0 : 0;
+        k_start = valid ? k0 : 0;
+        seqlen_q = valid ? q1 - q0 : 0;
+        seqlen_k = valid ? k1 - k0 : 0;
         causal_offset = seqlen_k - seqlen_q;
         m_begin = 0;
         if constexpr (kCausal) {
@@ -320,9 +324,11 @@ __device__ __forceinline__ void bwd_convert_dq(const typename Cfg::Params& p, co
     const int head = blockIdx.y;
     const int row0 = blockIdx.x * kRowsPerAuxBlock * kAuxRowsPerWarp + threadIdx.x / 32;
     int batch = blockIdx.z, start = 0, rows = p.seqlen_q, gap = 0;  // the block's rows: row0 + 8 i of `rows`
-    if constexpr (Cfg::kVarlen) {
-        start = va.cu_seqlens_q[blockIdx.z];
-        rows = va.cu_seqlens_q[blockIdx.z + 1] - start;
+    if constexpr (Cfg::kVarlen) {  // the rows of a sequence varlen_sequence_ok rejects are left as they are
+        const int q0 = va.cu_seqlens_q[blockIdx.z], q1 = va.cu_seqlens_q[blockIdx.z + 1];
+        const bool ok = varlen_sequence_ok(va, q0, q1, va.cu_seqlens_k[blockIdx.z], va.cu_seqlens_k[blockIdx.z + 1]);
+        start = ok ? q0 : 0;
+        rows = ok ? q1 - q0 : 0;
         gap = 64 * blockIdx.z;
         batch = 0;
     }
