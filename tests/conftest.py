@@ -79,6 +79,8 @@ def warm_kvcache_kernels():
              for paged in (False, True) for rows in (16, 32, 64)]
     specs += [decode_spec(128, t, c, paged, rows, arch) for t in ("bf16", "fp16") for c in ("e4m3", "e5m2")
               for paged in (False, True) for rows in (16, 32)]
+    specs += [decode_spec(d, "bf16", c, False, rows, arch) for d in (64, 128) for c in ("e4m3", "e5m2")
+              for rows in (16, 32, 64)]  # FP8 contiguous caches with more rows
     specs += [decode_spec(d, t, t, False, rows, arch, varlen=True) for d in (64, 72, 128, 256)
               for t in ("bf16", "fp16") for rows in (16, 32, 64)]
     if arch == "sm90a":  # the Hopper varlen forward, at both length classes

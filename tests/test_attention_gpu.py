@@ -35,9 +35,14 @@ def run_and_check(problem: AttentionProblem, poison, seed=None, spec=None):
     return q, k, v, out, lse
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def _every_head_dim_cases():
+    """Every head dim x dtype once, the causal mask taken in turn: each head dim and each dtype
+    runs with and without it."""
+    return [pytest.param(d, t, (i + j) % 2 == 1, id=f"{d}-{t}-{('full', 'causal')[(i + j) % 2]}")
+            for i, d in enumerate(HEAD_DIMS) for j, t in enumerate(("fp16", "bf16", "fp32"))]
+
+
+@pytest.mark.parametrize("head_dim,dtype,causal", _every_head_dim_cases())
 def test_every_head_dim(head_dim, dtype, causal, warm_kernels, poison):
     # seqlen_q != seqlen_k, GQA, a sequence tail in both, and alternating layouts.
     layout = "bshd" if head_dim % 16 else "bhsd"
@@ -302,6 +307,23 @@ def _lazy_specs(head_dim, dtype, causal):
     return [spec.replace(lazy_rescale=lazy) for lazy in (True, False)]
 
 
+def _other_schedule_spec(schedule, head_dim, block_n, causal):
+    from cuflash.core.spec import KernelSpec
+
+    ws = schedule != "overlap"
+    return KernelSpec(head_dim, "bf16", causal, 128, block_n, 12 if ws else 8, 3, "sm90a",
+                      overlap=True, family="wgmma", warp_specialized=ws, pingpong=schedule == "pingpong")
+
+
+OTHER_SCHEDULES = [(schedule, head_dim, block_n) for schedule in ("overlap", "warp_specialized", "pingpong")
+                   for head_dim, block_n in ((64, 64), (128, 96), (256, 48))]
+
+
+@pytest.fixture(scope="module")
+def warm_other_schedule_kernels():
+    _warm_hopper([_other_schedule_spec(*case, causal) for case in OTHER_SCHEDULES for causal in (False, True)])
+
+
 @pytest.fixture(scope="module")
 def warm_lazy_kernels():
     _warm_hopper([s for hd in (64, 128, 256) for dt in ("fp16", "bf16") for c in (False, True)
@@ -423,7 +445,9 @@ def test_hopper_work_tiles_counted_per_stream():
     must all give the reference."""
     if not _hopper():
         pytest.skip("the warp-specialized kernel needs sm_90a")
-    problem = AttentionProblem(batch=4, heads=16, heads_k=4, seqlen_q=1500, seqlen_k=1500, head_dim=128,
+    # 4 x 16 x 7 = 448 work tiles of 128 rows on 132 multiprocessors; kept short for the float64
+    # reference's sake
+    problem = AttentionProblem(batch=4, heads=16, heads_k=4, seqlen_q=800, seqlen_k=800, head_dim=128,
                                dtype="bf16", causal=True)
     inputs = [problem.make_inputs(cupy) for _ in range(2)]
     refs = [problem.reference(*x)[0] for x in inputs]
@@ -448,8 +472,9 @@ def test_hopper_blocks_walking_many_tiles(head_dim, causal, poison):
     attend nothing (seqlen_q > seqlen_k)."""
     if not _hopper():
         pytest.skip("the warp-specialized kernel needs sm_90a")
-    for sq, sk in ((300, 257), (1000, 300)):
-        problem = AttentionProblem(batch=3, heads=40, heads_k=8, seqlen_q=sq, seqlen_k=sk, head_dim=head_dim,
+    # 2 x 40 heads: 160 to 240 work tiles at 300 queries, 320 to 400 at 600, on 132 multiprocessors
+    for sq, sk in ((300, 257), (600, 300)):
+        problem = AttentionProblem(batch=2, heads=40, heads_k=8, seqlen_q=sq, seqlen_k=sk, head_dim=head_dim,
                                    dtype="bf16", causal=causal)
         q, k, v = problem.make_inputs(cupy)
         poison(math.prod(problem.shapes()[0]) * 2, problem.batch * problem.heads * sq * 4)
@@ -514,17 +539,13 @@ def test_hopper_last_tiles_dealt_out_by_keys(head_dim, dtype, layout, poison):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim,block_n", [(64, 64), (128, 96), (256, 48)])
 @pytest.mark.parametrize("schedule", ["overlap", "warp_specialized", "pingpong"])
-def test_wgmma_other_schedules(schedule, head_dim, block_n, causal, poison):
+def test_wgmma_other_schedules(schedule, head_dim, block_n, causal, warm_other_schedule_kernels, poison):
     """overlap: the next tile's QK^T is issued before this tile's softmax. warp_specialized: a
     TMA producer feeds two consumer warpgroups through mbarriers; pingpong: the consumers take
     turns on the tensor cores."""
     if not _hopper():
         pytest.skip("the wgmma family needs sm_90a")
-    from cuflash.core.spec import KernelSpec
-
-    ws = schedule != "overlap"
-    spec = KernelSpec(head_dim, "bf16", causal, 128, block_n, 12 if ws else 8, 3, "sm90a",
-                      overlap=True, family="wgmma", warp_specialized=ws, pingpong=schedule == "pingpong")
+    spec = _other_schedule_spec(schedule, head_dim, block_n, causal)
     for sq, sk in ((239, 113), (113, 239), (300, 300), (1, 1)):
         problem = AttentionProblem(batch=2, heads=2, heads_k=1, seqlen_q=sq, seqlen_k=sk, head_dim=head_dim,
                                    dtype="bf16", causal=causal)

@@ -42,9 +42,14 @@ def check_backward(problem: AttentionProblem, poison, deterministic=False, seed=
     return grads
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def _every_head_dim_cases():
+    """Every head dim x dtype once, the causal mask taken in turn: each head dim and each dtype
+    runs with and without it."""
+    return [pytest.param(d, t, (i + j) % 2 == 1, id=f"{d}-{t}-{('full', 'causal')[(i + j) % 2]}")
+            for i, d in enumerate(HEAD_DIMS) for j, t in enumerate(("fp16", "bf16", "fp32"))]
+
+
+@pytest.mark.parametrize("head_dim,dtype,causal", _every_head_dim_cases())
 def test_every_head_dim(head_dim, dtype, causal, warm_bwd_kernels, poison):
     # seqlen_q != seqlen_k both ways, GQA, sequence tails, both layouts, strided inputs, and both
     # ways of accumulating dQ.
@@ -85,9 +90,10 @@ def test_deterministic_gives_identical_bits(head_dim, warm_bwd_kernels):
 
 @pytest.mark.parametrize("head_dim,causal", [(64, False), (96, False), (128, False), (128, True)])
 def test_ordered_dq_is_right_and_gives_identical_bits(head_dim, causal, warm_bwd_kernels, poison):
-    # Many key tiles add into every dQ tile (the Hopper kernel's ordered adds up to head dim 128),
-    # with GQA, seqlen_q != seqlen_k and the bshd layout.
-    problem = AttentionProblem(batch=2, heads=8, heads_k=2, seqlen_q=1100, seqlen_k=1900, head_dim=head_dim,
+    # Many key tiles (8 of 128) add into every dQ tile (the Hopper kernel's ordered adds up to head
+    # dim 128), with GQA, seqlen_q != seqlen_k and the bshd layout; kept short for the float64
+    # reference's sake.
+    problem = AttentionProblem(batch=2, heads=8, heads_k=2, seqlen_q=600, seqlen_k=1000, head_dim=head_dim,
                                dtype="bf16", causal=causal, layout="bshd")
     first = check_backward(problem, poison, deterministic=True, seed=7)
     for _ in range(3):
@@ -192,10 +198,25 @@ def test_portable_backward_on_every_target(head_dim, causal, deterministic, warm
                            baselines=problem.backward_naive(dout, q, k, v))
 
 
+PADDED_BWD = [(32, "fp16"), (80, "bf16"), (96, "fp16"), (160, "bf16"), (200, "fp16")]
+
+
+@pytest.fixture(scope="module")
+def warm_padded_bwd_kernels():
+    """Compile test_hopper_backward_padded's kernels at once, in parallel processes."""
+    from cuflash.core.compile import device_arch
+    from cuflash.core.policy import default_bwd_spec
+
+    if device_arch() != "sm90a":
+        pytest.skip("the Hopper backward needs sm_90a")
+    cuflash.warmup([default_bwd_spec(d, t, c, "sm90a", det, family="wgmma") for d, t in PADDED_BWD
+                    for c in (False, True) for det in (False, True)], progress=False)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim,dtype", [(32, "fp16"), (80, "bf16"), (96, "fp16"), (160, "bf16"), (200, "fp16")])
-def test_hopper_backward_padded(head_dim, dtype, causal, deterministic, poison):
+@pytest.mark.parametrize("head_dim,dtype", PADDED_BWD)
+def test_hopper_backward_padded(head_dim, dtype, causal, deterministic, warm_padded_bwd_kernels, poison):
     """The Hopper backward at head dims it computes padded (to 64, 128 or 256 columns): tails,
     GQA, seqlen_q != seqlen_k."""
     from cuflash.core.compile import device_arch

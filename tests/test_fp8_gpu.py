@@ -115,8 +115,9 @@ def shares_end_inside_tiles(problem: Fp8AttentionProblem, spec) -> bool:
 
 
 # 280 query tiles of 128 rows (1 x 140 heads x 2) on 132 multiprocessors: the last 148 are dealt
-# out by keys. Kept small: the float64 reference dominates these tests' time.
-SPLIT_PROBLEM = dict(batch=1, heads=140, heads_k=20, seqlen_q=129, seqlen_k=400)
+# out by keys (2 or 3 key tiles each, so shares end inside tiles). Kept small: the float64
+# reference dominates these tests' time.
+SPLIT_PROBLEM = dict(batch=1, heads=140, heads_k=20, seqlen_q=129, seqlen_k=300)
 
 
 @pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "no_lse"])
@@ -131,14 +132,24 @@ def test_last_tiles_dealt_out_by_keys(head_dim, return_lse, hopper, poison):
         run_and_check(problem, poison, spec=spec, return_lse=return_lse)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_sums_on_tensor_cores_forced(head_dim, causal, hopper, poison):
-    """The row sums on the tensor cores at the head dims whose default keeps float sums, forced;
-    forcing them with return_lse=True is refused."""
+def _sums_on_tensor_cores_spec(head_dim, causal):
     from cuflash.core.policy import default_spec
 
-    fast = default_spec(head_dim, "e5m2", causal, "sm90a", out_dtype="fp16").replace(lse=False)
+    return default_spec(head_dim, "e5m2", causal, "sm90a", out_dtype="fp16").replace(lse=False)
+
+
+@pytest.fixture(scope="module")
+def warm_sums_on_tensor_cores_kernels(hopper):
+    """Compile test_sums_on_tensor_cores_forced's kernels at once, in parallel processes."""
+    cuflash.warmup([_sums_on_tensor_cores_spec(d, c) for d in (64, 128) for c in (False, True)], progress=False)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sums_on_tensor_cores_forced(head_dim, causal, warm_sums_on_tensor_cores_kernels, poison):
+    """The row sums on the tensor cores at the head dims whose default keeps float sums, forced;
+    forcing them with return_lse=True is refused."""
+    fast = _sums_on_tensor_cores_spec(head_dim, causal)
     problem = Fp8AttentionProblem(2, 4, 2, 239, 113, head_dim, "e5m2", "head", "fp16", causal=causal)
     run_and_check(problem, poison, spec=fast, return_lse=False)
     inputs = problem.make_inputs(cupy, seed=0)
@@ -183,20 +194,31 @@ def test_lazy_row_max(head_dim, causal, warm_lazy_fp8_kernels, poison):
         assert_attention_close(out, ref, "e4m3", baseline=base)
 
 
-@pytest.mark.parametrize("block_n", [64, 128, 160])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_key_tiles_other_than_the_default(fmt, causal, block_n, hopper, poison):
-    """Key tiles read V^T in boxes of 128 keys with 128-byte swizzle where block_n is a multiple
-    of 128, else of 64 keys with 64-byte swizzle (as the default 192 with a causal mask), else
-    of 32 keys with 32-byte swizzle (as the default 224 without one)."""
+def _key_tile_spec(fmt, causal, block_n, out_dtype):
     import dataclasses
 
     from cuflash.core.policy import default_spec
 
+    return dataclasses.replace(default_spec(128, fmt, causal, "sm90a", out_dtype=out_dtype), block_n=block_n)
+
+
+@pytest.fixture(scope="module")
+def warm_key_tile_fp8_kernels(hopper):
+    """Compile test_key_tiles_other_than_the_default's kernels at once, in parallel processes."""
+    cuflash.warmup([_key_tile_spec(t, c, n, o) for t in ("e4m3", "e5m2") for c in (False, True)
+                    for n in (64, 128, 160) for o in ("bf16", "fp16")], progress=False)
+
+
+@pytest.mark.parametrize("block_n", [64, 128, 160])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_key_tiles_other_than_the_default(fmt, causal, block_n, warm_key_tile_fp8_kernels, poison):
+    """Key tiles read V^T in boxes of 128 keys with 128-byte swizzle where block_n is a multiple
+    of 128, else of 64 keys with 64-byte swizzle (as the default 192 with a causal mask), else
+    of 32 keys with 32-byte swizzle (as the default 224 without one)."""
     for sq, sk, layout, granularity, out_dtype in ((113, 239, "bhsd", "tensor", "bf16"),
                                                    (300, 451, "bshd", "head", "fp16")):
-        spec = dataclasses.replace(default_spec(128, fmt, causal, "sm90a", out_dtype=out_dtype), block_n=block_n)
+        spec = _key_tile_spec(fmt, causal, block_n, out_dtype)
         assert spec.fp8_v_box_keys == {64: 64, 128: 128, 160: 32}[block_n]
         problem = Fp8AttentionProblem(2, 4, 2, sq, sk, 128, fmt, granularity, out_dtype, causal=causal,
                                       layout=layout)
@@ -238,8 +260,10 @@ PADDED_FP8 = [(32, "e4m3"), (80, "e5m2"), (96, "e4m3"), (160, "e5m2"), (192, "e4
 def warm_padded_fp8_kernels(hopper):
     from cuflash.core.policy import default_spec
 
-    cuflash.warmup([default_spec(d, t, c, "sm90a", out_dtype=o) for d, t in PADDED_FP8 for c in (False, True)
-                    for o in ("bf16", "fp16")], progress=False)
+    # with and without the LSE: check_every_kernel runs both (at 256's tiles they differ)
+    cuflash.warmup(list(dict.fromkeys(default_spec(d, t, c, "sm90a", out_dtype=o, lse=e) for d, t in PADDED_FP8
+                                      for c in (False, True) for o in ("bf16", "fp16") for e in (True, False))),
+                   progress=False)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
