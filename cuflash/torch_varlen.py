@@ -38,7 +38,7 @@ def _forward(q, k, v, cu_q, cu_k, sinks, options):
 
 
 def _backward(dout, q, k, v, out, lse, cu_q, cu_k, sinks, causal, scale, deterministic, window_size=(-1, -1),
-              softcap=0.0):
+              softcap=0.0, maxima=(None, None)):
     from .varlen import attention_varlen_backward as _varlen_backward
 
     dout = dout.to(out.dtype).contiguous()
@@ -47,7 +47,8 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, sinks, causal, scale, determi
         grads = _varlen_backward(_to_cupy(dout), _to_cupy(q), _to_cupy(k), _to_cupy(v), _to_cupy(out),
                                  _to_cupy(lse), _to_cupy(cu_q), _to_cupy(cu_k), causal=causal, scale=scale,
                                  deterministic=deterministic, sinks=None if sinks is None else _to_cupy(sinks),
-                                 window_size=window_size, softcap=softcap)
+                                 window_size=window_size, softcap=softcap, max_seqlen_q=maxima[0],
+                                 max_seqlen_k=maxima[1])
     return [_to_torch(g) for g in grads]
 
 
@@ -56,7 +57,7 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, sinks, causal, scale, determi
 def _op_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
              cu_seqlens_k: torch.Tensor, sinks: torch.Tensor | None, max_seqlen_q: int | None, causal: bool,
              scale: float | None, window_left: int, window_right: int,
-             softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+             softcap: float, max_seqlen_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks,
                     (max_seqlen_q, causal, scale, (window_left, window_right), softcap))
 
@@ -66,17 +67,18 @@ _op = torch.library.custom_op("cuflash::attention_varlen", mutates_args=())(_op_
 
 @_op.register_fake
 def _op_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, max_seqlen_q, causal, scale, window_left, window_right,
-             softcap):
+             softcap, max_seqlen_k=None):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def _backward_op_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       sinks: torch.Tensor | None, causal: bool, scale: float | None, deterministic: bool,
-                      window_left: int = -1, window_right: int = -1,
-                      softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                      max_seqlen_q: int | None = None,
+                      max_seqlen_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     grads = _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, causal, scale, deterministic,
-                      (window_left, window_right), softcap)
+                      (window_left, window_right), softcap, (max_seqlen_q, max_seqlen_k))
     dsinks = grads[3] if sinks is not None else q.new_empty((0,), dtype=torch.float32)
     return grads[0], grads[1], grads[2], dsinks
 
@@ -86,22 +88,22 @@ _backward_op = torch.library.custom_op("cuflash::attention_varlen_backward", mut
 
 @_backward_op.register_fake
 def _backward_op_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, causal, scale, deterministic,
-                      window_left=-1, window_right=-1, softcap=0.0):
+                      window_left=-1, window_right=-1, softcap=0.0, max_seqlen_q=None, max_seqlen_k=None):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _op_setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, sinks, _, causal, scale, window_left, window_right, softcap = inputs
+    q, k, v, cu_q, cu_k, sinks, max_seqlen_q, causal, scale, window_left, window_right, softcap, max_seqlen_k = inputs
     ctx.save_for_backward(q, k, v, cu_q, cu_k, *output, *(() if sinks is None else (sinks,)))
-    ctx.options = (causal, scale, False, window_left, window_right, softcap)
+    ctx.options = (causal, scale, False, window_left, window_right, softcap, max_seqlen_q, max_seqlen_k)
 
 
 def _op_differentiate(ctx, dout, dlse):
     q, k, v, cu_q, cu_k, out, lse, *sinks = ctx.saved_tensors
     dq, dk, dv, dsinks = _backward_op(dout, q, k, v, out, lse, cu_q, cu_k, sinks[0] if sinks else None,
                                       *ctx.options)
-    return dq, dk, dv, None, None, dsinks if sinks else None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, dsinks if sinks else None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("cuflash::attention_varlen", _op_differentiate, setup_context=_op_setup_context)
@@ -113,23 +115,23 @@ class _AttentionVarlen(torch.autograd.Function):
     """The forward, and cuflash's varlen backward for q, k, v and the sinks."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, sinks, options, deterministic):
+    def forward(ctx, q, k, v, cu_q, cu_k, sinks, options, deterministic, max_seqlen_k):
         out, lse = _forward(q, k, v, cu_q, cu_k, sinks, options)
         ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse, *(() if sinks is None else (sinks,)))
-        ctx.options, ctx.deterministic = options, deterministic
+        ctx.options, ctx.deterministic, ctx.max_seqlen_k = options, deterministic, max_seqlen_k
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, cu_q, cu_k, out, lse, *sinks = ctx.saved_tensors
-        _, causal, scale, window_size, softcap = ctx.options
+        max_seqlen_q, causal, scale, window_size, softcap = ctx.options
         grads = _backward(dout, q, k, v, out, lse, cu_q, cu_k, sinks[0] if sinks else None, causal, scale,
-                          ctx.deterministic, window_size, softcap)
-        return grads[0], grads[1], grads[2], None, None, grads[3] if sinks else None, None, None
+                          ctx.deterministic, window_size, softcap, (max_seqlen_q, ctx.max_seqlen_k))
+        return grads[0], grads[1], grads[2], None, None, grads[3] if sinks else None, None, None, None
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, causal: bool = False,
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal: bool = False,
                      scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
                      return_lse: bool = False, deterministic: bool = False, sinks=None):
     """:func:`cuflash.attention_varlen` on CUDA torch tensors, differentiable in q, k, v and the
@@ -140,6 +142,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         k, v: [total_k, heads_k, head_dim], packed the same way.
         cu_seqlens_q, cu_seqlens_k: torch.int32 [batch + 1] offsets on q's device.
         max_seqlen_q: the most queries of one sequence; None reads the offsets on the host once.
+        max_seqlen_k: the most keys of one sequence: with max_seqlen_q, the one-launch backward
+            reads the offsets on the device only (:func:`cuflash.attention_varlen_backward`).
         causal, scale, window_size, softcap, sinks: as for :func:`cuflash.attention_varlen`.
         return_lse: also return the LSE, float32 [heads, total_q].
         deterministic: the backward adds dQ in a fixed order.
@@ -154,10 +158,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         if deterministic:
             raise ValueError("deterministic=True is for eager calls; the traced backward adds dQ as it comes")
         out, lse = _op(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, max_seqlen_q, causal,
-                       None if scale is None else float(scale), *window_size, float(softcap))
+                       None if scale is None else float(scale), *window_size, float(softcap), max_seqlen_k)
     elif grad:
         options = (max_seqlen_q, causal, scale, window_size, softcap)
-        out, lse = _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, options, deterministic)
+        out, lse = _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, options, deterministic,
+                                          max_seqlen_k)
     else:
         out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, (max_seqlen_q, causal, scale, window_size,
                                                                           softcap))

@@ -363,7 +363,7 @@ def test_kvcache_decode_through_the_bridge_matches_cupy():
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_varlen_through_the_bridge_matches_cupy(with_sinks, compiled):
     """cuflash.torch.attention_varlen (packed sequences, GQA, causal, one empty sequence; with the
-    sinks, a window and softcap too), eagerly and under torch.compile: the output and every
+    sinks, a window, softcap and max_seqlen_k too), eagerly and under torch.compile: the output and every
     gradient, dsinks included, match the CuPy calls' on the same memory."""
     import numpy as np
 
@@ -378,7 +378,8 @@ def test_varlen_through_the_bridge_matches_cupy(with_sinks, compiled):
     sinks = torch.randn(8, device="cuda", requires_grad=True) if with_sinks else None
     variants = dict(window_size=(31, 0), softcap=8.0) if with_sinks else {}
     fn = torch.compile(ct.attention_varlen, fullgraph=True) if compiled else ct.attention_varlen
-    out = fn(q, k, v, cu_q, cu_k, max_seqlen_q=200, causal=True, sinks=sinks, **variants)
+    maxima = dict(max_seqlen_k=200) if with_sinks else {}  # with both maxima no host read in the backward
+    out = fn(q, k, v, cu_q, cu_k, max_seqlen_q=200, causal=True, sinks=sinks, **variants, **maxima)
     dout = torch.randn_like(out)
     out.backward(dout)
     torch.cuda.synchronize()
