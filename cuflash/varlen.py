@@ -327,7 +327,10 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                          f"{'family=' + repr(family) if family == 'sequences' else why}")
     one_launch = family == "wgmma" or (family is None and not why)
     offsets_q = offsets_k = None
-    if not one_launch or maxima is None or not (maxima[1] and total_q and total_k):  # else no host read
+    cupy = sys.modules.get("cupy")
+    on_device = one_launch and maxima is not None and bool(maxima[1] and total_q and total_k) and cupy is not None \
+        and all(isinstance(x, cupy.ndarray) for x in (cu_seqlens_q, cu_seqlens_k))
+    if not on_device:  # the offsets read on the host and checked
         offsets_q = _host_offsets("cu_seqlens_q", cu_seqlens_q, total_q)
         offsets_k = _host_offsets("cu_seqlens_k", cu_seqlens_k, total_k)
         if offsets_q.size != offsets_k.size:
