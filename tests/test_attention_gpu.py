@@ -267,10 +267,15 @@ def _warm_hopper(specs) -> None:
     cuflash.warmup(specs, progress=False)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
-@pytest.mark.parametrize("family", ["wgmma", "mma"])
+def _both_families_cases():
+    """Each family at each head dim with and without the causal mask, the dtypes taken in turn:
+    every (family, head dim) runs in both dtypes."""
+    return [pytest.param(f, d, ("fp16", "bf16")[(i + j + c) % 2], bool(c),
+                         id=f"{f}-{d}-{('fp16', 'bf16')[(i + j + c) % 2]}-{('full', 'causal')[c]}")
+            for i, f in enumerate(("wgmma", "mma")) for j, d in enumerate((64, 128, 192, 256)) for c in (0, 1)]
+
+
+@pytest.mark.parametrize("family,head_dim,dtype,causal", _both_families_cases())
 def test_both_tensor_core_families(family, head_dim, dtype, causal, warm_kernels, poison):
     """Where the Hopper family is the default, the portable one must stay right too."""
     if family == "wgmma" and not _hopper():
@@ -315,24 +320,29 @@ def _other_schedule_spec(schedule, head_dim, block_n, causal):
                       overlap=True, family="wgmma", warp_specialized=ws, pingpong=schedule == "pingpong")
 
 
-OTHER_SCHEDULES = [(schedule, head_dim, block_n) for schedule in ("overlap", "warp_specialized", "pingpong")
-                   for head_dim, block_n in ((64, 64), (128, 96), (256, 48))]
+# (schedule, head_dim, block_n, causal): every schedule at every head dim once, the causal mask
+# taken in turn, so each schedule and each head dim runs with and without it
+OTHER_SCHEDULES = [(schedule, head_dim, block_n, (i + j) % 2 == 1)
+                   for i, schedule in enumerate(("overlap", "warp_specialized", "pingpong"))
+                   for j, (head_dim, block_n) in enumerate(((64, 64), (128, 96), (256, 48)))]
+
+# (head_dim, dtype, causal): each head dim with and without the causal mask, the dtypes taken in
+# turn (each head dim and each mask in both)
+LAZY_CASES = [(hd, ("fp16", "bf16")[(i + c) % 2], bool(c)) for i, hd in enumerate((64, 128, 256)) for c in (0, 1)]
 
 
 @pytest.fixture(scope="module")
 def warm_other_schedule_kernels():
-    _warm_hopper([_other_schedule_spec(*case, causal) for case in OTHER_SCHEDULES for causal in (False, True)])
+    _warm_hopper([_other_schedule_spec(*case) for case in OTHER_SCHEDULES])
 
 
 @pytest.fixture(scope="module")
 def warm_lazy_kernels():
-    _warm_hopper([s for hd in (64, 128, 256) for dt in ("fp16", "bf16") for c in (False, True)
-                  for s in _lazy_specs(hd, dt, c)])
+    _warm_hopper([s for case in LAZY_CASES for s in _lazy_specs(*case)])
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim,dtype,causal", LAZY_CASES,
+                         ids=[f"{hd}-{dt}-{('full', 'causal')[c]}" for hd, dt, c in LAZY_CASES])
 def test_hopper_lazy_row_max(head_dim, dtype, causal, warm_lazy_kernels, poison):
     """The Hopper kernel with and without lazy_rescale (the row max moves only by more than a
     slack, the output's rescale skipped while no row of a warp moves) on maxima that rise over
@@ -419,15 +429,18 @@ def test_hopper_key_loop_variants(spec, warm_key_loop_kernels, poison):
 def test_hopper_defaults_of_both_length_classes(poison):
     """Every default Hopper kernel, short and long sequences' tiles alike, on small problems
     (forced), and the dispatch: a problem past SHORT_SEQLEN runs the long class's kernel. With
-    60 queries, the consumers of rows 64.. have no row to compute."""
+    60 queries, the consumers of rows 64.. have no row to compute. Each kernel runs that problem
+    and one of seqlen_q < seqlen_k (bhsd) and seqlen_q > seqlen_k (bshd), taken in turn so that
+    each head dim, dtype, mask and length class meets both."""
     if not _hopper():
         pytest.skip("the wgmma family needs sm_90a")
     from cuflash.core.policy import SHORT_SEQLEN, all_default_specs, default_spec
 
     specs = all_default_specs("sm90a", ["fp16", "bf16"], family="wgmma")
     cuflash.warmup(specs, progress=False)
-    for spec in specs:
-        for sq, sk, layout in ((113, 239, "bhsd"), (239, 113, "bshd"), (60, 300, "bhsd")):
+    for i, spec in enumerate(specs):
+        tails = ((113, 239, "bhsd"), (239, 113, "bshd"))[(i + i // 4) % 2]
+        for sq, sk, layout in (tails, (60, 300, "bhsd")):
             problem = AttentionProblem(batch=2, heads=4, heads_k=2, seqlen_q=sq, seqlen_k=sk, head_dim=spec.head_dim,
                                        dtype=spec.dtype, causal=spec.causal, layout=layout)
             run_and_check(problem, poison, spec=spec)
@@ -464,8 +477,9 @@ def test_hopper_work_tiles_counted_per_stream():
             assert_attention_close(out, ref, "bf16", baseline=base)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+# each head dim once, the causal mask taken in turn
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (96, True), (128, False), (256, True)],
+                         ids=["64-full", "96-causal", "128-full", "256-causal"])
 def test_hopper_blocks_walking_many_tiles(head_dim, causal, poison):
     """More work tiles than multiprocessors: persistent blocks (non-causal) take several tiles
     each, the ring and the turn-taking run on across tiles; causal rows of the first query tiles
@@ -536,9 +550,8 @@ def test_hopper_last_tiles_dealt_out_by_keys(head_dim, dtype, layout, poison):
         assert_attention_close(out, ref, dtype, baseline=base, lse=lse, ref_lse=ref_lse)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim,block_n", [(64, 64), (128, 96), (256, 48)])
-@pytest.mark.parametrize("schedule", ["overlap", "warp_specialized", "pingpong"])
+@pytest.mark.parametrize("schedule,head_dim,block_n,causal", OTHER_SCHEDULES,
+                         ids=[f"{s}-{d}-{n}-{('full', 'causal')[c]}" for s, d, n, c in OTHER_SCHEDULES])
 def test_wgmma_other_schedules(schedule, head_dim, block_n, causal, warm_other_schedule_kernels, poison):
     """overlap: the next tile's QK^T is issued before this tile's softmax. warp_specialized: a
     TMA producer feeds two consumer warpgroups through mbarriers; pingpong: the consumers take

@@ -120,12 +120,23 @@ def shares_end_inside_tiles(problem: Fp8AttentionProblem, spec) -> bool:
 SPLIT_PROBLEM = dict(batch=1, heads=140, heads_k=20, seqlen_q=129, seqlen_k=300)
 
 
+def _split_problem(head_dim):
+    return Fp8AttentionProblem(**SPLIT_PROBLEM, head_dim=head_dim, fp8_format="e4m3", granularity="head")
+
+
+@pytest.fixture(scope="module")
+def warm_split_fp8_kernels(hopper):
+    """Compile test_last_tiles_dealt_out_by_keys's kernels at once, in parallel processes."""
+    specs = [split_spec(_split_problem(d), lse) for d in (64, 128, 256) for lse in (True, False)]
+    cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
+
+
 @pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "no_lse"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_last_tiles_dealt_out_by_keys(head_dim, return_lse, hopper, poison):
+def test_last_tiles_dealt_out_by_keys(head_dim, return_lse, warm_split_fp8_kernels, poison):
     """Enough tiles without a causal mask that the last ones are dealt out by keys
     (launch.split_plan), twice in a row."""
-    problem = Fp8AttentionProblem(**SPLIT_PROBLEM, head_dim=head_dim, fp8_format="e4m3", granularity="head")
+    problem = _split_problem(head_dim)
     spec = split_spec(problem, return_lse)
     assert shares_end_inside_tiles(problem, spec)
     for _ in range(2):
@@ -202,16 +213,21 @@ def _key_tile_spec(fmt, causal, block_n, out_dtype):
     return dataclasses.replace(default_spec(128, fmt, causal, "sm90a", out_dtype=out_dtype), block_n=block_n)
 
 
+# (fmt, causal, block_n): each format at each key tile once, the causal mask taken in turn, so
+# each format and each key tile runs with and without it
+KEY_TILE_CASES = [(fmt, (i + j) % 2 == 1, block_n) for i, fmt in enumerate(("e4m3", "e5m2"))
+                  for j, block_n in enumerate((64, 128, 160))]
+
+
 @pytest.fixture(scope="module")
 def warm_key_tile_fp8_kernels(hopper):
     """Compile test_key_tiles_other_than_the_default's kernels at once, in parallel processes."""
-    cuflash.warmup([_key_tile_spec(t, c, n, o) for t in ("e4m3", "e5m2") for c in (False, True)
-                    for n in (64, 128, 160) for o in ("bf16", "fp16")], progress=False)
+    cuflash.warmup([_key_tile_spec(t, c, n, o) for t, c, n in KEY_TILE_CASES for o in ("bf16", "fp16")],
+                   progress=False)
 
 
-@pytest.mark.parametrize("block_n", [64, 128, 160])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("fmt,causal,block_n", KEY_TILE_CASES,
+                         ids=[f"{t}-{('full', 'causal')[c]}-{n}" for t, c, n in KEY_TILE_CASES])
 def test_key_tiles_other_than_the_default(fmt, causal, block_n, warm_key_tile_fp8_kernels, poison):
     """Key tiles read V^T in boxes of 128 keys with 128-byte swizzle where block_n is a multiple
     of 128, else of 64 keys with 64-byte swizzle (as the default 192 with a causal mask), else

@@ -81,9 +81,13 @@ def _check(q, kc, vc, lens, table, new, *, dtype, causal=True, num_splits=None, 
     return to_numpy(out), to_numpy(lse)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 72, 128, 256])
-@pytest.mark.parametrize("seqlen_q,heads,heads_k", [(1, 32, 8), (4, 8, 2), (16, 8, 1), (3, 4, 4)])
+# every head dim with every query count and head layout (GQA 4:1, 4:1, MQA, none), the dtypes
+# taken in turn so that each head dim and each layout runs in both
+DECODE_CASES = [(("bf16", "fp16")[(i + j) % 2], head_dim, *layout) for i, head_dim in enumerate((64, 72, 128, 256))
+                for j, layout in enumerate(((1, 32, 8), (4, 8, 2), (16, 8, 1), (3, 4, 4)))]
+
+
+@pytest.mark.parametrize("dtype,head_dim,seqlen_q,heads,heads_k", DECODE_CASES)
 def test_decode_contiguous(dtype, head_dim, seqlen_q, heads, heads_k):
     rng = np.random.default_rng(head_dim * 100 + seqlen_q + heads)
     lens = rng.integers(0, 700, size=3)

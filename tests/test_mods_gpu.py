@@ -75,6 +75,10 @@ def _case(name, rng, batch, heads, seqlen_q, seqlen_k):
 CASES = ("softcap", "alibi", "window", "document", "relative_bias", "relative_clipped", "holes", "composed",
          "softcap_window", "prefix", "per_head")
 DETERMINISTIC_CASES = ("softcap_window", "relative_bias", "holes")
+# (case, family, dtype): every case on both tensor-core families, the dtypes taken in turn, so
+# that each case runs in both dtypes and each family in both (the default family's softcap and
+# softcap_window in fp16, document in bf16: the kernels the tests below them call too)
+RUNS = [(name, family, DTYPES[(i + j + 1) % 2]) for i, name in enumerate(CASES) for j, family in enumerate(FAMILIES)]
 
 
 def _problem_stub(head_dim, causal, dtype):
@@ -95,7 +99,8 @@ def _prepared_cases(names):
 
 @pytest.fixture(scope="module")
 def warm_mod_kernels():
-    """Compile every (case, family, dtype, head dim) specialization the tests run, in parallel."""
+    """Compile every (case, family, dtype) of RUNS at each head dim, with the block-sparse and
+    deterministic specializations the tests run, in parallel."""
     from cuflash.core import policy
     from cuflash.core.compile import device_arch
     from cuflash.forward import _with_mods
@@ -104,21 +109,20 @@ def warm_mod_kernels():
     specs = []
     for name, prepared, causal in _prepared_cases(CASES):
         mask_mod = prepared.mask
-        for family in FAMILIES:
-            for dtype in DTYPES:
-                for head_dim in HEAD_DIMS:
-                    spec = policy.default_spec(head_dim, dtype, causal, arch, family=family, seqlen=512)
-                    problem = _problem_stub(head_dim, causal, dtype)
-                    specs.append(_with_mods(spec, prepared, problem, None))
-                    if family is None and mask_mod is not None and spec.warp_specialized:
-                        specs.append(_with_mods(spec, prepared, problem, None).replace(block_sparse=True))
-                    if family is None and mask_mod is not None:
-                        bwd = policy.default_bwd_spec(head_dim, dtype, causal, arch, False)
-                        bwd = _bwd_with_mods(bwd, prepared, head_dim, dtype, causal)
-                        specs.append(bwd.replace(block_sparse=True) if bwd.family == "wgmma" else bwd)
-                    for deterministic in (False, True) if name in DETERMINISTIC_CASES and family is None else (False,):
-                        bwd = policy.default_bwd_spec(head_dim, dtype, causal, arch, deterministic, family=family)
-                        specs.append(_bwd_with_mods(bwd, prepared, head_dim, dtype, causal))
+        for family, dtype in ((f, t) for n, f, t in RUNS if n == name):
+            for head_dim in HEAD_DIMS:
+                spec = policy.default_spec(head_dim, dtype, causal, arch, family=family, seqlen=512)
+                problem = _problem_stub(head_dim, causal, dtype)
+                specs.append(_with_mods(spec, prepared, problem, None))
+                if family is None and mask_mod is not None and spec.warp_specialized:
+                    specs.append(_with_mods(spec, prepared, problem, None).replace(block_sparse=True))
+                if family is None and mask_mod is not None:
+                    bwd = policy.default_bwd_spec(head_dim, dtype, causal, arch, False)
+                    bwd = _bwd_with_mods(bwd, prepared, head_dim, dtype, causal)
+                    specs.append(bwd.replace(block_sparse=True) if bwd.family == "wgmma" else bwd)
+                for deterministic in (False, True) if name in DETERMINISTIC_CASES and family is None else (False,):
+                    bwd = policy.default_bwd_spec(head_dim, dtype, causal, arch, deterministic, family=family)
+                    specs.append(_bwd_with_mods(bwd, prepared, head_dim, dtype, causal))
     cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
 
 
@@ -156,9 +160,7 @@ def _drawn(name, dtype, shape, seed):
 
 
 @pytest.mark.usefixtures("warm_mod_kernels")
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name,family,dtype", RUNS)
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(shape=shapes, seed=st.integers(0, 2**31))
 def test_forward_with_mods_matches_the_reference(name, family, dtype, shape, seed, poison):
@@ -244,8 +246,9 @@ def test_an_index_past_a_captured_array_gives_nan_not_a_fault():
     cupy.cuda.Device().synchronize()
 
 
-_BACKWARD_RUNS = [(name, family, dtype, False) for name in CASES for family in FAMILIES for dtype in DTYPES] + \
-    [(name, None, "bf16", True) for name in DETERMINISTIC_CASES]
+# the deterministic backward on the default family, in that case's dtype of RUNS
+_BACKWARD_RUNS = [(name, family, dtype, False) for name, family, dtype in RUNS] + \
+    [(name, None, dtype, True) for name, family, dtype in RUNS if family is None and name in DETERMINISTIC_CASES]
 
 
 @pytest.mark.usefixtures("warm_mod_kernels")
@@ -290,12 +293,15 @@ def test_attention_with_grad_takes_mods():
 
 
 MASK_CASES = ("window", "document", "holes", "composed", "softcap_window", "prefix", "per_head")
+# each mask case at both tile shapes in its default family's dtype of RUNS (the dtypes alternate
+# over the cases): the block-sparse kernels warm_mod_kernels compiled
+_BLOCK_MASK_RUNS = [(name, dtype, tiles) for name, family, dtype in RUNS if family is None and name in MASK_CASES
+                    for tiles in ((128, 128), (64, 32))]
 
 
 @pytest.mark.usefixtures("warm_mod_kernels")
-@pytest.mark.parametrize("tiles", [(128, 128), (64, 32)])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", MASK_CASES)
+@pytest.mark.parametrize("name,dtype,tiles", _BLOCK_MASK_RUNS,
+                         ids=[f"{name}-{dtype}-{m}x{n}" for name, dtype, (m, n) in _BLOCK_MASK_RUNS])
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(shape=shapes, seed=st.integers(0, 2**31))
 def test_a_block_mask_skips_tiles_and_changes_nothing(name, dtype, tiles, shape, seed, poison):
@@ -338,26 +344,26 @@ def test_block_masks_on_the_gpu_match_the_host(name, tiles):
 
 
 FP8_CASES = ("softcap", "alibi", "document", "softcap_window")
+# each FP8 case once, the head dims taken in turn (each runs with a score_mod and a mask_mod)
+FP8_RUNS = [(name, HEAD_DIMS[i % 2]) for i, name in enumerate(FP8_CASES)]
 
 
 @pytest.fixture(scope="module")
 def warm_fp8_mod_kernels():
-    """Compile the FP8 forward with each FP8 case's mods (e4m3, bf16 output, both head dims)."""
+    """Compile the FP8 forward with each FP8 case's mods (e4m3, bf16 output, its head dim)."""
     from cuflash.core import policy
     from cuflash.core.compile import device_arch
     from cuflash.forward import _with_mods
 
     arch = device_arch()
     specs = []
-    for _, prepared, causal in _prepared_cases(FP8_CASES):
-        for head_dim in HEAD_DIMS:
-            spec = policy.default_spec(head_dim, "e4m3", causal, arch, out_dtype="bf16", seqlen=512)
-            specs.append(_with_mods(spec, prepared, _problem_stub(head_dim, causal, "e4m3"), "bf16"))
+    for (_, prepared, causal), (_, head_dim) in zip(_prepared_cases(FP8_CASES), FP8_RUNS):
+        spec = policy.default_spec(head_dim, "e4m3", causal, arch, out_dtype="bf16", seqlen=512)
+        specs.append(_with_mods(spec, prepared, _problem_stub(head_dim, causal, "e4m3"), "bf16"))
     cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
 
 
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("name", FP8_CASES)
+@pytest.mark.parametrize("name,head_dim", FP8_RUNS)
 def test_fp8_forward_with_mods_matches_the_reference(name, head_dim, warm_fp8_mod_kernels, poison):
     rng = np.random.default_rng(len(name) + head_dim)
     batch, heads, heads_k, seqlen_q, seqlen_k = 2, 4, 2, 177, 250

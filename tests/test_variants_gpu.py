@@ -24,6 +24,9 @@ CASES = [
     (False, (64, 64), 30.0, 128, "fp16"),
 ]
 LENGTHS = [(200, 200), (77, 300), (300, 77)]
+# (case, lengths): each case at two of the length pairs, the one left out taken in turn, so each
+# case meets seqlen_q != seqlen_k and each pair runs with several cases
+RUNS = [(case, lengths) for i, case in enumerate(CASES) for j, lengths in enumerate(LENGTHS) if j != i % 3]
 # (head_dim, fp8 format, causal, window_size, softcap): FP8 windows the Hopper kernel bounds itself
 FP8_WINDOWS = [
     (64, "e4m3", True, (300, 0), 0.0),
@@ -80,7 +83,7 @@ def _inputs(seed, dtype, batch, heads, heads_k, seqlen_q, seqlen_k, layout, head
 
 @pytest.fixture(scope="module")
 def warm_variant_kernels():
-    """Compile each case's forward and backward at each length pair, in parallel."""
+    """Compile each case's forward and backward at its length pairs (RUNS), in parallel."""
     from types import SimpleNamespace
 
     from cuflash import backward as _backward
@@ -92,30 +95,29 @@ def warm_variant_kernels():
 
     arch, device = device_arch(), cupy.cuda.Device().id
     specs = []
-    for causal, window_size, softcap, head_dim, dtype in CASES:
-        for seqlen_q, seqlen_k in LENGTHS:
-            problem = SimpleNamespace(causal=causal, batch=2, heads=4, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                                      head_dim=head_dim, dtype=SimpleNamespace(tag=dtype), device_id=device)
-            variants = validate_variants(window_size, softcap, causal)
-            score_mod, mask_mod, block = sparsity.flash_mods(problem, *variants, None, None, None)
-            prepared = modset.prepare(score_mod, mask_mod, device)
-            spec = policy.default_spec(head_dim, dtype, causal, arch, seqlen=512)
-            if spec.warp_specialized and block is not None:  # the Hopper forward bounds the window itself
-                cap = sparsity.flash_mods(problem, (-1, -1), softcap, None, None, None)[0]
-                specs.append(_forward._with_mods(spec, modset.prepare(cap, None, device), problem, None).replace(
-                    local=True) if cap is not None else spec.replace(local=True))
-            else:
-                spec = _forward._with_mods(spec, prepared, problem, None)
-                specs.append(spec.replace(block_sparse=True) if block is not None and spec.warp_specialized else spec)
-            bwd = policy.default_bwd_spec(head_dim, dtype, causal, arch, False)
-            if _backward._local_window(bwd, variants, causal, None, None, None) != (-1, -1):  # bounded by the kernel
-                cap = sparsity.flash_mods(problem, (-1, -1), softcap, None, None, None)[0]
-                bwd = _backward._with_mods(bwd, modset.prepare(cap, None, device), SimpleNamespace(forward=problem)) \
-                    if cap is not None else bwd
-                specs.append(bwd.replace(local=True))
-                continue
-            bwd = _backward._with_mods(bwd, prepared, SimpleNamespace(forward=problem))
-            specs.append(bwd.replace(block_sparse=True) if block is not None and bwd.family == "wgmma" else bwd)
+    for (causal, window_size, softcap, head_dim, dtype), (seqlen_q, seqlen_k) in RUNS:
+        problem = SimpleNamespace(causal=causal, batch=2, heads=4, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                  head_dim=head_dim, dtype=SimpleNamespace(tag=dtype), device_id=device)
+        variants = validate_variants(window_size, softcap, causal)
+        score_mod, mask_mod, block = sparsity.flash_mods(problem, *variants, None, None, None)
+        prepared = modset.prepare(score_mod, mask_mod, device)
+        spec = policy.default_spec(head_dim, dtype, causal, arch, seqlen=512)
+        if spec.warp_specialized and block is not None:  # the Hopper forward bounds the window itself
+            cap = sparsity.flash_mods(problem, (-1, -1), softcap, None, None, None)[0]
+            specs.append(_forward._with_mods(spec, modset.prepare(cap, None, device), problem, None).replace(
+                local=True) if cap is not None else spec.replace(local=True))
+        else:
+            spec = _forward._with_mods(spec, prepared, problem, None)
+            specs.append(spec.replace(block_sparse=True) if block is not None and spec.warp_specialized else spec)
+        bwd = policy.default_bwd_spec(head_dim, dtype, causal, arch, False)
+        if _backward._local_window(bwd, variants, causal, None, None, None) != (-1, -1):  # bounded by the kernel
+            cap = sparsity.flash_mods(problem, (-1, -1), softcap, None, None, None)[0]
+            bwd = _backward._with_mods(bwd, modset.prepare(cap, None, device), SimpleNamespace(forward=problem)) \
+                if cap is not None else bwd
+            specs.append(bwd.replace(local=True))
+            continue
+        bwd = _backward._with_mods(bwd, prepared, SimpleNamespace(forward=problem))
+        specs.append(bwd.replace(block_sparse=True) if block is not None and bwd.family == "wgmma" else bwd)
     if arch == "sm90a":  # test_windows_over_many_key_tiles
         specs += [policy.default_spec(d, "bf16", c, arch, seqlen=n).replace(local=True) for d in (64, 128, 256)
                   for c in (False, True) for n in (700, 1100, 1500)]
@@ -135,8 +137,8 @@ def warm_variant_kernels():
 
 
 @pytest.mark.usefixtures("warm_variant_kernels")
-@pytest.mark.parametrize("lengths", LENGTHS)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case,lengths", RUNS,
+                         ids=[f"case{CASES.index(c)}-{sq}x{sk}" for c, (sq, sk) in RUNS])
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=st.integers(1, 2), heads=st.sampled_from([(4, 4), (4, 1)]), layout=st.sampled_from(["bhsd", "bshd"]),
        seed=st.integers(0, 2**31))
@@ -158,10 +160,16 @@ def test_window_and_softcap_match_the_reference(case, lengths, batch, heads, lay
                            baselines=reference.attention_backward_naive(dout, q, k, v, **args))
 
 
+MANY_TILE_WINDOWS = [(True, (300, 0)), (True, (0, 0)), (False, (200, 130)), (False, (-1, 70)), (False, (517, -1))]
+# each head dim with three of the windows (one or two causal, one or two not), taken in turn so
+# that every window runs and each head dim meets both masks
+MANY_TILE_RUNS = [(causal, window_size, head_dim) for w, (causal, window_size) in enumerate(MANY_TILE_WINDOWS)
+                  for j, head_dim in enumerate((64, 128, 256)) if (w + j) % 5 < 3]
+
+
 @pytest.mark.usefixtures("warm_variant_kernels")
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("causal,window_size", [(True, (300, 0)), (True, (0, 0)), (False, (200, 130)),
-                                                (False, (-1, 70)), (False, (517, -1))])
+@pytest.mark.parametrize("causal,window_size,head_dim", MANY_TILE_RUNS,
+                         ids=[f"{c}-{w[0]}_{w[1]}-{d}" for c, w, d in MANY_TILE_RUNS])
 def test_windows_over_many_key_tiles(head_dim, causal, window_size, poison):
     """The Hopper kernels' own window bounds (KernelSpec.local, BwdSpec.local) over lengths of many
     tiles: tiles past either edge skipped, both edges masked, seqlen_q != seqlen_k both ways, GQA;
