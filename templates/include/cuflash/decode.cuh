@@ -9,6 +9,9 @@
 // and, with more than one split, leaves float32 partials (output normalized by its own sum, and
 // its natural-log LSE) that the row tile's last split to finish merges (merge_splits).
 //
+// A spec with mods (decode.cu.j2 gives Cfg mods.j2's members) evaluates its score_mod and mask_mod
+// on every score element of the tile (decode_attention's ModCfg).
+//
 // Lengths and page ids are read on the device and checked there: a sequence whose length is
 // negative or passes the cache's capacity, or whose keys sit on a page id outside the cache,
 // gives NaN rows (output and LSE); no copy reads outside the cache.
