@@ -54,6 +54,9 @@ def _warm_specs():
         rows = seqlen_q * HEADS // HEADS_K
         specs.append(decode_spec(HEAD_DIM, "bf16", "bf16", paged, min(rows, 64), arch).replace(
             score_mod=mods.score_digest, mask_mod=mods.mask_digest))
+        if kind == "alibi" and not paged:  # an FP8 cache's (test_an_fp8_cache_takes_mods)
+            specs.append(decode_spec(HEAD_DIM, "bf16", "e4m3", False, 16, arch).replace(
+                score_mod=mods.score_digest, mask_mod=mods.mask_digest))
         if kind == "both":  # the portable varlen forward's
             specs.append(decode_spec(HEAD_DIM, "bf16", "bf16", False, 64, arch, varlen=True).replace(
                 score_mod=mods.score_digest, mask_mod=mods.mask_digest))
@@ -95,6 +98,26 @@ def test_mods_against_the_reference(kind, paged, seqlen_q, seqlen_new, num_split
         lse_host, out_host = to_numpy(lse), to_numpy(out).astype(np.float32)
         assert np.isneginf(lse_host[1, [0, 5]]).all() and not out_host[1, :, [0, 5]].any()
         assert np.isfinite(out_host).all()
+
+
+def test_an_fp8_cache_takes_mods():
+    """e4m3 codes with a per-head descale: the scores the mods see include the descale."""
+    rng = np.random.default_rng(11)
+    lens = np.array([5, 310, 569])
+    q, kc, vc, _, new = _make(rng, batch=BATCH, seqlen_q=4, heads=HEADS, heads_k=HEADS_K, head_dim=HEAD_DIM,
+                              dtype="bf16", lengths=lens, capacity=CAPACITY, seqlen_new=1, fp8_format="e4m3")
+    score_mod, _ = _mods("alibi", rng)
+    k_descale = np.array([0.25, 0.5], dtype=np.float32)
+    dq, dk, dv, dlens = _to_device(q, kc, vc, lens.astype(np.int32))
+    out, lse = cuflash.attention_with_kvcache(dq, dk, dv, cache_seqlens=dlens, k_new=cupy.asarray(new[0]),
+                                              v_new=cupy.asarray(new[1]), fp8_format="e4m3", num_splits=3,
+                                              k_descale=cupy.asarray(k_descale), v_descale=0.5, return_lse=True,
+                                              score_mod=score_mod)
+    kwargs = dict(k_new=new[0], v_new=new[1], fp8_format="e4m3", k_descale=k_descale, v_descale=0.5,
+                  score_mod=score_mod)
+    ref, ref_lse, _, _ = attention_with_kvcache_reference(q, kc, vc, lens, **kwargs)
+    naive, naive_lse, _, _ = attention_with_kvcache_reference(q, kc, vc, lens, naive=True, **kwargs)
+    assert_attention_close(out, ref, "bf16", baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
 
 
 def test_a_softcap_beside_a_score_mod_is_refused():
