@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from .core import compile as _compile
 from .core import kvcache as _kv
+from .core import modset as _modset
 from .core.launch import outputs_unused
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, page_table=None,
                            causal=True, scale=None, window_size=(-1, -1), softcap=0.0, num_splits=None,
-                           return_lse=False, fp8_format=None, k_descale=None, v_descale=None, sinks=None):
+                           return_lse=False, fp8_format=None, k_descale=None, v_descale=None, sinks=None,
+                           score_mod=None, mask_mod=None):
     """Attend a few new query tokens per sequence to a KV cache (contiguous or paged).
 
     Args:
@@ -40,6 +42,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
             () or (heads_k,) (per kv head).
         sinks: attention sinks (gpt-oss): a float CuPy array [heads], one logit per query head
             added to its rows' softmax sums, as for :func:`cuflash.attention`.
+        score_mod, mask_mod: as for :func:`cuflash.attention` (:mod:`cuflash.mods`), on the scaled
+            scores (after ``softcap``, which takes no score_mod beside it), with ``b`` the
+            sequence, ``h`` the query head, ``q_idx`` the query's position in its sequence
+            (``length - seqlen_q + i`` for token i, ``length`` the keys after the append) and
+            ``kv_idx`` the key's, from 0. A mask_mod narrows what causal and the window allow.
 
     Returns:
         The output [batch, seqlen_q, heads, head_dim] in q's dtype (and the LSE). A row with no
@@ -53,6 +60,14 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
 
     key = _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
                     fp8_format, k_descale, v_descale, window_size, softcap, sinks)
+    if score_mod is not None or mask_mod is not None:
+        # A call with mods has a plan when they trace to graphs kept for their function and captured
+        # values (the same graphs hold the same arrays: the same kernel argument).
+        from .forward import _Same
+
+        score_mod, score_kept = _modset.traced_kept(score_mod, "score")
+        mask_mod, mask_kept = _modset.traced_kept(mask_mod, "mask")
+        key = key + (_Same(score_mod), _Same(mask_mod)) if key is not None and score_kept and mask_kept else None
     plan = _plans.get(key) if key is not None else None
     if plan is not None:
         q_ptr, k_ptr, v_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr
@@ -69,7 +84,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         plan.launch(q, k_cache, v_cache, k_new, v_new, out, lse)
         return out, lse
     return _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale,
-                      num_splits, return_lse, fp8_format, k_descale, v_descale, window_size, softcap, sinks)
+                      num_splits, return_lse, fp8_format, k_descale, v_descale, window_size, softcap, sinks,
+                      score_mod, mask_mod)
 
 
 def _new_output(cupy, plan, q):
@@ -93,7 +109,8 @@ def _new_output(cupy, plan, q):
 
 
 def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
-               return_lse, fp8_format, k_descale, v_descale, window_size, softcap, sinks):
+               return_lse, fp8_format, k_descale, v_descale, window_size, softcap, sinks, score_mod=None,
+               mask_mod=None):
     from .core.validate import validate_sinks
     from .forward import _arch, _on_device
 
@@ -104,19 +121,21 @@ def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, page_table=page_table,
         causal=causal, scale=scale, fp8_format=fp8_format, window_size=window_size, softcap=softcap)
     sinks32 = None if sinks is None else validate_sinks(sinks, problem.heads, problem.device_id)
+    _kv.check_mods(problem, score_mod, mask_mod)
+    mods = _modset.prepare(score_mod, mask_mod, problem.device_id)
     if any(a is not b for a, b in zip((q, k_new, v_new, cache_seqlens, sinks32), original + (sinks,))):
         key = None  # copied inputs (the plan would keep a copy of the lengths): the full path again
     descales = tuple(_kv.descale_operand(cupy, name, value, problem.heads_k, problem.device_id)
                      for name, value in (("k_descale", k_descale), ("v_descale", v_descale)))
     with _on_device(problem.device_id):
-        spec = _kv.select_spec(problem, _arch(problem.device_id))
+        spec = _kv.select_spec(problem, _arch(problem.device_id), mods)
         splits = _kv.choose_splits(spec, problem, num_splits)
         out = cupy.empty(q.shape, dtype=q.dtype)
         lse = cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
         kernels = _compile.get_kernel(spec, problem.device_id)
         plan = _kv.KVCachePlan(kernels, spec, problem, page_table=page_table, cache_seqlens=cache_seqlens,
                                splits=splits, k_descale=descales[0], v_descale=descales[1],
-                               stream=cupy.cuda.get_current_stream().ptr, sinks=sinks32)
+                               stream=cupy.cuda.get_current_stream().ptr, sinks=sinks32, mods=mods)
         plan.launch(q, k_cache, v_cache, k_new, v_new, out, lse)
         if key is not None:
             if len(_plans) >= _MAX_PLANS:
@@ -127,7 +146,8 @@ def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page
 
 #: Launch plans by everything a call's validation and launch depend on but the addresses of q,
 #: the caches, the new keys and the outputs (the page table and lengths arrays are part of it:
-#: their addresses sit in the plan's parameter block).
+#: their addresses sit in the plan's parameter block; the mods' graphs too: they hold the arrays
+#: whose addresses sit in the mods' argument).
 _plans: dict = {}
 _MAX_PLANS = 256
 

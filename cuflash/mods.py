@@ -280,3 +280,44 @@ def score_derivative(scores, score_mod):
     graph = mod_grad.derivative(_graph(score_mod, "score"))
     value = _trace.evaluate(graph, dict(_grids(scores.shape), score=scores), float_dtype=scores.dtype)
     return np.broadcast_to(value, scores.shape).astype(scores.dtype)
+
+
+def _rebased(mod, kind: str, b: int = 0, q_idx: int = 0, also=None) -> Graph:
+    """The graph of ``mod`` (a function or its graph) read at ``b + b`` and ``q_idx + q_idx``: the
+    reference of one sequence of a batch (``b``) whose queries sit after its cached keys
+    (``q_idx``), as attention_with_kvcache sees them; and-ed with the mask_mod ``also`` (which
+    captures no arrays), read at the positions as they are."""
+    from .core.trace import BOOL, INT, Node
+
+    graph = _graph(mod, kind)
+    out = Graph(kind, graph.symbols)
+    out.arrays, out.array_names = list(graph.arrays), list(graph.array_names)
+    shifted = {}
+    for name, shift in (("b", b), ("q_idx", q_idx)):
+        sym = out.add(Node("sym", (name,), INT))
+        shifted[name] = out.add(Node("add", (sym, out.add(Node("const", (int(shift),), INT))), INT)) if shift else sym
+    out.output = _copy_nodes(graph, out, shifted)
+    if also is not None:
+        extra = _graph(also, "mask")
+        if extra.arrays:
+            raise ValueError("_rebased: the mask and-ed in must capture no arrays")
+        out.output = out.add(Node("and", (out.output, _copy_nodes(extra, out, {})), BOOL))
+    return out
+
+
+def _copy_nodes(graph: Graph, out: Graph, symbols: dict) -> int:
+    """Add ``graph``'s nodes to ``out`` (its symbols as the node ids ``symbols`` gives, where it
+    gives one); returns the id of graph's output in ``out``."""
+    from .core.trace import Node
+
+    ids = []
+    for node in graph.nodes:
+        if node.op == "sym":
+            ids.append(symbols[node.args[0]] if node.args[0] in symbols else out.add(node))
+        elif node.op == "const":
+            ids.append(out.add(node))
+        elif node.op == "load":
+            ids.append(out.add(Node("load", (node.args[0], *(ids[i] for i in node.args[1:])), node.dtype)))
+        else:
+            ids.append(out.add(Node(node.op, tuple(ids[i] for i in node.args), node.dtype)))
+    return ids[graph.output]

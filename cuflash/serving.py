@@ -80,7 +80,8 @@ def merge_states(outs: Sequence, lses: Sequence, *, layout: str = "bhsd"):
 
 def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, page_table=None,
                                      causal=True, scale=None, window_size=(-1, -1), softcap=0.0, fp8_format=None,
-                                     k_descale=None, v_descale=None, sinks=None, naive=False):
+                                     k_descale=None, v_descale=None, sinks=None, score_mod=None, mask_mod=None,
+                                     naive=False):
     """What :func:`cuflash.attention_with_kvcache` computes, on NumPy arrays (CuPy arrays are
     copied to the host): the new keys appended to copies of the caches, then each sequence's
     attention over its keys, in float64 (``naive=True``: :func:`cuflash.reference.attention_naive`
@@ -88,7 +89,11 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
 
     Returns ``(out, lse, k_cache, v_cache)``: the output in q's layout [batch, seqlen_q, heads,
     head_dim], the LSE [batch, heads, seqlen_q], and the caches after the append (codes for an
-    FP8 cache). A sequence whose length passes the capacity gets NaN rows and no new keys."""
+    FP8 cache). A sequence whose length passes the capacity gets NaN rows and no new keys.
+    ``score_mod`` and ``mask_mod`` (functions or traced graphs) are evaluated on index grids with
+    ``b`` the sequence and ``q_idx`` the query's position after the sequence's keys (``length -
+    seqlen_q + i``, length counting the new keys), as the kernel reads them; the mask and-ed with
+    causal and the window; a softcap takes no score_mod beside it (ValueError)."""
     import numpy as np
 
     from . import fp8, reference
@@ -117,6 +122,9 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
         factor = np.ones(1) if descale is None else np.asarray(to_numpy(descale), dtype=np.float64).reshape(-1)
         return fp8.from_fp8_bits(codes.view(np.uint8), fp8_format).astype(np.float64) * factor[None, :, None]
 
+    if softcap and score_mod is not None:
+        raise ValueError(f"softcap={softcap} and score_mod were both given; put the cap into the score_mod "
+                         f"(cuflash.mods.softcap shows how)")
     out_dtype = np.float64 if not naive else q.dtype
     out = np.zeros(q.shape, dtype=np.float64)
     lse = np.zeros((batch, heads, seqlen_q), dtype=np.float64)
@@ -130,9 +138,14 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
             k_cache[page, row], v_cache[page, row] = k_new[b], v_new[b]
         page, row = where(b, np.arange(old + seqlen_new))
         ks = values(k_cache[page, row], k_descale)[None], values(v_cache[page, row], v_descale)[None]
-        mods = dict(score_mod=_mods.softcap(softcap) if softcap else None,
-                    mask_mod=_window_mask(window_size, causal, old + seqlen_new - seqlen_q),
+        offset = old + seqlen_new - seqlen_q  # the position of query 0
+        window = _window_mask(window_size, causal, offset)
+        mods = dict(score_mod=_mods.softcap(softcap) if softcap else None, mask_mod=window,
                     sinks=None if sinks is None else to_numpy(sinks))
+        if score_mod is not None:
+            mods["score_mod"] = _mods._rebased(score_mod, "score", b, offset)
+        if mask_mod is not None:
+            mods["mask_mod"] = _mods._rebased(mask_mod, "mask", b, offset, also=window)
         if naive:
             kk, vv = (x.astype(q.dtype) for x in ks)
             o, l = reference.attention_naive(q[b:b + 1], kk, vv, causal=causal, scale=scale, layout="bshd", **mods)

@@ -44,7 +44,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         sinks: attention sinks, a float CuPy array [heads] (see :func:`cuflash.attention`).
         score_mod, mask_mod: as for :func:`cuflash.attention`, with ``b`` the sequence's index
             and ``q_idx`` / ``kv_idx`` positions within the sequence (from 0). They run on the
-            Hopper kernel (sm90a, fp16/bf16); elsewhere they raise ValueError.
+            Hopper kernel (sm90a), elsewhere on the KV-cache kernel, per score element.
 
     Returns:
         The output [total_q, heads, head_dim] in q's dtype (and the LSE). Sequences may be empty;
@@ -118,17 +118,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                     _plans.clear()
                 _plans[key] = hopper
         elif batch and max_seqlen_q and out.size:
-            if score_mod is not None or mask_mod is not None:
-                raise ValueError(f"score_mod and mask_mod on attention_varlen run on the Hopper kernel (sm90a, fp16 "
-                                 f"or bf16, a positive scale, 16-byte aligned rows, a head dim it takes); this call "
-                                 f"has {_arch(device)}, {problem.dtype.tag}, head_dim={head_dim}, "
-                                 f"scale={problem.scale}")
-            spec = _kv.select_spec(problem, _arch(device))
+            # the KV-cache kernel: its own softcap and window, the call's mods per score element
+            from .core import modset
+            own_mods = modset.prepare(score_mod, mask_mod, device)
+            spec = _kv.select_spec(problem, _arch(device), own_mods)
             kernels = _compile.get_kernel(spec, device)
             plan = _kv.KVCachePlan(kernels, spec, problem, page_table=None, cache_seqlens=None, splits=1,
                                    k_descale=(1.0, None, False), v_descale=(1.0, None, False),
                                    stream=cupy.cuda.get_current_stream().ptr, cu_seqlens=(cu_q, cu_k),
-                                   sinks=sinks)
+                                   sinks=sinks, mods=own_mods)
             plan.launch(q4, k4, v4, None, None, out, lse)
     return (out, lse) if return_lse else out
 

@@ -120,6 +120,40 @@ def test_sample_of_specs_compiles_without_spills():
     assert all(regs <= 255 for _, regs, _ in reports)
 
 
+def _mod_digests():
+    """Digests of an ALiBi score_mod (a captured [heads] array) and a window mask_mod, registered."""
+    from cuflash import mods
+    from cuflash.core import mod_codegen
+
+    slopes = np.ones(8, dtype=np.float32)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    def recent(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 64
+
+    return (mod_codegen.register(mods.trace_score_mod(alibi)), mod_codegen.register(mods.trace_mask_mod(recent)))
+
+
+def test_specs_with_mods_compile_without_spills():
+    """The mods per score element cost registers, not spills, on Hopper (sm80's 64-row head dim
+    128 tiles spill a few dozen bytes with two mods that load arrays: docs/serving.md)."""
+    score, mask = _mod_digests()
+    specs = [decode_spec(d, t, c, paged, rows, "sm90a").replace(score_mod=score, mask_mod=mask)
+             for d, t, c, paged, rows in ((128, "bf16", "bf16", True, 16), (128, "bf16", "bf16", False, 64),
+                                          (128, "bf16", "e4m3", False, 64))]
+    specs.append(decode_spec(64, "fp16", "fp16", False, 32, "sm80").replace(score_mod=score))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        reports = list(pool.map(_report, specs))
+    assert not [(name, regs) for name, regs, spills in reports if spills]
+    source = generate(specs[0])
+    assert all(f" {name}(const DecodeParams params, const __grid_constant__ Cfg::Mods mods)" in source
+               for name in specs[0].kernel_names)
+    plain = generate(decode_spec(128, "bf16", "bf16", True, 16, "sm90a"))
+    assert "Mods" not in plain.split("#include \"cuflash/decode.cuh\"")[1]
+
+
 def test_sources_name_their_kernels():
     spec = decode_spec(128, "bf16", "e4m3", True, 16, "sm90a")
     source = generate(spec)
@@ -169,3 +203,78 @@ def test_reference_marks_overfull_and_negative_lengths_nan():
     out, lse, k2, _ = attention_with_kvcache_reference(q, k, v, np.array([6, 7, -1]), k_new=kn, v_new=kn)
     assert np.isfinite(out[0]).all() and np.isnan(out[1:]).all() and np.isnan(lse[1:]).all()
     assert np.array_equal(k2[1], k[1]) and np.array_equal(k2[0, 6:8], kn[0])
+
+
+def test_calls_with_mods_pass_their_arrays_and_keep_a_plan_per_graph(monkeypatch):
+    """On the CPU stand-ins (tests/fake_device.py): a call with mods compiles a spec named by
+    them, every kernel takes the mods' packed arrays as its second argument, and a plan is kept
+    per traced graph (new captured arrays or a new expression: a new plan, never a stale one)."""
+    cupy = pytest.importorskip("cupy")
+    import fake_device
+
+    import cuflash
+    from cuflash import kvcache
+    from cuflash.core import compile as _compile
+    from cuflash.core import mod_codegen
+    from cuflash.core.params import DECODE_STRUCT
+
+    driver = fake_device.FakeDriver(sizes=None)
+    fake_device.install(monkeypatch, cupy, driver=driver)
+    kernels = tuple(fake_device.FakeKernel(ptr) for ptr in (0xA, 0xB, 0xC))  # attend, append, merge
+    specs = []
+    monkeypatch.setattr(_compile, "get_kernel", lambda spec, device_id: specs.append(spec) or kernels)
+    kvcache._plans.clear()
+    try:
+        batch, seqlen_q, heads, heads_k, d, capacity = 2, 4, 8, 2, 128, 256
+        q = fake_device.fake_array(cupy, (batch, seqlen_q, heads, d), np.float16, 0x1000_0000)
+        k, v = (fake_device.fake_array(cupy, (batch, capacity, heads_k, d), np.float16, 0x2000_0000 + i * 0x100_0000)
+                for i in range(2))
+        lens = fake_device.fake_array(cupy, (batch,), np.int32, 0x3000_0000)
+        slopes = fake_device.fake_array(cupy, (heads,), np.float32, 0x3100_0000)
+        other_slopes = fake_device.fake_array(cupy, (heads,), np.float32, 0x3200_0000)
+
+        def alibi_of(table):
+            def alibi(score, b, h, q_idx, kv_idx):
+                return score - table[h] * (q_idx - kv_idx)
+            return alibi
+
+        def recent(b, h, q_idx, kv_idx):
+            return q_idx - kv_idx < 64
+
+        def call(score_mod, mask_mod=None, **kwargs):
+            driver.sizes = None
+            before = len(driver.launches)
+            out = cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=1, score_mod=score_mod,
+                                                 mask_mod=mask_mod, **kwargs)
+            assert out.shape == q.shape
+            return driver.launches[before:]
+
+        first = call(alibi_of(slopes), recent)
+        spec = specs[-1]
+        assert spec.has_mods and spec.score_mod and spec.mask_mod and spec.score_mod in spec.name
+        plan = next(iter(kvcache._plans.values()))
+        assert plan._driver is not None  # launched straight through the driver
+        assert plan.mods == (mod_codegen.pack_arrays(cuflash.mods.trace_score_mod(alibi_of(slopes)))
+                             + mod_codegen.pack_arrays(cuflash.mods.trace_mask_mod(recent)))
+        assert int.from_bytes(plan.mods[:8], "little") == slopes.data.ptr
+        # the launch reads two arguments: the parameter block and the mods' arrays
+        driver.sizes = [DECODE_STRUCT.size, len(plan.mods)]
+        plan.launch(q, k, v, None, None, cupy.empty(q.shape, q.dtype), plan.lse_scratch)
+        (_, args), = driver.launches[-1:]
+        assert args[1] == plan.mods and len(first) == 1 and first[0][0][0] == 0xA
+
+        call(alibi_of(slopes), recent)  # the same function and arrays: the same plan, nothing compiled
+        assert len(kvcache._plans) == 1 and len(specs) == 1
+        call(alibi_of(other_slopes), recent)  # other arrays: the same kernel, a plan of their own
+        assert len(kvcache._plans) == 2 and specs[-1].name == spec.name
+        new_plan = [p for p in kvcache._plans.values() if p is not plan][0]
+        assert int.from_bytes(new_plan.mods[:8], "little") == other_slopes.data.ptr
+        call(None, recent)  # another expression: another spec
+        assert len(kvcache._plans) == 3 and not specs[-1].score_mod and specs[-1].mask_mod == spec.mask_mod
+        call(None, None)  # no mods: the kernels' one argument
+        assert not specs[-1].has_mods and kvcache._plans and list(kvcache._plans.values())[-1].mods == b""
+        with pytest.raises(ValueError, match="softcap=5.0 and score_mod"):
+            call(alibi_of(slopes), softcap=5.0)
+    finally:
+        kvcache._plans.clear()
+        fake_device.uninstall(cupy)

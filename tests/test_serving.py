@@ -77,3 +77,76 @@ def test_bad_inputs_are_named():
         cuflash.merge_states(out, lse)
     with pytest.raises(TypeError, match="float64"):
         cuflash.merge_states([out.astype(np.float64)] * 2, [lse, lse])
+
+
+def _direct_kvcache(q, k, v, lens, seqlen_new, slopes, window, softcap=0.0, causal=True):
+    """attention_with_kvcache's result written out by hand in float64 for a contiguous cache after
+    the append: ALiBi by the query's absolute position, and a window of `window` keys."""
+    batch, seqlen_q, heads, d = q.shape
+    group = heads // k.shape[2]
+    out = np.zeros(q.shape)
+    lse = np.full((batch, heads, seqlen_q), -np.inf)
+    for b in range(batch):
+        n = lens[b] + seqlen_new
+        for h in range(heads):
+            for i in range(seqlen_q):
+                pos = n - seqlen_q + i
+                s = k[b, :n, h // group] @ q[b, i, h] / np.sqrt(d)
+                if softcap:
+                    s = softcap * np.tanh(s / softcap)
+                j = np.arange(n)
+                if slopes is not None:
+                    s = s - slopes[h] * (pos - j) - 0.5 * b
+                keep = (pos - j < window) & ((j <= pos) if causal else True)
+                if not keep.any():
+                    continue
+                s = np.where(keep, s, -np.inf)
+                lse[b, h, i] = np.log(np.exp(s - s.max()).sum()) + s.max()
+                out[b, i, h] = np.exp(s - lse[b, h, i]) @ v[b, :n, h // group]
+    return out, lse
+
+
+@pytest.mark.parametrize("softcap,traced", [(0.0, False), (0.0, True), (3.0, False)])
+def test_kvcache_reference_reads_the_mods_at_each_sequences_positions(softcap, traced):
+    """b is the sequence and q_idx the query's position after the sequence's keys (the new ones
+    included); the mask and-ed with causal; a row left no key gives 0 and -inf. The mods may be
+    functions or their traced graphs."""
+    from cuflash.serving import attention_with_kvcache_reference
+
+    rng = np.random.default_rng(3)
+    batch, capacity, heads, heads_k, d, seqlen_q, seqlen_new = 3, 24, 4, 2, 8, 3, 2
+    q = rng.standard_normal((batch, seqlen_q, heads, d))
+    k, v = (rng.standard_normal((batch, capacity, heads_k, d)) for _ in range(2))
+    kn, vn = (rng.standard_normal((batch, seqlen_new, heads_k, d)) for _ in range(2))
+    lens = np.array([7, 0, 19])
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625], dtype=np.float32)
+    window = 3
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx) - 0.5 * b
+
+    def recent(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < window
+
+    k_full, v_full = k.copy(), v.copy()
+    for b in range(batch):
+        k_full[b, lens[b]:lens[b] + seqlen_new], v_full[b, lens[b]:lens[b] + seqlen_new] = kn[b], vn[b]
+    score_mod, mask_mod = None if softcap else alibi, recent
+    if traced:
+        score_mod, mask_mod = cuflash.mods.trace_score_mod(alibi), cuflash.mods.trace_mask_mod(recent)
+    out, lse, _, _ = attention_with_kvcache_reference(q, k, v, lens, k_new=kn, v_new=vn, softcap=softcap,
+                                                      score_mod=score_mod, mask_mod=mask_mod)
+    want, want_lse = _direct_kvcache(q, k_full, v_full, lens, seqlen_new, None if softcap else slopes, window, softcap)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+    # sequence 1 holds 2 keys for 3 queries: query 0 sits at position -1 and sees none
+    assert np.isneginf(lse[1, :, 0]).all() and not out[1, 0].any()
+
+
+def test_kvcache_reference_refuses_a_softcap_beside_a_score_mod():
+    from cuflash.serving import attention_with_kvcache_reference
+
+    q, k = np.zeros((1, 1, 2, 8)), np.zeros((1, 4, 1, 8))
+    with pytest.raises(ValueError, match="softcap=2.0 and score_mod"):
+        attention_with_kvcache_reference(q, k, k, np.array([2]), softcap=2.0,
+                                         score_mod=lambda s, b, h, q_idx, kv_idx: s)

@@ -8,7 +8,7 @@ are too many for one block. Python computes the shared-memory layout; the templa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .spec import _CHUNK, ARCHS, HEAD_DIMS, SMEM_LIMIT, ceil_div
 
@@ -28,7 +28,8 @@ class DecodeSpec:
     ``warps_m`` row groups of 16 query rows (rows: the query tokens times the query heads of one
     kv head) share each key tile of ``block_n`` keys with ``4 / warps_m`` key groups; the tiles
     stream through ``num_stages`` cp.async stages. ``cache_dtype`` is the query dtype or an FP8
-    format; ``paged`` reads keys through a page table."""
+    format; ``paged`` reads keys through a page table. ``score_mod`` / ``mask_mod`` name traced
+    mods (their digests), evaluated per score element; the kernels then take the mods' arrays."""
 
     head_dim: int
     dtype: str
@@ -39,6 +40,8 @@ class DecodeSpec:
     num_stages: int
     arch: str
     varlen: bool = False  # packed sequences of their own lengths (attention_varlen)
+    score_mod: str = ""   # digest of a traced score_mod (mod_codegen.register); "" for none
+    mask_mod: str = ""    # digest of a traced mask_mod; "" for none
 
     def __post_init__(self):
         problems = []
@@ -68,6 +71,14 @@ class DecodeSpec:
         if problems:
             raise ValueError("invalid decode spec: " + "; ".join(problems))
 
+    def replace(self, **changes) -> "DecodeSpec":
+        return replace(self, **changes)
+
+    @property
+    def has_mods(self) -> bool:
+        """Whether the kernels take the Mods struct (the captured arrays) as a second argument."""
+        return bool(self.score_mod or self.mask_mod)
+
     @property
     def fp8(self) -> bool:
         return self.cache_dtype in ("e4m3", "e5m2")
@@ -76,8 +87,9 @@ class DecodeSpec:
     def name(self) -> str:
         paged = "_paged" if self.paged else ""
         kind = "varlen" if self.varlen else "kvcache"
+        mods = (f"_sm{self.score_mod}" if self.score_mod else "") + (f"_mm{self.mask_mod}" if self.mask_mod else "")
         return (f"{kind}_{self.dtype}_{self.cache_dtype}{paged}_hd{self.head_dim}_m{16 * self.warps_m}"
-                f"n{self.block_n}s{self.num_stages}_{self.arch}")
+                f"n{self.block_n}s{self.num_stages}_{self.arch}{mods}")
 
     @property
     def kernel_names(self) -> tuple[str, str, str]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import dtypes, policy
+from . import dtypes, modset, policy
 from .decode_spec import CACHE_DTYPES, MAX_SPLITS, DecodeSpec
 from .params import DECODE_STRUCT
 from .launch import _memory_bandwidth_gbs, _multiprocessors
@@ -226,9 +226,20 @@ def descale_operand(cupy, name, value, heads_k, device):
     return 1.0, value, value.size > 1
 
 
-def select_spec(problem: KVCacheProblem, arch: str) -> DecodeSpec:
-    return _spec(problem.head_dim, problem.dtype.tag, problem.cache_dtype, problem.paged, min(problem.rows, 64), arch,
+def select_spec(problem: KVCacheProblem, arch: str, mods=None) -> DecodeSpec:
+    """The problem's specialization; ``mods`` (a modset.ModSet, or None) names its mods."""
+    spec = _spec(problem.head_dim, problem.dtype.tag, problem.cache_dtype, problem.paged, min(problem.rows, 64), arch,
                  problem.varlen)
+    return spec if mods is None else spec.replace(score_mod=mods.score_digest, mask_mod=mods.mask_digest)
+
+
+def check_mods(problem: KVCacheProblem, score_mod, mask_mod) -> None:
+    """A softcap beside a score_mod is refused, as cuflash.attention refuses it (the kernel's cap
+    runs before the score_mod; put the cap into the score_mod). A window and causal bound the keys
+    the kernel visits; a mask_mod refuses pairs inside them."""
+    if problem.softcap and score_mod is not None:
+        from .validate import variant_mods
+        variant_mods(((-1, -1), problem.softcap), problem.causal, score_mod, None)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -276,14 +287,20 @@ class KVCachePlan:
     pointers filled in. Append (with new keys), then attend (the last split of each row tile to
     finish merges the splits' partials, or the merge kernel after it: merge_grid)."""
 
-    __slots__ = ("spec", "problem", "kernels", "splits", "template", "grid", "merge_grid", "buffers", "_lse_scratch",
-                 "_driver", "_stream", "spare")
+    __slots__ = ("spec", "problem", "kernels", "splits", "template", "mods", "grid", "merge_grid", "buffers",
+                 "_lse_scratch", "_driver", "_stream", "spare")
 
     def __init__(self, kernels, spec: DecodeSpec, problem: KVCacheProblem, *, page_table, cache_seqlens, splits,
-                 k_descale, v_descale, stream: int, cu_seqlens=(None, None), sinks=None):
+                 k_descale, v_descale, stream: int, cu_seqlens=(None, None), sinks=None, mods=None):
+        """``mods``: the call's modset.ModSet (spec.has_mods), whose packed arrays every kernel
+        takes as its second argument; kept alive with the plan."""
         import cupy
 
+        if bool(mods) != spec.has_mods:
+            raise ValueError(f"spec {spec.name} {'takes' if spec.has_mods else 'has no'} mods; the call passes "
+                             f"{'none' if mods is None else 'some'}")
         self.spec, self.problem, self.kernels, self.splits = spec, problem, kernels, splits
+        self.mods = b"" if mods is None else modset.kernel_argument(mods)
         self.spare = []  # the (out,) last handed out, for launch.outputs_unused
         k_factor, k_array, k_per_head = k_descale
         v_factor, v_array, v_per_head = v_descale
@@ -296,7 +313,7 @@ class KVCachePlan:
         boost = _E4M3_FACTOR if problem.cache_dtype == "e4m3" and not spec.fp8_exact_convert else 1.0
         rows = problem.batch * problem.heads * problem.seqlen_q
         o_part = lse_part = counts = 0
-        self.buffers = (page_table, cache_seqlens, k_array, v_array, *cu_seqlens, sinks)
+        self.buffers = (page_table, cache_seqlens, k_array, v_array, *cu_seqlens, sinks, mods)
         self.grid = (problem.batch * problem.heads_k, ceil_div(problem.rows, spec.block_m), splits)
         merge_apart = policy.decode_merge_apart(spec, problem.rows, splits)
         # the merge kernel: a block per (kv head, spec.merge_rows rows)
@@ -330,7 +347,7 @@ class KVCachePlan:
         self.template = raw
         self._lse_scratch = None
         self._stream = stream
-        self._driver = _driver_launcher(kernels, stream, raw)
+        self._driver = _driver_launcher(kernels, stream, raw, self.mods)
 
     @property
     def lse_scratch(self):
@@ -358,6 +375,8 @@ class KVCachePlan:
         raw = bytearray(self.template)
         _POINTERS.pack_into(raw, 0, *pointers)
         params = (np.frombuffer(raw, dtype=_PARAMS),)
+        if self.mods:
+            params += (np.frombuffer(self.mods, dtype=np.dtype((np.void, len(self.mods)))),)
         attend, append, merge = self.kernels
         if problem.seqlen_new:
             append((problem.seqlen_new, problem.heads_k, problem.batch), (128, 1, 1), params)
@@ -368,10 +387,11 @@ class KVCachePlan:
             merge(self.merge_grid, (self.spec.threads, 1, 1), params)
 
 
-def _driver_launcher(kernels, stream: int, template: bytes):
+def _driver_launcher(kernels, stream: int, template: bytes, mods: bytes = b""):
     """A launch of the plan's kernels straight through the driver (CuPy's binding of
-    cuLaunchKernel), the parameter block, the kernels' one argument, kept for the plan and its
-    pointers written per call under a lock; None where that is unavailable."""
+    cuLaunchKernel), the parameter block, the kernels' first argument, kept for the plan and its
+    pointers written per call under a lock (``mods``: the second argument, written once); None
+    where that is unavailable."""
     from .launch import DriverArguments, bind_context
     try:
         from cupy.cuda import driver
@@ -380,8 +400,10 @@ def _driver_launcher(kernels, stream: int, template: bytes):
         attend, append, merge = (int(k.kernel.ptr) for k in kernels)
     except (ImportError, AttributeError, TypeError, ValueError):
         return None
-    arguments = DriverArguments([len(template)])
+    arguments = DriverArguments([len(template), len(mods)] if mods else [len(template)])
     arguments.write(0, template)
+    if mods:
+        arguments.write(1, mods)
     buffer, shift, argv = arguments.buffer, arguments.shift, arguments.argv_address
     lock = threading.Lock()
     plan_launches: dict = {}  # attend_rows -> the plan's launches, made once (the spec's sizes are computed)

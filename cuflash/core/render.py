@@ -68,7 +68,8 @@ def generate(spec: KernelSpec | BwdSpec | DecodeSpec) -> str:
     if isinstance(spec, DecodeSpec):
         return _environment().get_template("decode.cu.j2").render(
             spec=spec, name=spec.name, names=spec.kernel_names, param_fields=DECODE_PARAM_FIELDS,
-            nvrtc_arch=nvrtc_arch(spec.arch), include_dir=include_dir(), max_splits=MAX_SPLITS)
+            nvrtc_arch=nvrtc_arch(spec.arch), include_dir=include_dir(), max_splits=MAX_SPLITS,
+            mods=mod_sources(spec.score_mod, spec.mask_mod))
     if isinstance(spec, BwdSpec):
         return _environment().get_template("bwd.cu.j2").render(
             spec=spec,

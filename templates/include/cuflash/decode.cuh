@@ -9,6 +9,9 @@
 // and, with more than one split, leaves float32 partials (output normalized by its own sum, and
 // its natural-log LSE) that the row tile's last split to finish merges (merge_splits).
 //
+// A spec with mods (decode.cu.j2 gives Cfg mods.j2's members) evaluates its score_mod and mask_mod
+// on every score element of the tile (decode_attention's ModCfg).
+//
 // Lengths and page ids are read on the device and checked there: a sequence whose length is
 // negative or passes the cache's capacity, or whose keys sit on a page id outside the cache,
 // gives NaN rows (output and LSE); no copy reads outside the cache.
@@ -434,8 +437,19 @@ __device__ __forceinline__ void decode_merge(const typename Cfg::Params& p) {
     }
 }
 
-template <class Cfg>
-__device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) {
+// The mods of a spec without any: decode_attention's default ModCfg (a spec with mods passes Cfg,
+// which mods.j2's members give kScoreMod, kMaskMod, Mods, score_mod and mask_mod).
+struct NoDecodeMods {
+    struct Mods {};
+    static constexpr bool kScoreMod = false, kMaskMod = false;
+};
+
+// ModCfg's score_mod and mask_mod run per score element, in natural units (the scores here are in
+// base 2: x * ln 2 -> score_mod -> * log2 e), after the softcap and before the key range's mask;
+// each row passes its own query head and position (the rows of a tile mix heads and tokens).
+template <class Cfg, class ModCfg = NoDecodeMods>
+__device__ __forceinline__ void decode_attention(const typename Cfg::Params& p,
+                                                 const typename ModCfg::Mods& mods = typename ModCfg::Mods()) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     constexpr int D = Cfg::kHeadDim;  // padded to 16
     constexpr int BM = 16 * Cfg::kWarpsM, BN = Cfg::kBlockN;
@@ -587,6 +601,20 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
     for (int r = 0; r < 2; ++r)
         range[r] = key_range(p, min(row0 + wm * 16 + lane / 4 + 8 * r, rows - 1), seqlen_q, kv_len);
     const float softcap = p.softcap_log2, inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
+    // The mods' query head and position of each of the thread's two rows (clamped to the last row,
+    // as the key ranges are): token `row / group` sits at kv_len - seqlen_q + token (bottom-right),
+    // or, packed sequences (varlen), at the token's index in its sequence, as attention_varlen's
+    // mods see it.
+    constexpr bool kMods = ModCfg::kScoreMod || ModCfg::kMaskMod;
+    int mod_head[kMods ? 2 : 1], mod_q[kMods ? 2 : 1];
+    if constexpr (kMods) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = min(row0 + wm * 16 + lane / 4 + 8 * r, rows - 1), token = row / group;
+            mod_head[r] = hk * group + row % group;
+            mod_q[r] = Cfg::kVarlen ? token : kv_len - seqlen_q + token;
+        }
+    }
     const u32 q_warp = q_tile + wm * 16 * kPitch;
     u32 q_frag[Cfg::kQInRegs ? D / 16 : 1][4];  // Q's A fragments, where registers allow
     if constexpr (Cfg::kFp8Regs) {
@@ -658,7 +686,12 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p) 
                     if (softcap > 0.f) x = softcap * tanh_approx(x * inv_softcap);
                     const int key = Cfg::kFp8Regs ? key_base - 2 * (lane % 4) + fp8_key(nt, 2 * (lane % 4) + e)
                                                   : key_base + nt * 8 + e;
+                    if constexpr (ModCfg::kScoreMod)
+                        x = ModCfg::score_mod(x * kLn2, b, mod_head[r], mod_q[r], key, mods) * kLog2e;
                     if (masked && (key < range[r].lo || key >= range[r].hi)) x = neg_inf();
+                    if constexpr (ModCfg::kMaskMod) {
+                        if (!ModCfg::mask_mod(b, mod_head[r], mod_q[r], key, mods)) x = neg_inf();
+                    }
                     s[nt][2 * r + e] = x;
                     top = fmaxf(top, x);
                 }
