@@ -178,7 +178,7 @@ def test_the_portable_varlen_forward_takes_mods(monkeypatch):
     from cuflash.mods import _rebased
     from test_kvcache_gpu import _np_dtype
 
-    monkeypatch.setattr(varlen, "_hopper", lambda *args, **kwargs: False)
+    monkeypatch.setattr(varlen, "_hopper", lambda *args, **kwargs: None)
     rng = np.random.default_rng(7)
     lens_q, lens_k = np.array([3, 1, 17, 0]), np.array([40, 1, 100, 5])
     npd = _np_dtype("bf16")
