@@ -83,3 +83,37 @@ def test_the_one_launch_backward_refuses_what_it_does_not_run():
                                           score_mod=lambda score, b, h, q_idx, kv_idx: score + b)
     with pytest.raises(ValueError, match="window_size"):
         cuflash.attention_varlen_backward(q, q, q, q, q, lse, cu, cu, causal=True, window_size=(4, 2))
+
+
+@pytest.mark.parametrize("maxima", [{}, dict(max_seqlen_q=7), dict(max_seqlen_q=7, max_seqlen_k=9)])
+def test_the_one_launch_reads_the_offsets_on_the_host_unless_given_both_maxima(monkeypatch, maxima):
+    """On the CPU stand-in device: with both maxima the one launch gets no host offsets and the
+    maxima as given; otherwise the offsets are read, checked, and the maxima taken from them."""
+    cupy = pytest.importorskip("cupy")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import fake_device
+    from cuflash import varlen
+
+    fake_device.install(monkeypatch, cupy)
+    try:
+        launched, reads = [], []
+        monkeypatch.setattr(varlen, "_hopper_backward", lambda *args: launched.append(args) or (None, None, None))
+
+        def host_offsets(name, x, total):
+            reads.append(name)
+            return np.array([0, 3, 10, 10] if name == "cu_seqlens_q" else [0, 5, 5, 14], dtype=np.int32)
+        monkeypatch.setattr(varlen, "_host_offsets", host_offsets)
+        bf16 = np.dtype(ml_dtypes.bfloat16)
+        q, dout, out = (fake_device.fake_array(cupy, (10, 4, 64), bf16, 0x1000_0000 * (i + 1)) for i in range(3))
+        k, v = (fake_device.fake_array(cupy, (14, 2, 64), bf16, 0x5000_0000 + i * 0x100_0000) for i in range(2))
+        lse = fake_device.fake_array(cupy, (4, 10), np.float32, 0x7000_0000)
+        cu_q, cu_k = (fake_device.fake_array(cupy, (4,), np.int32, base) for base in (0x900, 0xA00))
+        cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True, **maxima)
+        offsets_q, offsets_k, got = launched[0][8:11]
+        if len(maxima) == 2:
+            assert not reads and offsets_q is None and offsets_k is None and got == (7, 9)
+        else:
+            assert reads == ["cu_seqlens_q", "cu_seqlens_k"] and got == (7, 9)
+            assert offsets_q.tolist() == [0, 3, 10, 10] and offsets_k.tolist() == [0, 5, 5, 14]
+    finally:
+        fake_device.uninstall(cupy)
