@@ -438,13 +438,13 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
     total_k, heads_k = k.shape[:2]
     max_seqlen_q, max_seqlen_k = maxima
     checked = offsets_q is not None
-    if not checked:
-        cu_q, cu_k = (_offsets(cupy, name, x, problem.device_id)
-                      for name, x in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)))
+    with _on_device(problem.device_id):
+        # the kernels' offsets: CuPy arrays as given (contiguous), host offsets copied to the device
+        cu_q, cu_k = (_offsets(cupy, name, x if isinstance(x, cupy.ndarray) else cupy.asarray(h), problem.device_id)
+                      for name, x, h in (("cu_seqlens_q", cu_q, offsets_q), ("cu_seqlens_k", cu_k, offsets_k)))
         if cu_q.size != cu_k.size:
             raise ValueError(f"cu_seqlens_q has {cu_q.size} offsets and cu_seqlens_k {cu_k.size}")
-    sequences = (offsets_q if checked else cu_q).size - 1
-    with _on_device(problem.device_id):
+        sequences = cu_q.size - 1
         dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
         if not checked:  # NaN (all-ones bytes) where no sequence the kernels accept writes
             for x in (dq, dk, dv):
@@ -459,8 +459,6 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
             bp = validate_backward(dout[None], q[None], k[None], v[None], out[None], lse[None], causal=causal,
                                    scale=scale, layout="bshd", deterministic=False)
         out, lse = cupy.ascontiguousarray(out), cupy.ascontiguousarray(lse)
-        offsets = [x if isinstance(x, cupy.ndarray) else cupy.asarray(h) for x, h in ((cu_q, offsets_q), (cu_k, offsets_k))]
-        offsets = [_offsets(cupy, name, x, problem.device_id) for name, x in zip(("cu_seqlens_q", "cu_seqlens_k"), offsets)]
         # one query tile more than the packed rows need: a sequence's last tile reads past its end;
         # dQ's accumulator puts VARLEN_DQ_GAP rows after each sequence
         padded = rows_padded(spec, total_q) + max(spec.block_m, spec.dq_tiles[0]) + VARLEN_DQ_GAP * sequences
@@ -471,8 +469,7 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
         strides = {name: (0, x.strides[1] // x.itemsize, x.strides[0] // x.itemsize)
                    for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk),
                                    ("dv", dv))}
-        args = struct.pack("<QQiiii", offsets[0].data.ptr, offsets[1].data.ptr, total_q, total_k, max_seqlen_q,
-                           max_seqlen_k)
+        args = struct.pack("<QQiiii", cu_q.data.ptr, cu_k.data.ptr, total_q, total_k, max_seqlen_q, max_seqlen_k)
         launch_backward(_compile.get_kernel(spec, problem.device_id), spec, bp, tensors, strides,
                         _modset.kernel_argument(mods), padded=padded,
                         varlen=(args, sequences, max_seqlen_k, max_seqlen_q), window=window)
