@@ -234,9 +234,8 @@ def select_spec(problem: KVCacheProblem, arch: str, mods=None) -> DecodeSpec:
 
 
 def check_mods(problem: KVCacheProblem, score_mod, mask_mod) -> None:
-    """A softcap beside a score_mod is refused, as cuflash.attention refuses it (the kernel's cap
-    runs before the score_mod; put the cap into the score_mod). A window and causal bound the keys
-    the kernel visits; a mask_mod refuses pairs inside them."""
+    """Refuse a softcap beside a score_mod, as cuflash.attention does (the kernel's cap would run
+    before the score_mod; the cap belongs in the score_mod)."""
     if problem.softcap and score_mod is not None:
         from .validate import variant_mods
         variant_mods(((-1, -1), problem.softcap), problem.causal, score_mod, None)
