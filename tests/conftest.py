@@ -41,40 +41,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def warm_kernels():
-    """Compile every default specialization of this GPU once, in parallel processes, so the
-    tests themselves only load cubins from the disk cache."""
-    import cuflash
-    from cuflash.core.compile import device_arch
+def _default_specs(arch):
+    """Every default specialization of the target, both families, FP8 included."""
     from cuflash.core.policy import all_default_specs, all_fp8_portable_specs, all_fp8_specs
 
-    arch = device_arch()
-    cuflash.warmup(all_default_specs(arch) + all_default_specs(arch, family="mma") + all_fp8_specs(arch)
-                   + all_fp8_portable_specs(arch), progress=False)
+    return (all_default_specs(arch) + all_default_specs(arch, family="mma") + all_fp8_specs(arch)
+            + all_fp8_portable_specs(arch))
 
 
-@pytest.fixture(scope="session")
-def warm_bwd_kernels():
-    """Compile every default backward specialization of this GPU once, in parallel processes."""
-    import cuflash
-    from cuflash.core.compile import device_arch
+def _bwd_specs(arch):
+    """Every default backward specialization of the target, the portable ones too."""
     from cuflash.core.policy import all_default_bwd_specs, all_default_specs, default_bwd_spec
 
-    arch = device_arch()
     portable = [default_bwd_spec(d, t, c, arch, det, family="mma") for d in (64, 128, 256)
                 for t in ("fp16", "bf16") for c in (False, True) for det in (False, True)]
-    cuflash.warmup(all_default_specs(arch) + all_default_bwd_specs(arch) + portable, progress=False)
+    return all_default_specs(arch) + all_default_bwd_specs(arch) + portable
 
 
-@pytest.fixture(scope="session")
-def warm_kvcache_kernels():
-    """Compile the KV-cache and varlen specializations the serving tests use, in parallel processes."""
-    import cuflash
-    from cuflash.core.compile import device_arch
+def _kvcache_specs(arch):
+    """The KV-cache and varlen specializations the serving tests use."""
     from cuflash.core.policy import decode_spec
 
-    arch = device_arch()
     specs = [decode_spec(d, t, t, paged, rows, arch) for d in (64, 72, 128, 256) for t in ("bf16", "fp16")
              for paged in (False, True) for rows in (16, 32, 64)]
     specs += [decode_spec(128, t, c, paged, rows, arch) for t in ("bf16", "fp16") for c in ("e4m3", "e5m2")
@@ -94,7 +81,87 @@ def warm_kvcache_kernels():
                   for d in (64, 96, 128, 256) for t in ("bf16", "fp16") for c in (False, True)]
         specs += [default_bwd_spec(d, "bf16", c, arch, False, family="wgmma").replace(varlen=True, local=True)
                   for d in (64, 128, 256) for c in (False, True)]
-    cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
+    return list(dict.fromkeys(specs))
+
+
+#: The session-wide warm fixtures' kernels by fixture name. Test modules hold tables of their own:
+#: WARM (functions of the device's target) and WARM_HOPPER (of no argument, sm_90a only).
+WARM = {"warm_kernels": _default_specs, "warm_bwd_kernels": _bwd_specs, "warm_kvcache_kernels": _kvcache_specs}
+
+
+def _warm(specs_of_arch) -> None:
+    import cuflash
+    from cuflash.core.compile import device_arch
+
+    cuflash.warmup(specs_of_arch(device_arch()), progress=False)
+
+
+@pytest.fixture(scope="session")
+def warm_kernels():
+    """Compile every default specialization of this GPU once, in parallel processes, so the
+    tests themselves only load cubins from the disk cache."""
+    _warm(_default_specs)
+
+
+@pytest.fixture(scope="session")
+def warm_bwd_kernels():
+    """Compile every default backward specialization of this GPU once, in parallel processes."""
+    _warm(_bwd_specs)
+
+
+@pytest.fixture(scope="session")
+def warm_kvcache_kernels():
+    """Compile the KV-cache and varlen specializations the serving tests use, in parallel processes."""
+    _warm(_kvcache_specs)
+
+
+def _warm_tables(items) -> list:
+    """The functions of the target giving the kernels of every warm fixture that the selected GPU
+    tests use (this file's WARM and their modules' WARM / WARM_HOPPER), each once."""
+    wanted = {}
+    for item in items:
+        if "gpu" not in item.keywords or getattr(item, "module", None) is None:
+            continue
+        hopper = {name: (lambda arch, f=f: f() if arch == "sm90a" else [])
+                  for name, f in getattr(item.module, "WARM_HOPPER", {}).items()}
+        for owner, table in (("conftest", WARM), (item.module.__name__, getattr(item.module, "WARM", {})),
+                             (item.module.__name__, hopper)):
+            for name in item.fixturenames:
+                if name in table:
+                    wanted.setdefault((owner, name), table[name])
+    return list(wanted.values())
+
+
+_WARM_TABLES = pytest.StashKey[list]()
+
+
+def pytest_collection_finish(session):
+    if GPU:  # the tests that will run, after -k and -m took theirs out
+        session.config.stash[_WARM_TABLES] = _warm_tables(session.items)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_the_session(request):
+    """Before the first test: the kernels of all the warm fixtures the selected GPU tests use, in
+    one pool of parallel processes (one pool keeps every core busy where a fixture's own few
+    kernels would not); each fixture then finds its kernels compiled. A failure here is left to
+    the fixtures that need the kernel, which compile it again and report it."""
+    tables = request.config.stash.get(_WARM_TABLES, [])
+    if not tables:
+        return
+    import warnings
+
+    import cuflash
+    from cuflash.core.compile import device_arch
+
+    arch, specs = device_arch(), []
+    try:
+        for specs_of in tables:
+            specs += specs_of(arch)
+        cuflash.warmup(specs, progress=False)
+    except Exception as exc:  # noqa: BLE001 - the fixtures report it
+        warnings.warn(f"the session's kernel warm-up stopped ({type(exc).__name__}: {exc}); "
+                      f"the fixtures compile what it left")
 
 
 @pytest.fixture

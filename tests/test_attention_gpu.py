@@ -331,14 +331,22 @@ OTHER_SCHEDULES = [(schedule, head_dim, block_n, (i + j) % 2 == 1)
 LAZY_CASES = [(hd, ("fp16", "bf16")[(i + c) % 2], bool(c)) for i, hd in enumerate((64, 128, 256)) for c in (0, 1)]
 
 
+def _other_schedule_specs():
+    return [_other_schedule_spec(*case) for case in OTHER_SCHEDULES]
+
+
+def _all_lazy_specs():
+    return [s for case in LAZY_CASES for s in _lazy_specs(*case)]
+
+
 @pytest.fixture(scope="module")
 def warm_other_schedule_kernels():
-    _warm_hopper([_other_schedule_spec(*case) for case in OTHER_SCHEDULES])
+    _warm_hopper(_other_schedule_specs())
 
 
 @pytest.fixture(scope="module")
 def warm_lazy_kernels():
-    _warm_hopper([s for case in LAZY_CASES for s in _lazy_specs(*case)])
+    _warm_hopper(_all_lazy_specs())
 
 
 @pytest.mark.parametrize("head_dim,dtype,causal", LAZY_CASES,
@@ -405,6 +413,11 @@ def _key_loop_specs():
 @pytest.fixture(scope="module")
 def warm_key_loop_kernels():
     _warm_hopper(_key_loop_specs())
+
+
+#: The warm fixtures' kernels on sm_90a, by fixture name: the session compiles them in its first pool.
+WARM_HOPPER = {"warm_other_schedule_kernels": _other_schedule_specs, "warm_lazy_kernels": _all_lazy_specs,
+               "warm_half_first_tile_kernels": _half_first_tile_specs, "warm_key_loop_kernels": _key_loop_specs}
 
 
 @pytest.mark.parametrize("spec", _key_loop_specs(), ids=lambda s: s.name)

@@ -201,16 +201,25 @@ def test_portable_backward_on_every_target(head_dim, causal, deterministic, warm
 PADDED_BWD = [(32, "fp16"), (80, "bf16"), (96, "fp16"), (160, "bf16"), (200, "fp16")]
 
 
+def _padded_bwd_specs():
+    from cuflash.core.policy import default_bwd_spec
+
+    return [default_bwd_spec(d, t, c, "sm90a", det, family="wgmma") for d, t in PADDED_BWD
+            for c in (False, True) for det in (False, True)]
+
+
+#: The warm fixtures' kernels on sm_90a, by fixture name: the session compiles them in its first pool.
+WARM_HOPPER = {"warm_padded_bwd_kernels": _padded_bwd_specs}
+
+
 @pytest.fixture(scope="module")
 def warm_padded_bwd_kernels():
     """Compile test_hopper_backward_padded's kernels at once, in parallel processes."""
     from cuflash.core.compile import device_arch
-    from cuflash.core.policy import default_bwd_spec
 
     if device_arch() != "sm90a":
         pytest.skip("the Hopper backward needs sm_90a")
-    cuflash.warmup([default_bwd_spec(d, t, c, "sm90a", det, family="wgmma") for d, t in PADDED_BWD
-                    for c in (False, True) for det in (False, True)], progress=False)
+    cuflash.warmup(_padded_bwd_specs(), progress=False)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -127,8 +127,7 @@ def _split_problem(head_dim):
 @pytest.fixture(scope="module")
 def warm_split_fp8_kernels(hopper):
     """Compile test_last_tiles_dealt_out_by_keys's kernels at once, in parallel processes."""
-    specs = [split_spec(_split_problem(d), lse) for d in (64, 128, 256) for lse in (True, False)]
-    cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
+    cuflash.warmup(_split_fp8_specs(), progress=False)
 
 
 @pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "no_lse"])
@@ -152,7 +151,7 @@ def _sums_on_tensor_cores_spec(head_dim, causal):
 @pytest.fixture(scope="module")
 def warm_sums_on_tensor_cores_kernels(hopper):
     """Compile test_sums_on_tensor_cores_forced's kernels at once, in parallel processes."""
-    cuflash.warmup([_sums_on_tensor_cores_spec(d, c) for d in (64, 128) for c in (False, True)], progress=False)
+    cuflash.warmup(_sums_on_tensor_cores_specs(), progress=False)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -173,8 +172,7 @@ def warm_lazy_fp8_kernels(hopper):
     """Compile test_lazy_row_max's kernels at once, in parallel processes."""
     from cuflash.core.policy import default_spec
 
-    cuflash.warmup([default_spec(hd, "e4m3", c, "sm90a").replace(lazy_rescale=lazy) for hd in (64, 128, 256)
-                    for c in (False, True) for lazy in (True, False)], progress=False)
+    cuflash.warmup(_lazy_fp8_specs(), progress=False)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -222,8 +220,7 @@ KEY_TILE_CASES = [(fmt, (i + j) % 2 == 1, block_n) for i, fmt in enumerate(("e4m
 @pytest.fixture(scope="module")
 def warm_key_tile_fp8_kernels(hopper):
     """Compile test_key_tiles_other_than_the_default's kernels at once, in parallel processes."""
-    cuflash.warmup([_key_tile_spec(t, c, n, o) for t, c, n in KEY_TILE_CASES for o in ("bf16", "fp16")],
-                   progress=False)
+    cuflash.warmup(_key_tile_fp8_specs(), progress=False)
 
 
 @pytest.mark.parametrize("fmt,causal,block_n", KEY_TILE_CASES,
@@ -245,9 +242,7 @@ def test_key_tiles_other_than_the_default(fmt, causal, block_n, warm_key_tile_fp
 def warm_key_loop_fp8_kernels(hopper):
     from cuflash.core.policy import default_spec
 
-    cuflash.warmup([default_spec(128, "e4m3", c, "sm90a").replace(mask_in_loop=m, early_rescale=e, pingpong=t)
-                    for c in (False, True) for m in (False, True) for e in (False, True) for t in (False, True)],
-                   progress=False)
+    cuflash.warmup(_key_loop_fp8_specs(), progress=False)
 
 
 @pytest.mark.parametrize("early", [False, True], ids=["late", "early"])
@@ -276,10 +271,7 @@ PADDED_FP8 = [(32, "e4m3"), (80, "e5m2"), (96, "e4m3"), (160, "e5m2"), (192, "e4
 def warm_padded_fp8_kernels(hopper):
     from cuflash.core.policy import default_spec
 
-    # with and without the LSE: check_every_kernel runs both (at 256's tiles they differ)
-    cuflash.warmup(list(dict.fromkeys(default_spec(d, t, c, "sm90a", out_dtype=o, lse=e) for d, t in PADDED_FP8
-                                      for c in (False, True) for o in ("bf16", "fp16") for e in (True, False))),
-                   progress=False)
+    cuflash.warmup(_padded_fp8_specs(), progress=False)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -587,3 +579,60 @@ def test_portable_reads_misaligned_views(warm_portable_fp8_kernels):
         wide[..., 1:] = inputs.q
         out = cuflash.attention(wide[..., 1:], inputs.k, inputs.v, family="mma", **kwargs)
         assert bool((out.view(cupy.uint16) == want.view(cupy.uint16)).all())
+
+
+# -- the warm fixtures' kernels ---------------------------------------------------------------------
+
+def _lazy_fp8_specs():
+    from cuflash.core.policy import default_spec
+
+    return [default_spec(hd, "e4m3", c, "sm90a").replace(lazy_rescale=lazy) for hd in (64, 128, 256)
+            for c in (False, True) for lazy in (True, False)]
+
+
+def _key_loop_fp8_specs():
+    from cuflash.core.policy import default_spec
+
+    return [default_spec(128, "e4m3", c, "sm90a").replace(mask_in_loop=m, early_rescale=e, pingpong=t)
+            for c in (False, True) for m in (False, True) for e in (False, True) for t in (False, True)]
+
+
+def _padded_fp8_specs():
+    from cuflash.core.policy import default_spec
+
+    # with and without the LSE: check_every_kernel runs both (at 256's tiles they differ)
+    return list(dict.fromkeys(default_spec(d, t, c, "sm90a", out_dtype=o, lse=e) for d, t in PADDED_FP8
+                              for c in (False, True) for o in ("bf16", "fp16") for e in (True, False)))
+
+
+def _split_fp8_specs():
+    return list(dict.fromkeys(split_spec(_split_problem(d), lse) for d in (64, 128, 256) for lse in (True, False)))
+
+
+def _sums_on_tensor_cores_specs():
+    return [_sums_on_tensor_cores_spec(d, c) for d in (64, 128) for c in (False, True)]
+
+
+def _key_tile_fp8_specs():
+    return [_key_tile_spec(t, c, n, o) for t, c, n in KEY_TILE_CASES for o in ("bf16", "fp16")]
+
+
+def _all_fp8_specs(arch):
+    from cuflash.core.policy import all_fp8_specs
+
+    return all_fp8_specs(arch) if arch == "sm90a" else []
+
+
+def _all_fp8_portable_specs(arch):
+    from cuflash.core.policy import all_fp8_portable_specs
+
+    return all_fp8_portable_specs(arch)
+
+
+#: The warm fixtures' kernels by fixture name (WARM: of the device's target; WARM_HOPPER: on sm_90a):
+#: the session compiles them in its first pool.
+WARM = {"warm_fp8_kernels": _all_fp8_specs, "warm_portable_fp8_kernels": _all_fp8_portable_specs}
+WARM_HOPPER = {"warm_lazy_fp8_kernels": _lazy_fp8_specs, "warm_key_loop_fp8_kernels": _key_loop_fp8_specs,
+               "warm_padded_fp8_kernels": _padded_fp8_specs, "warm_split_fp8_kernels": _split_fp8_specs,
+               "warm_sums_on_tensor_cores_kernels": _sums_on_tensor_cores_specs,
+               "warm_key_tile_fp8_kernels": _key_tile_fp8_specs}

@@ -40,13 +40,11 @@ def _mods(kind, rng):
             "softcap": (None, recent), "empty": (alibi, lonely)}[kind]
 
 
-def _warm_specs():
-    """The specializations of these tests (the mods' digests name them), compiled in parallel."""
+def _warm_specs(arch):
+    """The specializations of these tests (the mods' digests name them)."""
     from cuflash.core import modset
-    from cuflash.core.compile import device_arch
     from cuflash.core.policy import decode_spec
 
-    arch = device_arch()
     specs = []
     for kind, paged, seqlen_q, *_ in CASES + [("both", True, 1), ("window", False, 4)]:
         score_mod, mask_mod = _mods(kind, np.random.default_rng(0))
@@ -71,7 +69,13 @@ CASES = [("alibi", False, 1, 0, 1), ("alibi", True, 4, 2, 4), ("window", False, 
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_kvcache_mod_kernels():
-    cuflash.warmup(_warm_specs(), progress=False)
+    from cuflash.core.compile import device_arch
+
+    cuflash.warmup(_warm_specs(device_arch()), progress=False)
+
+
+#: The warm fixtures' kernels by fixture name: the session compiles them in its first pool.
+WARM = {"warm_kvcache_mod_kernels": _warm_specs}
 
 
 @pytest.mark.parametrize("kind,paged,seqlen_q,seqlen_new,num_splits", CASES)

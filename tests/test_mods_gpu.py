@@ -97,15 +97,12 @@ def _prepared_cases(names):
         yield name, modset.prepare(score_mod, mask_mod, cupy.cuda.Device().id), causal
 
 
-@pytest.fixture(scope="module")
-def warm_mod_kernels():
-    """Compile every (case, family, dtype) of RUNS at each head dim, with the block-sparse and
-    deterministic specializations the tests run, in parallel."""
+def _mod_specs(arch):
+    """Every (case, family, dtype) of RUNS at each head dim, with the block-sparse and
+    deterministic specializations the tests run."""
     from cuflash.core import policy
-    from cuflash.core.compile import device_arch
     from cuflash.forward import _with_mods
 
-    arch = device_arch()
     specs = []
     for name, prepared, causal in _prepared_cases(CASES):
         mask_mod = prepared.mask
@@ -123,7 +120,14 @@ def warm_mod_kernels():
                 for deterministic in (False, True) if name in DETERMINISTIC_CASES and family is None else (False,):
                     bwd = policy.default_bwd_spec(head_dim, dtype, causal, arch, deterministic, family=family)
                     specs.append(_bwd_with_mods(bwd, prepared, head_dim, dtype, causal))
-    cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
+    return list(dict.fromkeys(specs))
+
+
+@pytest.fixture(scope="module")
+def warm_mod_kernels():
+    from cuflash.core.compile import device_arch
+
+    cuflash.warmup(_mod_specs(device_arch()), progress=False)
 
 
 def _bwd_with_mods(spec, prepared, head_dim, dtype, causal):
@@ -348,19 +352,27 @@ FP8_CASES = ("softcap", "alibi", "document", "softcap_window")
 FP8_RUNS = [(name, HEAD_DIMS[i % 2]) for i, name in enumerate(FP8_CASES)]
 
 
-@pytest.fixture(scope="module")
-def warm_fp8_mod_kernels():
-    """Compile the FP8 forward with each FP8 case's mods (e4m3, bf16 output, its head dim)."""
+def _fp8_mod_specs(arch):
+    """The FP8 forward with each FP8 case's mods (e4m3, bf16 output, its head dim)."""
     from cuflash.core import policy
-    from cuflash.core.compile import device_arch
     from cuflash.forward import _with_mods
 
-    arch = device_arch()
     specs = []
     for (_, prepared, causal), (_, head_dim) in zip(_prepared_cases(FP8_CASES), FP8_RUNS):
         spec = policy.default_spec(head_dim, "e4m3", causal, arch, out_dtype="bf16", seqlen=512)
         specs.append(_with_mods(spec, prepared, _problem_stub(head_dim, causal, "e4m3"), "bf16"))
-    cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
+    return list(dict.fromkeys(specs))
+
+
+@pytest.fixture(scope="module")
+def warm_fp8_mod_kernels():
+    from cuflash.core.compile import device_arch
+
+    cuflash.warmup(_fp8_mod_specs(device_arch()), progress=False)
+
+
+#: The warm fixtures' kernels by fixture name: the session compiles them in its first pool.
+WARM = {"warm_mod_kernels": _mod_specs, "warm_fp8_mod_kernels": _fp8_mod_specs}
 
 
 @pytest.mark.parametrize("name,head_dim", FP8_RUNS)

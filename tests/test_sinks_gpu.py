@@ -23,13 +23,10 @@ FORWARD_CASES = [(shape, family, ("fp16", "bf16")[(s + f + c) % 2], bool(c), ("b
                  for s, shape in enumerate(SHAPES) for f, family in enumerate((None, "mma")) for c in (0, 1)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def warm_sink_kernels():
-    """The forward and backward specializations these tests run, compiled in parallel first."""
-    from cuflash.core.compile import device_arch
+def _sink_specs(arch):
+    """The forward and backward specializations these tests run."""
     from cuflash.core.policy import default_bwd_spec, default_spec
 
-    arch = device_arch()
     specs = {default_spec(s[5], dtype, causal, arch, seqlen=max(s[3], s[4])).replace(sinks=True)
              for s in SHAPES + [(1, 4, 2, 200, 70, 128), (1, 2, 2, 64, 128, 64), (2, 4, 2, 100, 130, 64)]
              for dtype in ("fp16", "bf16") for causal in (False, True)}
@@ -41,7 +38,18 @@ def warm_sink_kernels():
     specs |= {default_spec(128, fmt, causal, arch, family=family, out_dtype=out, seqlen=239).replace(sinks=True)
               for fmt, out in FP8_CASES for causal in (False, True) for family in (None, "mma")
               if family or arch == "sm90a"}
-    cuflash.warmup(sorted(specs, key=lambda spec: spec.name), progress=False)
+    return sorted(specs, key=lambda spec: spec.name)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_sink_kernels():
+    from cuflash.core.compile import device_arch
+
+    cuflash.warmup(_sink_specs(device_arch()), progress=False)
+
+
+#: The warm fixtures' kernels by fixture name: the session compiles them in its first pool.
+WARM = {"warm_sink_kernels": _sink_specs}
 
 
 def _sinks(heads, seed):

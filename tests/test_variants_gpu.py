@@ -81,19 +81,17 @@ def _inputs(seed, dtype, batch, heads, heads_k, seqlen_q, seqlen_k, layout, head
     return rng, q, k, v
 
 
-@pytest.fixture(scope="module")
-def warm_variant_kernels():
-    """Compile each case's forward and backward at its length pairs (RUNS), in parallel."""
+def _variant_specs(arch):
+    """Each case's forward and backward at its length pairs (RUNS), and the windows' kernels."""
     from types import SimpleNamespace
 
     from cuflash import backward as _backward
     from cuflash import forward as _forward
     from cuflash import sparsity
     from cuflash.core import modset, policy
-    from cuflash.core.compile import device_arch
     from cuflash.core.validate import validate_variants
 
-    arch, device = device_arch(), cupy.cuda.Device().id
+    device = cupy.cuda.Device().id
     specs = []
     for (causal, window_size, softcap, head_dim, dtype), (seqlen_q, seqlen_k) in RUNS:
         problem = SimpleNamespace(causal=causal, batch=2, heads=4, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
@@ -133,7 +131,18 @@ def warm_variant_kernels():
                                            lse=lse)
                 spec = _forward._with_mods(spec, cap, problem, spec.out_dtype) if cap is not None else spec
                 specs.append(spec.replace(local=True))
-    cuflash.warmup(list(dict.fromkeys(specs)), progress=False)
+    return list(dict.fromkeys(specs))
+
+
+@pytest.fixture(scope="module")
+def warm_variant_kernels():
+    from cuflash.core.compile import device_arch
+
+    cuflash.warmup(_variant_specs(device_arch()), progress=False)
+
+
+#: The warm fixtures' kernels by fixture name: the session compiles them in its first pool.
+WARM = {"warm_variant_kernels": _variant_specs}
 
 
 @pytest.mark.usefixtures("warm_variant_kernels")

@@ -60,17 +60,14 @@ CASES = [(64, "both", True), (64, "tanh", False), (128, "mask", False), (128, "t
          (256, "bias", True), (96, "both", True)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def warm_varlen_mod_kernels():
-    """The forward and backward specializations of these tests, compiled in parallel first."""
+def _varlen_mod_specs(arch):
+    """The forward and backward specializations of these tests."""
     from cuflash.core import modset
-    from cuflash.core.compile import device_arch
     from cuflash.core.policy import default_bwd_spec
     from cuflash.varlen import hopper_spec
 
-    arch = device_arch()
     if arch != "sm90a":
-        return
+        return []
     rng = np.random.default_rng(0)
     specs = []
     for head_dim, kind, causal in CASES + [(128, "softcap", True)]:
@@ -80,7 +77,18 @@ def warm_varlen_mod_kernels():
         specs.append(hopper_spec(head_dim, "bf16", causal, 300, arch).replace(local=kind == "softcap", **names))
         specs.append(default_bwd_spec(head_dim, "bf16", causal, arch, False, family="wgmma").replace(
             varlen=True, local=kind == "softcap", **names))
-    cuflash.warmup(specs, progress=False)
+    return specs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_varlen_mod_kernels():
+    from cuflash.core.compile import device_arch
+
+    cuflash.warmup(_varlen_mod_specs(device_arch()), progress=False)
+
+
+#: The warm fixtures' kernels by fixture name: the session compiles them in its first pool.
+WARM = {"warm_varlen_mod_kernels": _varlen_mod_specs}
 
 
 @pytest.mark.parametrize("head_dim,kind,causal", CASES)

@@ -247,17 +247,37 @@ def _progress(done: int, total: int, label: str) -> None:
     sys.stderr.flush()
 
 
+#: (cache folder, spec) an earlier warmup of this process compiled: a later one skips them, as it
+#: skips the specs loaded here.
+_warmed: set = set()
+
+
+def _compile_weight(spec) -> tuple:
+    """A sort key that puts the kernels that compile longest first: backward sets, then Hopper
+    kernels, then wider head dims."""
+    return (isinstance(spec, BwdSpec), getattr(spec, "family", "") == "wgmma", getattr(spec, "head_dim", 0))
+
+
 def warmup(specs, processes: int | None = None, progress: bool = True) -> list[str]:
     """Compile ``specs`` ahead of time in parallel processes so later calls find them on disk.
 
-    Returns the names compiled; raises the first :class:`CompileError` after all have run.
+    Specs this process has loaded, or compiled by an earlier warmup, are not compiled again (no
+    process is started when none is left). Returns the names of all ``specs``; raises the first
+    :class:`CompileError` after all have run.
     """
     import concurrent.futures
     import multiprocessing
 
     specs = list(dict.fromkeys(specs))
+    folder = str(cache_dir())
+    done_here = {spec for spec, _ in list(_memo)} | {spec for f, spec in _warmed if f == folder}
+    names = [s.name for s in specs if s in done_here]
+    # the larger kernels first, so that the pool does not end waiting on one of them
+    specs = sorted((s for s in specs if s not in done_here), key=_compile_weight, reverse=True)
+    if not specs:
+        return names
     processes = processes or min(len(specs), os.cpu_count() or 1) or 1
-    done, names, errors = 0, [], []
+    done, errors = 0, []
     ctx = multiprocessing.get_context("spawn")  # a forked CUDA context is unusable
     with concurrent.futures.ProcessPoolExecutor(max_workers=processes, mp_context=ctx) as pool:
         mod_graphs = mod_codegen.graphs_of(specs)  # the mods specs name, for the worker processes
@@ -266,6 +286,7 @@ def warmup(specs, processes: int | None = None, progress: bool = True) -> list[s
             done += 1
             try:
                 names.append(future.result())
+                _warmed.add((folder, futures[future]))
             except Exception as exc:  # noqa: BLE001 - reported after the others finish
                 errors.append(exc)
             if progress:
