@@ -25,7 +25,9 @@ except ImportError as exc:  # torch is optional: only this module needs it
 from .backward import _attention_backward
 from .core.validate import validate_softcap, validate_window
 from .forward import _attention
-from .torch_interop import _DTYPES, _current_stream_ptr, _on_torch_stream, _to_cupy, _to_torch  # noqa: F401
+from .torch_interop import (_DTYPES, _current_stream_ptr, _on_torch_stream, _readable, _rows, _to_cupy,  # noqa: F401
+                            _to_torch)
+from .torch_mods import _attention_with_mods
 from .torch_varlen import attention_varlen
 
 LAYOUTS = ("bhsd", "bshd")
@@ -36,11 +38,6 @@ _is_compiling = torch.compiler.is_compiling
 
 
 # -- the operators --------------------------------------------------------------------------------------
-
-def _rows(q: torch.Tensor, layout: str) -> tuple[int, int, int]:
-    """(batch, heads, seqlen_q) of q in its layout."""
-    return (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhsd" else (q.shape[0], q.shape[2], q.shape[1])
-
 
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, layout: str,
                   deterministic: bool, window_left: int = -1, window_right: int = -1,
@@ -193,11 +190,6 @@ class _Attention(torch.autograd.Function):
         return (dq, dk, dv) + (None,) * len(ctx.options)
 
 
-def _readable(x: torch.Tensor) -> torch.Tensor:
-    """x itself when its last dim is contiguous (cuflash reads any other strides), else a copy."""
-    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
-
-
 # -- attention sinks: operators of their own (a sink logit per query head, differentiable) -------------
 
 def _sinks_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, causal: bool,
@@ -302,7 +294,7 @@ def _check(q, k, v, layout):
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
               return_lse: bool = False, deterministic: bool = False, sinks=None, window_size=(-1, -1),
-              softcap: float = 0.0):
+              softcap: float = 0.0, score_mod=None, mask_mod=None, block_mask=None):
     """:func:`cuflash.attention` on CUDA torch tensors, differentiable with respect to q, k and v.
 
     Args:
@@ -319,13 +311,17 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
             head added to its rows' softmax sums (see :func:`cuflash.attention`); differentiable.
         window_size, softcap: FlashAttention's sliding window ``(left, right)`` (-1: unbounded)
             and logit cap (0: none), as for :func:`cuflash.attention`.
+        score_mod, mask_mod, block_mask: as for :func:`cuflash.attention`; the mods may capture
+            torch tensors (read in place, constants without a gradient) as well as CuPy arrays.
+            Calls with them run eagerly: under torch.compile they break the graph.
 
     Returns:
         The output, contiguous in ``layout`` and q's dtype (and the LSE with ``return_lse``), on
         torch's current stream.
     """
     variants = _NO_VARIANTS if not softcap and window_size == (-1, -1) else _variants(window_size, softcap, causal)
-    if not _is_compiling() and type(q) is _Tensor and type(deterministic) is bool and sinks is None:
+    modded = score_mod is not None or mask_mod is not None or block_mask is not None
+    if not _is_compiling() and type(q) is _Tensor and type(deterministic) is bool and sinks is None and not modded:
         # A repeated call that needs no gradient: straight to its plan.
         if scale is None:
             call_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -346,6 +342,12 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    if modded:
+        if sinks is not None:
+            raise ValueError("cuflash.torch.attention takes sinks or score_mod / mask_mod / block_mask, not both; "
+                             "cuflash.attention on CuPy arrays takes them together")
+        return _attention_with_mods(q, k, v, (score_mod, mask_mod, block_mask, causal, float(scale), layout,
+                                              deterministic, variants), return_lse)
     if sinks is not None:
         return _attention_with_sinks(q, k, v, sinks, causal, float(scale), layout, return_lse, deterministic, variants)
     args = (_readable(q), _readable(k), _readable(v), causal, float(scale), layout, deterministic, *variants)
@@ -390,10 +392,12 @@ def _attention_with_sinks(q, k, v, sinks, causal, scale, layout, return_lse, det
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, page_table=None,
                            causal=True, scale=None, window_size=(-1, -1), softcap=0.0, num_splits=None,
-                           return_lse=False, fp8_format=None, k_descale=None, v_descale=None, sinks=None):
+                           return_lse=False, fp8_format=None, k_descale=None, v_descale=None, sinks=None,
+                           score_mod=None, mask_mod=None):
     """:func:`cuflash.attention_with_kvcache` on CUDA torch tensors (inference: not differentiable),
     on torch's current device and stream: the caches are read, and appended to, in place; an FP8
-    cache is a torch.uint8 tensor of codes, lengths and page tables torch.int32."""
+    cache is a torch.uint8 tensor of codes, lengths and page tables torch.int32. The mods may
+    capture torch tensors."""
     from .kvcache import attention_with_kvcache as _kvcache
 
     def view(x):
@@ -408,7 +412,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
                           k_new=view(k_new), v_new=view(v_new), page_table=view(page_table), causal=causal,
                           scale=scale, window_size=window_size, softcap=softcap, num_splits=num_splits,
                           return_lse=return_lse, fp8_format=fp8_format, k_descale=view(k_descale),
-                          v_descale=view(v_descale), sinks=view(sinks))
+                          v_descale=view(v_descale), sinks=view(sinks), score_mod=score_mod, mask_mod=mask_mod)
     return tuple(_to_torch(x) for x in result) if return_lse else _to_torch(result)
 
 

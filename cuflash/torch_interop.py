@@ -43,6 +43,36 @@ def _to_cupy(tensor):
                         tuple(st * itemsize for st in strides))
 
 
+def _rows(q: torch.Tensor, layout: str) -> tuple[int, int, int]:
+    """(batch, heads, seqlen_q) of q in its layout."""
+    return (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhsd" else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _readable(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its last dim is contiguous (cuflash reads any other strides), else a copy."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def _captured(tensor):
+    """A tensor a mod captures, as the array cuflash reads: a CuPy view of a CUDA tensor (the
+    kernels), a NumPy view of a CPU one (the reference); no copy either way."""
+    if tensor.device.type == "cuda":
+        return _to_cupy(tensor)
+    host = tensor.detach()
+    if host.dtype == torch.bfloat16:
+        return host.view(torch.int16).numpy().view(_numpy_dtype(torch.bfloat16))
+    return host.numpy()
+
+
+def _register_captured_tensors() -> None:
+    from .core import trace
+
+    trace.ARRAY_CONVERTERS["torch"] = _captured
+
+
+_register_captured_tensors()
+
+
 def _to_torch(array):
     """A torch view of a CuPy array (DLPack, no copy)."""
     try:

@@ -98,3 +98,49 @@ def test_the_transformers_name_avoids_flash():
     assert "flash" not in ct.TRANSFORMERS_NAME
     with pytest.raises(ValueError, match="flash"):
         ct.register_transformers("cuflash")
+
+
+def test_mods_refuse_meta_tensors_and_sinks_beside_them():
+    q = _meta(1, 4, 16, 64)
+    with pytest.raises(ValueError, match="not on meta tensors"):
+        ct.attention(q, q, q, score_mod=lambda score, b, h, q_idx, kv_idx: score)
+    with pytest.raises(ValueError, match="sinks or score_mod"):
+        ct.attention(q, q, q, sinks=_meta(4, dtype=torch.float32), mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mods_capture_torch_tensors_as_they_capture_arrays(dtype):
+    """A captured CPU tensor is read by the reference as the NumPy array over its memory."""
+    import numpy as np
+
+    from cuflash import reference
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 3, 9, 16)) for _ in range(3))
+    slopes = torch.tensor([0.5, -0.25, 1.0], dtype=dtype)
+    host = slopes.float().numpy()
+
+    def with_tensor(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def with_array(score, b, h, q_idx, kv_idx):
+        return score + host[h] * (kv_idx - q_idx)
+
+    got = reference.attention_reference(q, k, v, score_mod=with_tensor)
+    want = reference.attention_reference(q, k, v, score_mod=with_array)
+    for g, w in zip(got, want):  # out and LSE
+        assert np.allclose(g, w, rtol=0, atol=1e-12)
+
+
+def test_a_kept_trace_follows_a_captured_tensors_memory():
+    from cuflash.core import modset
+
+    table = torch.arange(4, dtype=torch.float32)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + table[h]
+
+    first = modset.trace_key(mod)
+    assert first is not None and modset.trace_key(mod) == first
+    table.data = torch.zeros(4)  # the same tensor over new memory: traced again
+    assert modset.trace_key(mod) != first

@@ -132,3 +132,36 @@ def test_subclasses_and_cpu_tensors_have_no_key():
     assert ct._plan_key(q, k, v, False, 0.125, "bhsd") is None  # CPU
     p = torch.nn.Parameter(q)
     assert ct._plan_key(p, k, v, False, 0.125, "bhsd") is None
+
+
+def test_calls_with_mods_never_take_a_plan_and_keep_their_traced_mods_for_the_backward(cuda_stand_in,
+                                                                                      monkeypatch):
+    import cuflash.torch_mods as tm
+
+    plan, full = cuda_stand_in
+    backward = []
+    monkeypatch.setattr(tm, "_attention_backward", lambda *args, **kwargs: backward.append(kwargs))
+    q, k, v = _inputs()
+    ct.attention(q, k, v, causal=True)
+    ct.attention(q, k, v, causal=True)  # planned
+    assert len(full) == 1 and len(plan.launches) == 1
+
+    monkeypatch.setattr(tm, "_attention", lambda q, k, v, outputs, **kwargs: full.append(kwargs))
+    monkeypatch.setattr(tm, "_on_torch_stream", ct._on_torch_stream)
+    monkeypatch.setattr(tm, "_to_cupy", lambda x: x)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + 0.5 * h
+
+    out = ct.attention(q, k, v, causal=True, score_mod=bias)
+    assert len(full) == 2 and len(plan.launches) == 1
+    graph = full[-1]["score_mod"]
+    assert graph is not None and full[-1]["mask_mod"] is None and full[-1]["block_mask"] is None
+    assert out.shape == SHAPE and not out.requires_grad
+    q, k, v = _inputs(requires_grad=True)
+    out = ct.attention(q, k, v, causal=True, score_mod=bias, mask_mod=lambda b, h, q_idx, kv_idx: kv_idx < 50)
+    assert out.requires_grad and len(full) == 3 and full[-1]["score_mod"] is graph  # traced once, kept
+    out.float().sum().backward()
+    assert len(backward) == 1 and backward[0]["score_mod"] is graph
+    assert backward[0]["mask_mod"] is full[-1]["mask_mod"] and backward[0]["causal"] is True
+    assert q.grad is not None and k.grad is not None and v.grad is not None

@@ -393,3 +393,64 @@ def test_varlen_through_the_bridge_matches_cupy(with_sinks, compiled):
     got = [q.grad, k.grad, v.grad] + ([sinks.grad] if with_sinks else [])
     for g, w in zip(got, grads):
         assert torch.allclose(g.float(), _torch(w).float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_mods_capturing_tensors_against_the_reference(layout):
+    """A score_mod reading a float tensor and a mask_mod reading an int32 one (both torch, CUDA),
+    forward and backward through the bridge, against the float64 reference."""
+    import numpy as np
+
+    import cuflash.torch as ct
+    from cuflash import reference
+
+    problem = AttentionProblem(batch=2, heads=4, heads_k=2, seqlen_q=113, seqlen_k=239, head_dim=64, dtype="bf16",
+                               causal=True, layout=layout)
+    q, k, v = problem.make_inputs(cupy, seed=11)
+    dout = problem.make_dout(cupy, seed=11)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
+    kept = torch.tensor(np.random.default_rng(2).integers(0, 2, 239), device="cuda", dtype=torch.int32)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    def holes(b, h, q_idx, kv_idx):
+        return (kept[kv_idx] == 1) | (kv_idx == 0)
+
+    tq, tk, tv = (_torch(x).requires_grad_() for x in (q, k, v))
+    out, lse = ct.attention(tq, tk, tv, causal=True, layout=layout, return_lse=True, score_mod=alibi, mask_mod=holes)
+    out.backward(_torch(dout))
+    host = [cupy.asnumpy(x) for x in (q, k, v, dout)]
+    args = dict(causal=True, layout=layout, score_mod=alibi, mask_mod=holes)
+    ref, ref_lse = reference.attention_reference(*host[:3], **args)
+    naive, naive_lse = reference.attention_naive(*host[:3], **args)
+    assert_attention_close(_cupy(out.detach()), ref, "bf16", baseline=naive, lse=_cupy(lse), ref_lse=ref_lse,
+                           baseline_lse=naive_lse)
+    grads = tuple(_cupy(t.grad) for t in (tq, tk, tv))
+    assert_gradients_close(grads, reference.attention_backward_reference(host[3], *host[:3], **args), "bf16",
+                           baselines=reference.attention_backward_naive(host[3], *host[:3], **args))
+
+
+def test_kvcache_mods_through_the_bridge_match_cupy():
+    """attention_with_kvcache's mods through the bridge, capturing a torch tensor, give what the
+    CuPy call gives with the same values in a CuPy array."""
+    import cuflash.torch as ct
+
+    torch.manual_seed(1)
+    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    cache = [torch.randn(2, 300, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    lens = torch.tensor([300, 17], device="cuda", dtype=torch.int32)
+    slopes = torch.linspace(0.01, 0.5, 8, device="cuda")
+    slopes_cupy = cupy.asarray(slopes.cpu().numpy())
+
+    def with_tensor(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    def with_array(score, b, h, q_idx, kv_idx):
+        return score - slopes_cupy[h] * (q_idx - kv_idx)
+
+    out = ct.attention_with_kvcache(q, *cache, cache_seqlens=lens, score_mod=with_tensor)
+    want = cuflash.attention_with_kvcache(_cupy(q), *(_cupy(c) for c in cache), cache_seqlens=_cupy(lens),
+                                          score_mod=with_array)
+    torch.cuda.synchronize()
+    assert torch.equal(out, _torch(want))

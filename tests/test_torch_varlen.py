@@ -49,7 +49,8 @@ def stand_in(monkeypatch):
         lse = np.concatenate([l[0] for _, l in parts], axis=1)
         return torch.tensor(out, dtype=q.dtype), torch.tensor(lse, dtype=torch.float32)
 
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, *, causal, scale, deterministic, sinks, window_size, softcap):
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, *, causal, scale, deterministic, sinks, window_size, softcap,
+                 max_seqlen_q=None, max_seqlen_k=None):
         calls.append(("backward", causal, deterministic, tuple(window_size), softcap))
         cu_q, cu_k = cu_q.numpy(), cu_k.numpy()
         s = None if sinks is None else sinks.detach().numpy().astype(np.float64)

@@ -128,7 +128,7 @@ def _value_key(value, depth: int):
     if isinstance(value, (float, complex, np.generic)):
         return (type(value), repr(value))  # repr: -0.0 and 0.0 differ
     if trace.is_array(value):
-        return ("array", id(value), value.shape, value.dtype.str, value.strides)
+        return trace.array_key(value)
     if isinstance(value, types.FunctionType):
         if value.__closure__ is None and value.__module__.split(".")[0] in _STABLE_MODULES:
             return ("function", id(value))  # a module-level function of cuflash, math or numpy

@@ -392,9 +392,29 @@ class CapturedArray:
         raise TypeError(_where_in_user_code(f"the captured array {self.name} cannot be looped over in a mod"))
 
 
+#: Arrays of other libraries a mod may capture, by top-level module: a function giving the CuPy
+#: (device) or NumPy (host) array over the same memory. cuflash.torch registers torch's tensors.
+ARRAY_CONVERTERS: dict = {}
+
+
 def is_array(value) -> bool:
     module = type(value).__module__.split(".")[0]
-    return module in ("cupy", "numpy") and hasattr(value, "ndim") and hasattr(value, "dtype") and value.ndim > 0
+    return (module in ("cupy", "numpy") or module in ARRAY_CONVERTERS) and hasattr(value, "ndim") \
+        and hasattr(value, "dtype") and value.ndim > 0
+
+
+def array_key(value) -> tuple:
+    """What a captured array is to a kept trace: its identity, shape, dtype, strides and (another
+    library's tensor, whose memory may be swapped) address."""
+    convert = ARRAY_CONVERTERS.get(type(value).__module__.split(".")[0])
+    if convert is None:
+        return ("array", id(value), value.shape, value.dtype.str, value.strides)
+    return ("array", id(value), tuple(value.shape), str(value.dtype), tuple(value.stride()), value.data_ptr())
+
+
+def _as_array(value):
+    convert = ARRAY_CONVERTERS.get(type(value).__module__.split(".")[0])
+    return value if convert is None else convert(value)
 
 
 def _with_captured(fn, graph: Graph, _depth: int = 0):
@@ -413,7 +433,7 @@ def _with_captured(fn, graph: Graph, _depth: int = 0):
                 cells.append(cell)
                 continue
             if is_array(value):
-                cells.append(types.CellType(CapturedArray(graph, value, name)))
+                cells.append(types.CellType(CapturedArray(graph, _as_array(value), name)))
             elif _depth < 8 and isinstance(value, types.FunctionType) and value is not fn:
                 cells.append(types.CellType(_with_captured(value, graph, _depth + 1)))
             elif _depth < 8 and isinstance(value, tuple) and value and all(
@@ -423,7 +443,7 @@ def _with_captured(fn, graph: Graph, _depth: int = 0):
                 cells.append(cell)
         closure = tuple(cells)
     names = set(code.co_names)
-    replaced = {name: CapturedArray(graph, value, name) for name, value in fn.__globals__.items()
+    replaced = {name: CapturedArray(graph, _as_array(value), name) for name, value in fn.__globals__.items()
                 if name in names and is_array(value)}
     scope = dict(fn.__globals__, **replaced) if replaced else fn.__globals__
     return types.FunctionType(code, scope, fn.__name__, fn.__defaults__, closure)
