@@ -28,17 +28,19 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks):
 def _forward(q, k, v, cu_q, cu_k, sinks, options):
     from .varlen import attention_varlen as _varlen
 
-    max_seqlen_q, causal, scale, window_size, softcap = options
+    max_seqlen_q, causal, scale, window_size, softcap, *mods = options  # mods: traced (score, mask), if any
+    score_mod, mask_mod = mods or (None, None)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # rows read as they lie
     with _on_torch_stream(q.device):
         out, lse = _varlen(_to_cupy(q), _to_cupy(k), _to_cupy(v), _to_cupy(cu_q), _to_cupy(cu_k),
                            max_seqlen_q=max_seqlen_q, causal=causal, scale=scale, window_size=window_size,
-                           softcap=softcap, return_lse=True, sinks=None if sinks is None else _to_cupy(sinks))
+                           softcap=softcap, return_lse=True, sinks=None if sinks is None else _to_cupy(sinks),
+                           score_mod=score_mod, mask_mod=mask_mod)
     return _to_torch(out), _to_torch(lse)
 
 
 def _backward(dout, q, k, v, out, lse, cu_q, cu_k, sinks, causal, scale, deterministic, window_size=(-1, -1),
-              softcap=0.0, maxima=(None, None)):
+              softcap=0.0, maxima=(None, None), mods=(None, None)):
     from .varlen import attention_varlen_backward as _varlen_backward
 
     dout = dout.to(out.dtype).contiguous()
@@ -48,7 +50,7 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, sinks, causal, scale, determi
                                  _to_cupy(lse), _to_cupy(cu_q), _to_cupy(cu_k), causal=causal, scale=scale,
                                  deterministic=deterministic, sinks=None if sinks is None else _to_cupy(sinks),
                                  window_size=window_size, softcap=softcap, max_seqlen_q=maxima[0],
-                                 max_seqlen_k=maxima[1])
+                                 max_seqlen_k=maxima[1], score_mod=mods[0], mask_mod=mods[1])
     return [_to_torch(g) for g in grads]
 
 
@@ -125,15 +127,17 @@ class _AttentionVarlen(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, cu_q, cu_k, out, lse, *sinks = ctx.saved_tensors
-        max_seqlen_q, causal, scale, window_size, softcap = ctx.options
+        max_seqlen_q, causal, scale, window_size, softcap, *mods = ctx.options
         grads = _backward(dout, q, k, v, out, lse, cu_q, cu_k, sinks[0] if sinks else None, causal, scale,
-                          ctx.deterministic, window_size, softcap, (max_seqlen_q, ctx.max_seqlen_k))
+                          ctx.deterministic, window_size, softcap, (max_seqlen_q, ctx.max_seqlen_k),
+                          tuple(mods) or (None, None))
         return grads[0], grads[1], grads[2], None, None, grads[3] if sinks else None, None, None, None
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal: bool = False,
                      scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
-                     return_lse: bool = False, deterministic: bool = False, sinks=None):
+                     return_lse: bool = False, deterministic: bool = False, sinks=None, score_mod=None,
+                     mask_mod=None):
     """:func:`cuflash.attention_varlen` on CUDA torch tensors, differentiable in q, k, v and the
     sinks (not the LSE), as FlashAttention's ``flash_attn_varlen_func``.
 
@@ -147,6 +151,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         causal, scale, window_size, softcap, sinks: as for :func:`cuflash.attention_varlen`.
         return_lse: also return the LSE, float32 [heads, total_q].
         deterministic: the backward adds dQ in a fixed order.
+        score_mod, mask_mod: as for :func:`cuflash.attention_varlen` (they may capture torch
+            tensors); such calls run eagerly, a graph break under torch.compile.
 
     Returns:
         The output [total_q, heads, head_dim] (and the LSE), on torch's current stream.
@@ -154,6 +160,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks)
     window_size = tuple(window_size)
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))
+    if score_mod is not None or mask_mod is not None:
+        out, lse = _with_mods(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, (max_seqlen_q, causal, scale, window_size,
+                                                                           softcap, score_mod, mask_mod),
+                              deterministic, max_seqlen_k, grad)
+        return (out, lse) if return_lse else out
     if torch.compiler.is_compiling() or q.device.type == "meta":
         if deterministic:
             raise ValueError("deterministic=True is for eager calls; the traced backward adds dQ as it comes")
@@ -167,6 +178,20 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, (max_seqlen_q, causal, scale, window_size,
                                                                           softcap))
     return (out, lse) if return_lse else out
+
+
+@torch.compiler.disable  # the mods are Python functions, which no operator schema takes
+def _with_mods(q, k, v, cu_q, cu_k, sinks, options, deterministic, max_seqlen_k, grad):
+    """The eager call with the mods traced once for both passes (options end with them)."""
+    from .core import modset
+
+    if q.device.type == "meta":
+        raise ValueError("score_mod and mask_mod run on CUDA tensors, not on meta tensors")
+    traced = modset.prepare(options[5], options[6], q.get_device())
+    options = options[:5] + (traced and traced.score, traced and traced.mask)
+    if grad:
+        return _AttentionVarlen.apply(q, k, v, cu_q, cu_k, sinks, options, deterministic, max_seqlen_k)
+    return _forward(q, k, v, cu_q, cu_k, sinks, options)
 
 
 __all__ = ["attention_varlen"]

@@ -24,6 +24,10 @@ def _per_sequence(fn, cu_q, cu_k, *arrays_q_k):
     return results
 
 
+class _Calls(list):
+    """The stand-in's calls, and (.mods) the mods its backward was given."""
+
+
 @pytest.fixture
 def stand_in(monkeypatch):
     """The bridge on CPU tensors: views are the tensors, the kernels the float64 reference."""
@@ -31,33 +35,35 @@ def stand_in(monkeypatch):
 
     from cuflash import varlen
 
-    calls = []
+    calls, mods = _Calls(), []
     monkeypatch.setattr(tv, "_to_cupy", lambda x: x)
     monkeypatch.setattr(tv, "_to_torch", lambda x: x)
     monkeypatch.setattr(tv, "_on_torch_stream", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(tv, "_check", lambda *args: None)
 
-    def forward(q, k, v, cu_q, cu_k, *, max_seqlen_q, causal, scale, window_size, softcap, return_lse, sinks):
+    def forward(q, k, v, cu_q, cu_k, *, max_seqlen_q, causal, scale, window_size, softcap, return_lse, sinks,
+                score_mod=None, mask_mod=None):
         calls.append(("forward", max_seqlen_q, causal, window_size, softcap))
         cu_q, cu_k = cu_q.numpy(), cu_k.numpy()
         s = None if sinks is None else sinks.detach().numpy().astype(np.float64)
         parts = _per_sequence(lambda q_, k_, v_: reference.attention_reference(
             q_, k_, v_, causal=causal, scale=scale, layout="bshd", sinks=s, window_size=window_size,
-            softcap=softcap), cu_q, cu_k,
+            softcap=softcap, score_mod=score_mod, mask_mod=mask_mod), cu_q, cu_k,
             (q.detach().numpy(), "q"), (k.detach().numpy(), "k"), (v.detach().numpy(), "k"))
         out = np.concatenate([o[0] for o, _ in parts])
         lse = np.concatenate([l[0] for _, l in parts], axis=1)
         return torch.tensor(out, dtype=q.dtype), torch.tensor(lse, dtype=torch.float32)
 
     def backward(dout, q, k, v, out, lse, cu_q, cu_k, *, causal, scale, deterministic, sinks, window_size, softcap,
-                 max_seqlen_q=None, max_seqlen_k=None):
+                 max_seqlen_q=None, max_seqlen_k=None, score_mod=None, mask_mod=None):
+        mods.append((score_mod, mask_mod))
         calls.append(("backward", causal, deterministic, tuple(window_size), softcap))
         cu_q, cu_k = cu_q.numpy(), cu_k.numpy()
         s = None if sinks is None else sinks.detach().numpy().astype(np.float64)
         arrays = [(x.detach().numpy(), side) for x, side in ((dout, "q"), (q, "q"), (k, "k"), (v, "k"))]
         parts = _per_sequence(lambda do, q_, k_, v_: reference.attention_backward_reference(
             do, q_, k_, v_, causal=causal, scale=scale, layout="bshd", sinks=s, window_size=window_size,
-            softcap=softcap), cu_q, cu_k, *arrays)
+            softcap=softcap, score_mod=score_mod, mask_mod=mask_mod), cu_q, cu_k, *arrays)
         grads = [torch.tensor(np.concatenate([p[i][0] for p in parts]), dtype=x.dtype)
                  for i, x in enumerate((q, k, v))]
         if s is not None:
@@ -66,6 +72,7 @@ def stand_in(monkeypatch):
 
     monkeypatch.setattr(varlen, "attention_varlen", forward)
     monkeypatch.setattr(varlen, "attention_varlen_backward", backward)
+    calls.mods = mods
     return calls
 
 
@@ -108,6 +115,37 @@ def test_a_call_without_a_gradient_runs_the_forward_only(stand_in):
     with torch.no_grad():
         out = tv.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=9, window_size=(3, 0), softcap=5.0)
     assert out.shape == q.shape and stand_in == [("forward", 9, False, (3, 0), 5.0)]
+
+
+def test_mods_traced_once_reach_both_passes(stand_in):
+    """A score_mod and a mask_mod (neither reads b, so each sequence's reference is its own) give
+    each sequence's gradients; the backward gets the graphs the forward traced."""
+    q, k, v, cu_q, cu_k = _inputs(1)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + 0.25 * h - 0.1 * (q_idx - kv_idx)
+
+    def near(b, h, q_idx, kv_idx):
+        return kv_idx >= q_idx - 4
+
+    out = tv.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=9, causal=True, score_mod=bias, mask_mod=near)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    (score_graph, mask_graph), = stand_in.mods
+    assert score_graph is not None and score_graph is not bias and mask_graph is not None
+    for b in range(3):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if qs.stop == qs.start:
+            continue
+        want = reference.attention_backward_reference(dout[qs][None].numpy(), q[qs][None].detach().numpy(),
+                                                      k[ks][None].detach().numpy(), v[ks][None].detach().numpy(),
+                                                      causal=True, layout="bshd", score_mod=bias, mask_mod=near)
+        for got, ref, rows in ((q.grad, want[0], qs), (k.grad, want[1], ks), (v.grad, want[2], ks)):
+            assert np.allclose(got[rows].numpy(), ref[0])
+    with pytest.raises(ValueError, match="not on meta tensors"):
+        meta = torch.empty((4, 4, 16), device="meta")
+        tv.attention_varlen(meta, meta, meta, torch.empty(2, device="meta", dtype=torch.int32),
+                            torch.empty(2, device="meta", dtype=torch.int32), mask_mod=near)
 
 
 def test_bad_arguments_are_named():
