@@ -431,6 +431,20 @@ def test_mods_capturing_tensors_against_the_reference(layout):
                            baselines=reference.attention_backward_naive(host[3], *host[:3], **args))
 
 
+def _alibi_pair(heads):
+    """The same ALiBi score_mod twice: reading its slopes from a torch tensor, and from a CuPy array."""
+    slopes = torch.linspace(0.01, 0.5, heads, device="cuda")
+    slopes_cupy = cupy.asarray(slopes.cpu().numpy())
+
+    def with_tensor(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    def with_array(score, b, h, q_idx, kv_idx):
+        return score - slopes_cupy[h] * (q_idx - kv_idx)
+
+    return with_tensor, with_array
+
+
 def test_kvcache_mods_through_the_bridge_match_cupy():
     """attention_with_kvcache's mods through the bridge, capturing a torch tensor, give what the
     CuPy call gives with the same values in a CuPy array."""
@@ -440,14 +454,7 @@ def test_kvcache_mods_through_the_bridge_match_cupy():
     q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
     cache = [torch.randn(2, 300, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     lens = torch.tensor([300, 17], device="cuda", dtype=torch.int32)
-    slopes = torch.linspace(0.01, 0.5, 8, device="cuda")
-    slopes_cupy = cupy.asarray(slopes.cpu().numpy())
-
-    def with_tensor(score, b, h, q_idx, kv_idx):
-        return score - slopes[h] * (q_idx - kv_idx)
-
-    def with_array(score, b, h, q_idx, kv_idx):
-        return score - slopes_cupy[h] * (q_idx - kv_idx)
+    with_tensor, with_array = _alibi_pair(8)
 
     out = ct.attention_with_kvcache(q, *cache, cache_seqlens=lens, score_mod=with_tensor)
     want = cuflash.attention_with_kvcache(_cupy(q), *(_cupy(c) for c in cache), cache_seqlens=_cupy(lens),
@@ -467,14 +474,7 @@ def test_varlen_mods_through_the_bridge_match_cupy():
     total = int(cu[-1])
     q = torch.randn(total, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(total, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    slopes = torch.linspace(0.01, 0.5, 8, device="cuda")
-    slopes_cupy = cupy.asarray(slopes.cpu().numpy())
-
-    def with_tensor(score, b, h, q_idx, kv_idx):
-        return score - slopes[h] * (q_idx - kv_idx)
-
-    def with_array(score, b, h, q_idx, kv_idx):
-        return score - slopes_cupy[h] * (q_idx - kv_idx)
+    with_tensor, with_array = _alibi_pair(8)
 
     out, lse = ct.attention_varlen(q, k, v, cu, cu, max_seqlen_q=130, max_seqlen_k=130, causal=True,
                                    return_lse=True, score_mod=with_tensor)

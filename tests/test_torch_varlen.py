@@ -84,6 +84,19 @@ def _inputs(seed=0):
     return q, k, v, torch.tensor(cu_q), torch.tensor(cu_k)
 
 
+def _check_each_sequence(dout, q, k, v, cu_q, cu_k, **args):
+    """q.grad, k.grad and v.grad hold each sequence's own causal gradients (the reference's)."""
+    for b in range(len(cu_q) - 1):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if qs.stop == qs.start:
+            continue
+        want = reference.attention_backward_reference(dout[qs][None].numpy(), q[qs][None].detach().numpy(),
+                                                      k[ks][None].detach().numpy(), v[ks][None].detach().numpy(),
+                                                      causal=True, layout="bshd", **args)
+        for got, ref, rows in ((q.grad, want[0], qs), (k.grad, want[1], ks), (v.grad, want[2], ks)):
+            assert np.allclose(got[rows].numpy(), ref[0])
+
+
 @pytest.mark.parametrize("variants", [((-1, -1), 0.0), ((3, 0), 5.0)])
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_gradients_come_back_in_their_places(stand_in, with_sinks, variants):
@@ -97,16 +110,7 @@ def test_gradients_come_back_in_their_places(stand_in, with_sinks, variants):
     assert stand_in == [("forward", 9, True, window_size, softcap), ("backward", True, True, window_size, softcap)]
     assert not lse.requires_grad and lse.shape == (4, q.shape[0])
     s = None if sinks is None else sinks.detach().numpy()
-    for b in range(3):
-        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        if qs.stop == qs.start:
-            continue
-        want = reference.attention_backward_reference(dout[qs][None].numpy(), q[qs][None].detach().numpy(),
-                                                      k[ks][None].detach().numpy(), v[ks][None].detach().numpy(),
-                                                      causal=True, layout="bshd", sinks=s,
-                                                      window_size=window_size, softcap=softcap)
-        for got, ref, rows in ((q.grad, want[0], qs), (k.grad, want[1], ks), (v.grad, want[2], ks)):
-            assert np.allclose(got[rows].numpy(), ref[0])
+    _check_each_sequence(dout, q, k, v, cu_q, cu_k, sinks=s, window_size=window_size, softcap=softcap)
     assert (sinks is None) or sinks.grad is not None and sinks.grad.shape == (4,)
 
 
@@ -133,15 +137,7 @@ def test_mods_traced_once_reach_both_passes(stand_in):
     out.backward(dout)
     (score_graph, mask_graph), = stand_in.mods
     assert score_graph is not None and score_graph is not bias and mask_graph is not None
-    for b in range(3):
-        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        if qs.stop == qs.start:
-            continue
-        want = reference.attention_backward_reference(dout[qs][None].numpy(), q[qs][None].detach().numpy(),
-                                                      k[ks][None].detach().numpy(), v[ks][None].detach().numpy(),
-                                                      causal=True, layout="bshd", score_mod=bias, mask_mod=near)
-        for got, ref, rows in ((q.grad, want[0], qs), (k.grad, want[1], ks), (v.grad, want[2], ks)):
-            assert np.allclose(got[rows].numpy(), ref[0])
+    _check_each_sequence(dout, q, k, v, cu_q, cu_k, score_mod=bias, mask_mod=near)
     with pytest.raises(ValueError, match="not on meta tensors"):
         meta = torch.empty((4, 4, 16), device="meta")
         tv.attention_varlen(meta, meta, meta, torch.empty(2, device="meta", dtype=torch.int32),
