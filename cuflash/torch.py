@@ -342,12 +342,11 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    if sinks is not None:
+        _check_sinks(q, sinks, layout)
     if modded:
-        if sinks is not None:
-            raise ValueError("cuflash.torch.attention takes sinks or score_mod / mask_mod / block_mask, not both; "
-                             "cuflash.attention on CuPy arrays takes them together")
-        return _attention_with_mods(q, k, v, (score_mod, mask_mod, block_mask, causal, float(scale), layout,
-                                              deterministic, variants), return_lse)
+        return _attention_with_mods(q, k, v, sinks, (score_mod, mask_mod, block_mask, causal, float(scale), layout,
+                                                     deterministic, variants), return_lse)
     if sinks is not None:
         return _attention_with_sinks(q, k, v, sinks, causal, float(scale), layout, return_lse, deterministic, variants)
     args = (_readable(q), _readable(k), _readable(v), causal, float(scale), layout, deterministic, *variants)
@@ -369,7 +368,7 @@ def _variants(window_size, softcap, causal):
     return left, right, validate_softcap(softcap)
 
 
-def _attention_with_sinks(q, k, v, sinks, causal, scale, layout, return_lse, deterministic, variants):
+def _check_sinks(q, sinks, layout) -> None:
     if not isinstance(sinks, torch.Tensor):
         raise TypeError(f"sinks must be a torch.Tensor (one logit per query head), got "
                         f"{type(sinks).__module__}.{type(sinks).__name__}")
@@ -380,6 +379,9 @@ def _attention_with_sinks(q, k, v, sinks, causal, scale, layout, return_lse, det
     heads = _rows(q, layout)[1]
     if tuple(sinks.shape) != (heads,):
         raise ValueError(f"sinks.shape={tuple(sinks.shape)} must be (heads,) = ({heads},): one logit per query head")
+
+
+def _attention_with_sinks(q, k, v, sinks, causal, scale, layout, return_lse, deterministic, variants):
     q, k, v = _readable(q), _readable(k), _readable(v)
     if _is_compiling() or q.device.type != "cuda":
         out, lse = _sinks_op(q, k, v, sinks, causal, scale, layout, deterministic, *variants)

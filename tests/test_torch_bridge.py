@@ -100,12 +100,12 @@ def test_the_transformers_name_avoids_flash():
         ct.register_transformers("cuflash")
 
 
-def test_mods_refuse_meta_tensors_and_sinks_beside_them():
+def test_mods_refuse_meta_tensors_and_check_sinks_beside_them():
     q = _meta(1, 4, 16, 64)
     with pytest.raises(ValueError, match="not on meta tensors"):
         ct.attention(q, q, q, score_mod=lambda score, b, h, q_idx, kv_idx: score)
-    with pytest.raises(ValueError, match="sinks or score_mod"):
-        ct.attention(q, q, q, sinks=_meta(4, dtype=torch.float32), mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= 0)
+    with pytest.raises(ValueError, match=r"sinks.shape=\(3,\) must be \(heads,\) = \(4,\)"):
+        ct.attention(q, q, q, sinks=_meta(3, dtype=torch.float32), mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

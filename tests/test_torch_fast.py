@@ -165,3 +165,10 @@ def test_calls_with_mods_never_take_a_plan_and_keep_their_traced_mods_for_the_ba
     assert len(backward) == 1 and backward[0]["score_mod"] is graph
     assert backward[0]["mask_mod"] is full[-1]["mask_mod"] and backward[0]["causal"] is True
     assert q.grad is not None and k.grad is not None and v.grad is not None
+    # with sinks: given to both passes, their gradient from the backward's fourth result
+    sinks = torch.randn(SHAPE[1], requires_grad=True)
+    monkeypatch.setattr(tm, "_attention_backward", lambda *args, **kwargs: backward.append(kwargs) or (
+        None, None, None, torch.full((SHAPE[1],), 3.0)))
+    ct.attention(q, k, v, causal=True, score_mod=bias, sinks=sinks).float().sum().backward()
+    assert full[-1]["sinks"] is sinks and full[-1]["key"] is None and backward[-1]["sinks"] is sinks
+    assert torch.equal(sinks.grad, torch.full((SHAPE[1],), 3.0))

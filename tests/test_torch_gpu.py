@@ -490,3 +490,28 @@ def test_varlen_mods_through_the_bridge_match_cupy():
     assert torch.equal(k.grad, _torch(grads[1])) and torch.equal(v.grad, _torch(grads[2]))
     # dQ's float32 partial sums are added in whatever order the blocks finish: rounding may differ
     assert torch.allclose(q.grad.float(), _torch(grads[0]).float(), rtol=2e-2, atol=2e-3)
+
+
+def test_mods_with_sinks_through_the_bridge_match_cupy():
+    """Sinks beside a score_mod: the bridge's output, LSE and gradients (dsinks included) are the
+    CuPy calls' (dQ: its rounding, summed in any order)."""
+    import cuflash.torch as ct
+
+    torch.manual_seed(3)
+    q = torch.randn(1, 4, 200, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, device="cuda", requires_grad=True)
+    with_tensor, with_array = _alibi_pair(4)
+    out, lse = ct.attention(q, k, v, causal=True, return_lse=True, sinks=sinks, score_mod=with_tensor)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    plain = [_cupy(x.detach()) for x in (q, k, v)]
+    want, want_lse = cuflash.attention(*plain, causal=True, return_lse=True, sinks=_cupy(sinks.detach()),
+                                       score_mod=with_array)
+    grads = cuflash.attention_backward(_cupy(dout), *plain, want, want_lse, causal=True, sinks=_cupy(sinks.detach()),
+                                       score_mod=with_array)
+    torch.cuda.synchronize()
+    assert torch.equal(out.detach(), _torch(want)) and torch.equal(lse, _torch(want_lse))
+    assert torch.equal(k.grad, _torch(grads[1])) and torch.equal(v.grad, _torch(grads[2]))
+    assert torch.allclose(sinks.grad, _torch(grads[3]), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(q.grad.float(), _torch(grads[0]).float(), rtol=2e-2, atol=2e-3)
