@@ -58,15 +58,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
 
     from .forward import _arch, _on_device
 
-    key = None
-    if score_mod is None and mask_mod is None:  # a repeated call: straight to its launch plan
-        key = _plan_key(cupy, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, window_size, softcap,
-                        sinks)
-        plan = _plans.get(key) if key is not None else None
-        if plan is not None and not (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
-            out, lse = _poisoned_outputs(cupy, q)
-            plan.launch(q, k, v, out, lse)
-            return (out, lse) if return_lse else out
+    # a repeated call: straight to its launch plan (with mods: where they trace to graphs kept for
+    # their function and captured values, the same graphs and arrays as the plan's)
+    key = _plan_key(cupy, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, window_size, softcap, sinks)
+    if key is not None and (score_mod is not None or mask_mod is not None):
+        from .core import modset
+        from .forward import _Same
+
+        score_mod, score_kept = modset.traced_kept(score_mod, "score")
+        mask_mod, mask_kept = modset.traced_kept(mask_mod, "mask")
+        key = key + (_Same(score_mod), _Same(mask_mod)) if score_kept and mask_kept else None
+    plan = _plans.get(key) if key is not None else None
+    if plan is not None and not (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
+        out, lse = _poisoned_outputs(cupy, q)
+        plan.launch(q, k, v, out, lse)
+        return (out, lse) if return_lse else out
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, cupy.ndarray):
             raise TypeError(f"{name} must be a CuPy array, got {type(x).__name__}")

@@ -466,4 +466,13 @@ def test_repeated_varlen_calls_launch_from_their_plan(device, monkeypatch):
     assert len(varlen._plans) == 5 and len(kernel.calls) == 5
     assert varlen._plan_key(cupy, q, k, v, cu, cu, None, True, None, (-1, -1), 0.0, None) is None
     assert varlen._plan_key(cupy, q, k, v, cu, cu, 200, True, None, [-1, -1], 0.0, None) is None
+
+    def bias(score, b, h, q_idx, kv_idx):  # traced once: its graph is kept, and so is the plan
+        return score + 0.5 * h
+
+    for _ in range(3):
+        cuflash.attention_varlen(q, k, v, cu, cu, score_mod=bias, **call)
+    assert len(varlen._plans) == 6 and len(kernel.calls) == 6 and len(driver.launches) == 3
+    cuflash.attention_varlen(q, k, v, cu, cu, score_mod=lambda score, b, h, q_idx, kv_idx: score * 2.0, **call)
+    assert len(varlen._plans) == 7 and len(kernel.calls) == 7
     varlen._plans.clear()
