@@ -30,6 +30,50 @@ def pytest_configure(config):
     # on a GPU the run ends with its slowest tests (the suite's time is kept under about 8 minutes)
     if GPU and getattr(config.option, "durations", None) is None:
         config.option.durations = 25
+    if GPU:
+        _time_the_loads()
+
+
+#: (test id, kernel name, seconds) of every kernel a GPU test loaded slowly (compiled, most likely):
+#: kernels no warm table holds, listed at the end of the run.
+_SLOW_LOADS: list = []
+_SLOW_LOAD_S = 1.0
+_current_test = ["(setup)"]
+
+
+def _time_the_loads() -> None:
+    import time
+
+    from cuflash.core import compile as compile_mod
+
+    load = compile_mod._load
+
+    def timed(spec):
+        start = time.perf_counter()
+        kernel = load(spec)
+        seconds = time.perf_counter() - start
+        if seconds > _SLOW_LOAD_S:
+            _SLOW_LOADS.append((_current_test[0], spec.name, seconds))
+        return kernel
+
+    compile_mod._load = timed
+
+
+def pytest_runtest_setup(item):
+    _current_test[0] = f"{item.nodeid}, setup"
+
+
+def pytest_runtest_call(item):
+    _current_test[0] = item.nodeid
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _SLOW_LOADS:
+        total = sum(s for _, _, s in _SLOW_LOADS)
+        terminalreporter.section(f"kernels compiled inside tests: {len(_SLOW_LOADS)}, {total:.0f} s "
+                                 f"(a warm table would compile them in parallel)")
+        for test, name, seconds in sorted(_SLOW_LOADS, key=lambda x: -x[2])[:40]:
+            terminalreporter.write_line(f"{seconds:6.1f} s  {name}  ({test})")
 
 
 def pytest_collection_modifyitems(config, items):
