@@ -395,12 +395,75 @@ def test_varlen_through_the_bridge_matches_cupy(with_sinks, compiled):
         assert torch.allclose(g.float(), _torch(w).float(), atol=1e-2, rtol=1e-2)
 
 
+def _alibi_pair(heads):
+    """The same ALiBi score_mod twice: reading its slopes from a torch tensor, and from a CuPy array."""
+    slopes = torch.linspace(0.01, 0.5, heads, device="cuda")
+    slopes_cupy = cupy.asarray(slopes.cpu().numpy())
+
+    def with_tensor(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    def with_array(score, b, h, q_idx, kv_idx):
+        return score - slopes_cupy[h] * (q_idx - kv_idx)
+
+    return with_tensor, with_array
+
+
+def _holes(keys, seed=2):
+    """A mask_mod reading an int32 torch tensor: key 0 and a random half of the others attend."""
+    import numpy as np
+
+    kept = torch.tensor(np.random.default_rng(seed).integers(0, 2, keys), device="cuda", dtype=torch.int32)
+
+    def holes(b, h, q_idx, kv_idx):
+        return (kept[kv_idx] == 1) | (kv_idx == 0)
+
+    return holes
+
+
+def _torch_mod_specs(arch):
+    """The kernels of the mods tests below (their digests name them), for the session's pool."""
+    import cuflash.torch  # noqa: F401 - captured torch tensors are read through it
+    from cuflash.backward import _with_mods as _bwd_with_mods
+    from cuflash.core import modset, policy
+    from cuflash.forward import _with_mods
+    from cuflash.varlen import hopper_spec
+
+    if not torch.cuda.is_available():
+        return []
+    stub = type("P", (), {"head_dim": 64, "causal": True, "dtype": type("D", (), {"tag": "bf16"})(), "device_id": 0})()
+    bwd = type("B", (), {"forward": stub})()
+    specs = []
+    for mods, sinks in ((modset.prepare(_alibi_pair(4)[0], _holes(239), 0), False),
+                        (modset.prepare(_alibi_pair(4)[0], None, 0), True)):
+        forward = _with_mods(policy.default_spec(64, "bf16", True, arch, seqlen=300), mods, stub, None)
+        specs.append(forward.replace(sinks=True, lse=True) if sinks else forward)
+        specs.append(_bwd_with_mods(policy.default_bwd_spec(64, "bf16", True, arch, False), mods, bwd))
+    if arch == "sm90a":  # the varlen test's
+        mods = modset.prepare(_alibi_pair(8)[0], None, 0)
+        names = dict(score_mod=mods.score_digest, mask_mod=mods.mask_digest)
+        specs.append(hopper_spec(128, "bf16", True, 130, arch).replace(**names))
+        specs.append(policy.default_bwd_spec(128, "bf16", True, arch, False, family="wgmma").replace(varlen=True,
+                                                                                                     **names))
+    return specs
+
+
+#: The warm fixtures' kernels by fixture name: the session compiles them in its first pool.
+WARM = {"warm_torch_mod_kernels": _torch_mod_specs}
+
+
+@pytest.fixture(scope="module")
+def warm_torch_mod_kernels():
+    from cuflash.core.compile import device_arch
+
+    cuflash.warmup(_torch_mod_specs(device_arch()), progress=False)
+
+
+@pytest.mark.usefixtures("warm_torch_mod_kernels")
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_mods_capturing_tensors_against_the_reference(layout):
     """A score_mod reading a float tensor and a mask_mod reading an int32 one (both torch, CUDA),
     forward and backward through the bridge, against the float64 reference."""
-    import numpy as np
-
     import cuflash.torch as ct
     from cuflash import reference
 
@@ -408,14 +471,7 @@ def test_mods_capturing_tensors_against_the_reference(layout):
                                causal=True, layout=layout)
     q, k, v = problem.make_inputs(cupy, seed=11)
     dout = problem.make_dout(cupy, seed=11)
-    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
-    kept = torch.tensor(np.random.default_rng(2).integers(0, 2, 239), device="cuda", dtype=torch.int32)
-
-    def alibi(score, b, h, q_idx, kv_idx):
-        return score - slopes[h] * (q_idx - kv_idx)
-
-    def holes(b, h, q_idx, kv_idx):
-        return (kept[kv_idx] == 1) | (kv_idx == 0)
+    alibi, holes = _alibi_pair(4)[0], _holes(239)
 
     tq, tk, tv = (_torch(x).requires_grad_() for x in (q, k, v))
     out, lse = ct.attention(tq, tk, tv, causal=True, layout=layout, return_lse=True, score_mod=alibi, mask_mod=holes)
@@ -429,20 +485,6 @@ def test_mods_capturing_tensors_against_the_reference(layout):
     grads = tuple(_cupy(t.grad) for t in (tq, tk, tv))
     assert_gradients_close(grads, reference.attention_backward_reference(host[3], *host[:3], **args), "bf16",
                            baselines=reference.attention_backward_naive(host[3], *host[:3], **args))
-
-
-def _alibi_pair(heads):
-    """The same ALiBi score_mod twice: reading its slopes from a torch tensor, and from a CuPy array."""
-    slopes = torch.linspace(0.01, 0.5, heads, device="cuda")
-    slopes_cupy = cupy.asarray(slopes.cpu().numpy())
-
-    def with_tensor(score, b, h, q_idx, kv_idx):
-        return score - slopes[h] * (q_idx - kv_idx)
-
-    def with_array(score, b, h, q_idx, kv_idx):
-        return score - slopes_cupy[h] * (q_idx - kv_idx)
-
-    return with_tensor, with_array
 
 
 def test_kvcache_mods_through_the_bridge_match_cupy():
@@ -463,6 +505,7 @@ def test_kvcache_mods_through_the_bridge_match_cupy():
     assert torch.equal(out, _torch(want))
 
 
+@pytest.mark.usefixtures("warm_torch_mod_kernels")
 def test_varlen_mods_through_the_bridge_match_cupy():
     """attention_varlen with a score_mod capturing a torch tensor gives the bits of the CuPy calls
     with the same values in a CuPy array (dQ: its rounding, summed in any order)."""
@@ -492,6 +535,7 @@ def test_varlen_mods_through_the_bridge_match_cupy():
     assert torch.allclose(q.grad.float(), _torch(grads[0]).float(), rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.usefixtures("warm_torch_mod_kernels")
 def test_mods_with_sinks_through_the_bridge_match_cupy():
     """Sinks beside a score_mod: the bridge's output, LSE and gradients (dsinks included) are the
     CuPy calls' (dQ: its rounding, summed in any order)."""
