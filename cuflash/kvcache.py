@@ -58,6 +58,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     """
     import cupy
 
+    if cache_seqlens is None:  # None marks the packed-sequence path inside cuflash, never a call's
+        raise TypeError("cache_seqlens must be an int32 CuPy array [batch] or an int, got None")
     key = _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
                     fp8_format, k_descale, v_descale, window_size, softcap, sinks)
     if score_mod is not None or mask_mod is not None:

@@ -34,9 +34,14 @@ def merge_states(outs: Sequence, lses: Sequence, *, layout: str = "bhsd"):
         ``(out, lse)``: the output in the inputs' dtype and layout, and the float32 LSE. A row that
         attends nothing in every part gives 0 and ``-inf``; a NaN in one part's row stays in that row.
     """
-    if isinstance(outs, (str, bytes)) or not isinstance(outs, Sequence) or not isinstance(lses, Sequence):
+    if isinstance(outs, (str, bytes)) or isinstance(lses, (str, bytes)) or not isinstance(outs, Sequence) \
+            or not isinstance(lses, Sequence):
         raise TypeError(f"outs and lses must be sequences of arrays, got {type(outs).__name__} and "
                         f"{type(lses).__name__}")
+    for name, items in (("outs", outs), ("lses", lses)):
+        for i, x in enumerate(items):
+            if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+                raise TypeError(f"{name}[{i}] must be a NumPy or CuPy array, got {type(x).__name__}")
     if len(outs) != len(lses) or len(outs) < 2:
         raise ValueError(f"merge_states takes two or more (out, lse) pairs; got {len(outs)} outputs and "
                          f"{len(lses)} LSEs")

@@ -305,6 +305,11 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     from .backward import _attention_backward
     from .core.validate import validate_sinks, validate_variants
 
+    for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(f"{name} must be a CuPy or NumPy array, got {type(x).__name__}")
+    if q.ndim != 3 or k.ndim != 3:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be 3-d [total, heads, head_dim]")
     xp = _xp(q)
     total_q, total_k = q.shape[0], k.shape[0]
     sinks32 = None if sinks is None else validate_sinks(sinks, q.shape[1],
@@ -324,7 +329,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     user_mods = score_mod is not None or mask_mod is not None
     score_mod, mask_mod = _with_softcap(window, cap, causal, score_mod, mask_mod)
     # family="wgmma" is taken as asked for: _hopper_backward names what it cannot run
-    why = "" if family == "wgmma" else _one_launch_refusal(q, deterministic, score_mod)
+    why = "" if family == "wgmma" else _one_launch_refusal(q, deterministic, score_mod) or _too_many(cu_seqlens_q)
     if user_mods and (why or family == "sequences"):
         raise ValueError(f"score_mod and mask_mod on attention_varlen_backward run in one launch of the Hopper "
                          f"backward (family='wgmma'), which does not run this call: "
@@ -356,6 +361,16 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                             xp.ascontiguousarray(lse[:, qs])[None], grads, causal=causal, scale=scale, layout="bshd",
                             deterministic=deterministic, spec=None, **_variant_args(variants))
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, _varlen_sinks_grad(dout, out, lse, sinks, sinks32))
+
+
+def _too_many(cu_seqlens_q) -> str:
+    """Why the one launch cannot take these sequences ("" where it can): its grid holds them in z."""
+    from .core.validate import GRID_YZ_MAX
+
+    shape = np.shape(cu_seqlens_q)
+    sequences = shape[0] - 1 if len(shape) == 1 else 0
+    return f"it launches at most {GRID_YZ_MAX} sequences, cu_seqlens_q holds {sequences}" \
+        if sequences > GRID_YZ_MAX else ""
 
 
 def _maxima(max_seqlen_q, max_seqlen_k):
@@ -451,6 +466,8 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
         if cu_q.size != cu_k.size:
             raise ValueError(f"cu_seqlens_q has {cu_q.size} offsets and cu_seqlens_k {cu_k.size}")
         sequences = cu_q.size - 1
+        if _too_many(cu_q):
+            raise ValueError(f"family='wgmma': {_too_many(cu_q)}")
         dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
         if not checked:  # NaN (all-ones bytes) where no sequence the kernels accept writes
             for x in (dq, dk, dv):

@@ -20,7 +20,7 @@ from .decode_spec import CACHE_DTYPES, MAX_SPLITS, DecodeSpec
 from .params import DECODE_STRUCT
 from .launch import _memory_bandwidth_gbs, _multiprocessors
 from .spec import HEAD_DIMS, ceil_div
-from .validate import aligned_for_async_copy, validate_softcap, validate_window
+from .validate import FLOAT32_MAX, GRID_YZ_MAX, aligned_for_async_copy, validate_softcap, validate_window
 
 _PARAMS = np.dtype((np.void, DECODE_STRUCT.size))
 _LOG2E = 1.0 / math.log(2.0)
@@ -193,10 +193,12 @@ def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_t
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     elif not isinstance(scale, (int, float, np.floating, np.integer)) or isinstance(scale, bool) \
-            or not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
+            or not abs(float(scale)) <= FLOAT32_MAX:
+        raise ValueError(f"scale must be a number, finite in float32, got {scale!r}")
     if batch * heads_k >= 2**31:
         raise ValueError(f"batch x heads_k = {batch * heads_k} is too many")
+    if seqlen_new and batch > GRID_YZ_MAX:  # the append kernel's grid holds the batch in z
+        raise ValueError(f"batch={batch} with k_new: at most {GRID_YZ_MAX} sequences append in one call")
     problem = KVCacheProblem(batch, seqlen_q, heads, heads_k, head_dim, entry, cache_tag, paged, capacity,
                              page_size if paged else capacity, num_pages, seqlen_new, causal, float(scale), device,
                              tuple(k_cache.strides[:3]), tuple(v_cache.strides[:3]),
@@ -212,8 +214,8 @@ def descale_operand(cupy, name, value, heads_k, device):
     if value is None:
         return 1.0, None, False
     if isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool):
-        if not (math.isfinite(float(value)) and value > 0):
-            raise ValueError(f"{name}={value!r} must be a positive finite number")
+        if not 0 < float(value) <= FLOAT32_MAX:
+            raise ValueError(f"{name}={value!r} must be a positive number, finite in float32")
         return float(value), None, False
     if not isinstance(value, cupy.ndarray) or value.dtype != np.float32:
         raise TypeError(f"{name} must be a positive number or a float32 CuPy array of shape () or "

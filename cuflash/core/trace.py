@@ -16,6 +16,7 @@ the construct and the line of the user's function.
 from __future__ import annotations
 
 import hashlib
+import operator
 import sys
 import types
 from dataclasses import dataclass
@@ -80,6 +81,15 @@ class Graph:
         digest = hashlib.sha256(text.encode()).hexdigest()[:12]
         self._digest = (state, digest)
         return digest
+
+
+#: NumPy's ufuncs of Python's binary operators: a NumPy number beside a traced value takes the operator.
+_OPERATOR_UFUNCS = {"add": operator.add, "subtract": operator.sub, "multiply": operator.mul,
+                    "true_divide": operator.truediv, "divide": operator.truediv, "floor_divide": operator.floordiv,
+                    "remainder": operator.mod, "power": operator.pow, "less": operator.lt, "less_equal": operator.le,
+                    "greater": operator.gt, "greater_equal": operator.ge, "equal": operator.eq,
+                    "not_equal": operator.ne, "bitwise_and": operator.and_, "bitwise_or": operator.or_,
+                    "bitwise_xor": operator.xor}
 
 
 class Expr:
@@ -213,6 +223,12 @@ class Expr:
     __int__ = __complex__ = __float__
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        # a NumPy number on an operator's left (np.float32(0.5) * score) reaches here as a ufunc
+        op = _OPERATOR_UFUNCS.get(ufunc.__name__)
+        numbers = [x for x in inputs if not isinstance(x, Expr)]
+        if op is not None and method == "__call__" and not kwargs and len(inputs) == 2 \
+                and all(isinstance(x, (np.generic, np.ndarray)) and x.ndim == 0 for x in numbers):
+            return op(*(x if isinstance(x, Expr) else x.item() for x in inputs))
         raise TypeError(_where_in_user_code(f"numpy.{ufunc.__name__} got a traced value; use cuflash.mods' "
                                             f"functions of the same name"))
 

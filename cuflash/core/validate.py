@@ -15,7 +15,9 @@ from .spec import HEAD_DIMS
 
 LAYOUTS = ("bhsd", "bshd")
 _INT32_MAX = 2**31 - 1
-_GRID_YZ_MAX = 65535
+GRID_YZ_MAX = 65535
+#: The largest float32: scales, caps and descales reach the kernels as float32.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(slots=True)
@@ -110,12 +112,12 @@ def validate(q, k, v, *, causal, scale, layout, fp8_format=None) -> Problem:
     if isinstance(scale, bool) or (scale is not None and not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale={scale} must be finite")
+    if not abs(scale) <= FLOAT32_MAX:
+        raise ValueError(f"scale={scale} must be finite in float32 (|scale| <= {FLOAT32_MAX:.4g})")
     if sq > _INT32_MAX or sk > _INT32_MAX or b * hq > _INT32_MAX:
         raise ValueError(f"seqlen_q={sq}, seqlen_k={sk} and batch*heads={b * hq} must each be below 2**31")
-    if hq > _GRID_YZ_MAX or b > _GRID_YZ_MAX:
-        raise ValueError(f"batch={b} and heads={hq} must each be at most {_GRID_YZ_MAX} (CUDA grid limits)")
+    if hq > GRID_YZ_MAX or b > GRID_YZ_MAX:
+        raise ValueError(f"batch={b} and heads={hq} must each be at most {GRID_YZ_MAX} (CUDA grid limits)")
     return Problem(dtype=entry, batch=b, heads=hq, heads_k=hk, seqlen_q=sq, seqlen_k=sk, head_dim=d,
                    causal=bool(causal), scale=scale, layout=layout, device_id=devices[0],
                    q_strides=q_strides, k_strides=k_strides, v_strides=v_strides)
@@ -144,8 +146,8 @@ def _descale_array(name, value, shape, device_id):
 
     if value is None or isinstance(value, numbers.Real) and not isinstance(value, bool):
         value = 1.0 if value is None else float(value)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name}={value} must be a positive finite number")
+        if not 0 < value <= FLOAT32_MAX:
+            raise ValueError(f"{name}={value} must be a positive number, finite in float32")
         key = (device_id, value)
         array = _ONES.get(key)
         if array is None:
@@ -194,8 +196,8 @@ def validate_softcap(softcap) -> float:
     if softcap is None:
         return 0.0
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)) \
-            or not (math.isfinite(float(softcap)) and softcap >= 0):
-        raise ValueError(f"softcap={softcap!r} must be a finite number >= 0 (0: none)")
+            or not 0 <= float(softcap) <= FLOAT32_MAX:
+        raise ValueError(f"softcap={softcap!r} must be a number from 0 (none) to {FLOAT32_MAX:.4g} (float32)")
     return float(softcap)
 
 

@@ -1,0 +1,71 @@
+"""Inputs refused on the host with the error that names them (no GPU): a missing cache length,
+launches past the grid's limits, numbers that float32 cannot hold, non-arrays where arrays go;
+and NumPy numbers beside traced values in a mod, which are taken as Python numbers."""
+import numpy as np
+import pytest
+
+import cuflash
+import cuflash.mods as mods
+from cuflash.core.validate import FLOAT32_MAX, validate_softcap
+
+
+def test_a_kvcache_call_without_cache_lengths_is_refused():
+    q = np.zeros((1, 1, 2, 64), np.float16)
+    with pytest.raises(TypeError, match="cache_seqlens must be an int32 CuPy array"):
+        cuflash.attention_with_kvcache(q, q, q, cache_seqlens=None)
+
+
+def test_the_one_launch_varlen_backward_takes_at_most_a_grids_sequences():
+    from cuflash import varlen
+
+    assert varlen._too_many(np.zeros(65536, np.int32)) == ""
+    assert "at most 65535 sequences, cu_seqlens_q holds 65536" in varlen._too_many(np.zeros(65537, np.int32))
+
+
+@pytest.mark.parametrize("value", [float("inf"), 1e39, -1.0, 0.0, True, "1"])
+def test_softcaps_float32_cannot_hold_are_refused(value):
+    with pytest.raises(ValueError, match="cap="):
+        mods.softcap(value)
+    if value not in (0.0,):  # 0 is no cap for validate_softcap
+        with pytest.raises(ValueError, match="softcap="):
+            validate_softcap(value)
+    assert validate_softcap(FLOAT32_MAX) == FLOAT32_MAX
+
+
+def test_a_numpy_cap_gives_the_python_numbers_graph():
+    assert mods.trace_score_mod(mods.softcap(np.float32(2.0))).digest == mods.trace_score_mod(mods.softcap(2.0)).digest
+
+
+def test_numpy_numbers_beside_traced_values_are_python_numbers():
+    left = mods.trace_score_mod(lambda s, b, h, q_idx, kv_idx: np.float32(0.5) * s + np.int32(3) - q_idx)
+    right = mods.trace_score_mod(lambda s, b, h, q_idx, kv_idx: 0.5 * s + 3 - q_idx)
+    assert left.digest == right.digest
+    mask = mods.trace_mask_mod(lambda b, h, q_idx, kv_idx: np.bool_(True) & (np.int32(3) < q_idx))
+    assert mask.digest == mods.trace_mask_mod(lambda b, h, q_idx, kv_idx: True & (3 < q_idx)).digest
+    with pytest.raises(TypeError, match="numpy.exp got a traced value"):
+        mods.trace_score_mod(lambda s, b, h, q_idx, kv_idx: np.exp(s))
+    with pytest.raises(TypeError, match="numpy.multiply got a traced value"):
+        mods.trace_score_mod(lambda s, b, h, q_idx, kv_idx: np.multiply(np.ones(3), s))
+
+
+def test_merge_states_names_what_is_not_an_array():
+    out = np.zeros((1, 2, 3, 8), np.float32)
+    lse = np.zeros((1, 2, 3), np.float32)
+    with pytest.raises(TypeError, match=r"outs\[1\] must be a NumPy or CuPy array, got NoneType"):
+        cuflash.merge_states([out, None], [lse, lse])
+    with pytest.raises(TypeError, match=r"lses\[1\] must be a NumPy or CuPy array"):
+        cuflash.merge_states([out, out], [lse, None])
+    with pytest.raises(TypeError, match="sequences of arrays"):
+        cuflash.merge_states([out, out], "ab")
+
+
+def test_the_varlen_backward_names_what_is_not_an_array():
+    q = np.zeros((10, 2, 8))
+    lse = np.zeros((2, 10))
+    cu = np.array([0, 4, 10], np.int32)
+    with pytest.raises(TypeError, match="dout must be a CuPy or NumPy array, got NoneType"):
+        cuflash.attention_varlen_backward(None, q, q, q, q, lse, cu, cu)
+    with pytest.raises(TypeError, match="q must be a CuPy or NumPy array, got list"):
+        cuflash.attention_varlen_backward(q, [1.0], q, q, q, lse, cu, cu)
+    with pytest.raises(ValueError, match="must be 3-d"):
+        cuflash.attention_varlen_backward(q, q[0], q, q, q, lse, cu, cu)
