@@ -102,8 +102,9 @@ def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_t
     q = _array(cupy, "q", q, 4)
     k_cache = _array(cupy, "k_cache", k_cache, 4)
     v_cache = _array(cupy, "v_cache", v_cache, 4)
-    if type(causal) is not bool:
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__module__}.{type(causal).__name__} {causal!r}")
+    causal = bool(causal)
     entry = dtypes.from_numpy(q.dtype)
     if not entry.tensor_core:
         raise TypeError(f"q has dtype {q.dtype}; the KV-cache kernels take float16 or bfloat16 queries")
