@@ -31,6 +31,7 @@ Functions:
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 
@@ -58,6 +59,9 @@ def _from_bhsd(x: np.ndarray, layout: str) -> np.ndarray:
     return x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
 
 
+_FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+
 def _prepare(q, k, v, scale, layout, compute_dtype):
     """Validate the inputs, convert them to ``compute_dtype`` and to the bhsd layout.
 
@@ -68,6 +72,14 @@ def _prepare(q, k, v, scale, layout, compute_dtype):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name}.shape={x.shape} must have 4 dims ({layout})")
+        if np.dtype(compute_dtype) != np.uint8 and x.dtype.name not in _FLOAT_NAMES:  # uint8: FP8 codes
+            raise TypeError(f"{name}.dtype={x.dtype} is not a float dtype ({', '.join(_FLOAT_NAMES)})")
+    if isinstance(scale, bool) or not (scale is None or isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    if scale is not None and not math.isfinite(float(scale)):
+        raise ValueError(f"scale={scale} must be finite")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q.shape={q.shape}: head_dim must be at least 1")
     qb, kb, vb = (_to_bhsd(x, layout) for x in (q, k, v))
     if kb.shape != vb.shape:
         raise ValueError(f"k.shape={k.shape} and v.shape={v.shape} must be equal")
@@ -99,6 +111,8 @@ def causal_mask(seqlen_q: int, seqlen_k: int) -> np.ndarray:
 
 def _allowed(seqlen_q: int, seqlen_k: int, causal: bool, window=None) -> np.ndarray:
     """The pairs causal and the sliding window ``(left, right)`` (None: none) allow."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
     allowed = causal_mask(seqlen_q, seqlen_k) if causal else np.ones((seqlen_q, seqlen_k), dtype=bool)
     if window is not None:
         rows = np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)

@@ -69,3 +69,21 @@ def test_the_varlen_backward_names_what_is_not_an_array():
         cuflash.attention_varlen_backward(q, [1.0], q, q, q, lse, cu, cu)
     with pytest.raises(ValueError, match="must be 3-d"):
         cuflash.attention_varlen_backward(q, q[0], q, q, q, lse, cu, cu)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(q=np.ones((1, 2, 3, 4), np.int32)), TypeError, "q.dtype=int32 is not a float dtype"),
+    (dict(k=np.ones((1, 2, 3, 4), np.uint8)), TypeError, "k.dtype=uint8 is not a float dtype"),
+    (dict(scale=float("nan")), ValueError, "scale=nan must be finite"),
+    (dict(scale="0.1"), TypeError, "scale must be a real number"),
+    (dict(scale=True), TypeError, "scale must be a real number"),
+    (dict(causal="yes"), TypeError, "causal must be a bool"),
+    (dict(q=np.ones((1, 2, 3, 0)), k=np.ones((1, 2, 3, 0)), v=np.ones((1, 2, 3, 0))), ValueError, "head_dim"),
+])
+def test_the_reference_refuses_what_the_kernels_refuse(change, error, match):
+    from cuflash import reference
+
+    args = dict(q=np.ones((1, 2, 3, 4)), k=np.ones((1, 2, 3, 4)), v=np.ones((1, 2, 3, 4)))
+    args.update(change)
+    with pytest.raises(error, match=match):
+        reference.attention_reference(args.pop("q"), args.pop("k"), args.pop("v"), **args)
