@@ -165,8 +165,10 @@ def _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table
         return None
     if type(k_descale) is nd or type(v_descale) is nd or not (sinks is None or type(sinks) is nd):
         return None
+    if type(causal) is not bool:  # the full path checks it (a plan key would take 1 for True)
+        return None
     try:
-        return (q.shape, q.strides, q.dtype, k_cache.shape, k_cache.strides, k_cache.dtype, v_cache.shape,
+        key = (q.shape, q.strides, q.dtype, k_cache.shape, k_cache.strides, k_cache.dtype, v_cache.shape,
                 v_cache.strides, v_cache.dtype, cache_seqlens.data.ptr, cache_seqlens.shape, cache_seqlens.strides,
                 cache_seqlens.dtype,
                 None if k_new is None else (k_new.shape, k_new.strides, k_new.dtype, v_new.shape, v_new.strides,
@@ -177,8 +179,10 @@ def _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table
                 tuple(window_size) if isinstance(window_size, list) else window_size, softcap,
                 None if sinks is None else (sinks.data.ptr, sinks.shape, sinks.strides, sinks.dtype), q.data.device_id,
                 cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr)
+        hash(key)
     except TypeError:  # something unhashable: the full path names it
         return None
+    return key
 
 
 __all__ = ["attention_with_kvcache"]

@@ -159,7 +159,7 @@ def _plan_key(cupy, q, k, v, cu_q, cu_k, max_seqlen_q, causal, scale, window_siz
     nd = cupy.ndarray
     if type(q) is not nd or type(k) is not nd or type(v) is not nd or type(cu_q) is not nd or type(cu_k) is not nd:
         return None
-    if type(max_seqlen_q) is not int or not (sinks is None or type(sinks) is nd):
+    if type(max_seqlen_q) is not int or type(causal) is not bool or not (sinks is None or type(sinks) is nd):
         return None
     device = q.data.device_id
     if cupy.cuda.runtime.getDevice() != device or cu_q.strides != (4,) or cu_k.strides != (4,):

@@ -87,3 +87,29 @@ def test_the_reference_refuses_what_the_kernels_refuse(change, error, match):
     args.update(change)
     with pytest.raises(error, match=match):
         reference.attention_reference(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def test_plan_keys_leave_loose_flags_and_unhashable_values_to_the_full_path(monkeypatch):
+    cupy = pytest.importorskip("cupy")
+    import ml_dtypes
+
+    import fake_device
+    from cuflash import kvcache, varlen
+
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *a: type("S", (), {"ptr": 0x5000})())
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    q = fake_device.fake_array(cupy, (2, 1, 8, 128), bf16, 0x1000_0000)
+    cache = fake_device.fake_array(cupy, (2, 64, 2, 128), bf16, 0x2000_0000)
+    lens = fake_device.fake_array(cupy, (2,), np.int32, 0x900)
+    args = dict(k_new=None, v_new=None, page_table=None, causal=True, scale=None, num_splits=None, fp8_format=None,
+                k_descale=None, v_descale=None, window_size=(-1, -1), softcap=0.0, sinks=None)
+
+    def key(**change):
+        return kvcache._plan_key(cupy, q, cache, cache, lens, **dict(args, **change))
+
+    assert key() is not None and key(causal=1) is None and key(scale=[1.0]) is None and key(num_splits=[2]) is None
+    packed = fake_device.fake_array(cupy, (100, 8, 128), bf16, 0x3000_0000)
+    cu = fake_device.fake_array(cupy, (3,), np.int32, 0xA00)
+    assert varlen._plan_key(cupy, packed, packed, packed, cu, cu, 60, True, None, (-1, -1), 0.0, None) is not None
+    assert varlen._plan_key(cupy, packed, packed, packed, cu, cu, 60, 1, None, (-1, -1), 0.0, None) is None
