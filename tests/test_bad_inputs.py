@@ -113,3 +113,10 @@ def test_plan_keys_leave_loose_flags_and_unhashable_values_to_the_full_path(monk
     cu = fake_device.fake_array(cupy, (3,), np.int32, 0xA00)
     assert varlen._plan_key(cupy, packed, packed, packed, cu, cu, 60, True, None, (-1, -1), 0.0, None) is not None
     assert varlen._plan_key(cupy, packed, packed, packed, cu, cu, 60, 1, None, (-1, -1), 0.0, None) is None
+
+
+@pytest.mark.parametrize("mod", [lambda s, b, h, q_idx, kv_idx: s + q_idx // 0,
+                                 lambda s, b, h, q_idx, kv_idx: s + (kv_idx % 0)])
+def test_integer_division_by_a_zero_constant_is_named_where_it_is_written(mod):
+    with pytest.raises(ValueError, match="by zero in a mod"):
+        mods.trace_score_mod(mod)

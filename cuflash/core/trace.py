@@ -304,6 +304,9 @@ def binary(op: str, a, b) -> Expr:
         dtype = FLOAT if op in ("div", "pow") and (op == "div" or FLOAT in (ta, tb)) else _promote(ta, tb)
         if op == "pow" and dtype == INT:
             dtype = FLOAT
+        divisor = graph.nodes[b.id]
+        if op in ("floordiv", "mod") and dtype == INT and divisor.op == "const" and divisor.args[0] == 0:
+            raise ValueError(_where_in_user_code(f"integer {'//' if op == 'floordiv' else '%'} by zero in a mod"))
     nodes = graph.nodes
     if nodes[a.id].op == "const" and nodes[b.id].op == "const":
         return _constant(graph, _fold(op, (nodes[a.id].args[0], nodes[b.id].args[0])))
