@@ -84,12 +84,11 @@ class Graph:
 
 
 #: NumPy's ufuncs of Python's binary operators: a NumPy number beside a traced value takes the operator.
-_OPERATOR_UFUNCS = {"add": operator.add, "subtract": operator.sub, "multiply": operator.mul,
+_OPERATOR_UFUNCS = {"add": operator.add, "subtract": operator.sub, "multiply": operator.mul, "power": operator.pow,
                     "true_divide": operator.truediv, "divide": operator.truediv, "floor_divide": operator.floordiv,
-                    "remainder": operator.mod, "power": operator.pow, "less": operator.lt, "less_equal": operator.le,
-                    "greater": operator.gt, "greater_equal": operator.ge, "equal": operator.eq,
-                    "not_equal": operator.ne, "bitwise_and": operator.and_, "bitwise_or": operator.or_,
-                    "bitwise_xor": operator.xor}
+                    "remainder": operator.mod, "less": operator.lt, "less_equal": operator.le, "greater": operator.gt,
+                    "greater_equal": operator.ge, "equal": operator.eq, "not_equal": operator.ne,
+                    "bitwise_and": operator.and_, "bitwise_or": operator.or_, "bitwise_xor": operator.xor}
 
 
 class Expr:
