@@ -466,8 +466,9 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
         if cu_q.size != cu_k.size:
             raise ValueError(f"cu_seqlens_q has {cu_q.size} offsets and cu_seqlens_k {cu_k.size}")
         sequences = cu_q.size - 1
-        if _too_many(cu_q):
-            raise ValueError(f"family='wgmma': {_too_many(cu_q)}")
+        why = _too_many(cu_q)
+        if why:
+            raise ValueError(f"family='wgmma': {why}")
         dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
         if not checked:  # NaN (all-ones bytes) where no sequence the kernels accept writes
             for x in (dq, dk, dv):
