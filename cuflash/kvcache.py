@@ -123,6 +123,13 @@ def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, page_table=page_table,
         causal=causal, scale=scale, fp8_format=fp8_format, window_size=window_size, softcap=softcap)
     sinks32 = None if sinks is None else validate_sinks(sinks, problem.heads, problem.device_id)
+    if q.size == 0:  # no query rows: nothing to attend, nothing launched
+        if problem.seqlen_new and problem.batch:
+            raise ValueError(f"q {q.shape} has no query rows: k_new and v_new are appended only by a call that "
+                             f"attends")
+        out = cupy.empty(q.shape, dtype=q.dtype)
+        lse = cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
+        return (out, lse) if return_lse else out
     _kv.check_mods(problem, score_mod, mask_mod)
     mods = _modset.prepare(score_mod, mask_mod, problem.device_id)
     if any(a is not b for a, b in zip((q, k_new, v_new, cache_seqlens, sinks32), original + (sinks,))):

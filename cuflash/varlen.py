@@ -24,8 +24,9 @@ def _offsets(cupy, name, x, device):
     return x if x.strides == (4,) else x.copy()
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, causal=False, scale=None,
-                     window_size=(-1, -1), softcap=0.0, return_lse=False, sinks=None, score_mod=None, mask_mod=None):
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+                     scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False, sinks=None, score_mod=None,
+                     mask_mod=None):
     """Attention of each packed sequence to its own keys, as FlashAttention's varlen call.
 
     Args:
@@ -37,6 +38,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         cu_seqlens_q, cu_seqlens_k: int32 CuPy arrays [batch + 1] of offsets, read on the device.
         max_seqlen_q: the longest sequence's query count (sizes the grid); None reads the offsets
             on the host once (a synchronization).
+        max_seqlen_k: the longest sequence's key count, checked when given (as FlashAttention's
+            call takes it); the forward reads the key offsets on the device and needs none.
         causal: aligned bottom-right per sequence (query i of a sequence of n queries and m keys
             sees keys up to i + m - n). window_size, softcap, scale: as for
             :func:`cuflash.attention_with_kvcache`.
@@ -58,6 +61,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
 
     from .forward import _arch, _on_device
 
+    if max_seqlen_k is not None:
+        _maxima(max_seqlen_q, max_seqlen_k)
     # a repeated call: straight to its launch plan (with mods: where they trace to graphs kept for
     # their function and captured values, the same graphs and arrays as the plan's)
     key = _plan_key(cupy, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, window_size, softcap, sinks)
@@ -97,6 +102,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         raise ValueError(f"max_seqlen_q={max_seqlen_q!r} must be a non-negative integer")
     # validate_kvcache checks the rest on 4-d views: [1, total, heads, d] (a "cache" of total_k keys,
     # copied where its rows are not 16-byte copyable)
+    if total_k == 0:  # no keys at all: a one-row stand-in, never read (every sequence's key range is empty)
+        k, v = (cupy.zeros((1,) + x.shape[1:], dtype=x.dtype) for x in (k, v))
+        key = None  # a plan would launch on the call's own (empty) k and v
     k4, v4 = (x[None] if _kv._rows_aligned(x[None]) else x.copy()[None] for x in (k, v))
     problem, q4, _, _, _ = _kv.validate_kvcache(
         q[None], k4, v4, cache_seqlens=None, k_new=None, v_new=None, page_table=None,

@@ -120,3 +120,27 @@ def test_plan_keys_leave_loose_flags_and_unhashable_values_to_the_full_path(monk
 def test_integer_division_by_a_zero_constant_is_named_where_it_is_written(mod):
     with pytest.raises(ValueError, match="by zero in a mod"):
         mods.trace_score_mod(mod)
+
+
+def test_empty_caches_are_named_and_empty_queries_launch_nothing(monkeypatch):
+    cupy = pytest.importorskip("cupy")
+    import fake_device
+
+    kernel, driver = fake_device.install(monkeypatch, cupy)
+    try:
+        q = fake_device.fake_array(cupy, (2, 1, 8, 128), np.float16, 0x1000_0000)
+        cache = fake_device.fake_array(cupy, (2, 16, 2, 128), np.float16, 0x2000_0000)
+        lens = fake_device.fake_array(cupy, (2,), np.int32, 0x900)
+        call = cuflash.attention_with_kvcache
+        with pytest.raises(ValueError, match=r"\(2, 0, 2, 128\) are empty"):
+            call(q, cache[:, :0], cache[:, :0], cache_seqlens=lens)
+        with pytest.raises(ValueError, match=r"page_table \(2, 0\) holds no pages"):
+            call(q, cache, cache, cache_seqlens=lens, page_table=fake_device.fake_array(cupy, (2, 0), np.int32, 0xA00))
+        with pytest.raises(ValueError, match="no query rows: k_new and v_new"):
+            new = fake_device.fake_array(cupy, (2, 1, 2, 128), np.float16, 0x3000_0000)
+            call(q[:, :0], cache, cache, cache_seqlens=lens, k_new=new, v_new=new)
+        out, lse = call(q[:, :, :0], cache, cache, cache_seqlens=lens, return_lse=True)
+        assert out.shape == (2, 1, 0, 128) and lse.shape == (2, 0, 1)
+        assert not kernel.calls and not driver.launches
+    finally:
+        fake_device.uninstall(cupy)

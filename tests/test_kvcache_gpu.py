@@ -279,6 +279,25 @@ def test_invalid_host_inputs_are_named():
         call(q, kc, kc, cache_seqlens=lens, softcap=-1)
 
 
+def test_empty_queries_and_empty_caches():
+    q = cupy.asarray(np.random.default_rng(0).standard_normal((2, 1, 8, 64)), dtype=cupy.float16)
+    kc = cupy.ones((2, 128, 2, 64), dtype=cupy.float16)
+    lens = cupy.zeros(2, dtype=cupy.int32)
+    call = cuflash.attention_with_kvcache
+    for empty in (q[:, :0], q[:, :, :0]):  # no query rows: empty outputs, nothing launched
+        out, lse = call(empty, kc, kc, cache_seqlens=lens, return_lse=True)
+        assert out.shape == empty.shape and lse.shape == (2, empty.shape[2], empty.shape[1])
+    out = call(q[:0], kc[:0], kc[:0], cache_seqlens=cupy.zeros(0, dtype=cupy.int32))
+    assert out.shape == (0, 1, 8, 64)
+    with pytest.raises(ValueError, match="no query rows: k_new and v_new"):
+        call(q[:, :0], kc, kc, cache_seqlens=lens, k_new=kc[:, :1], v_new=kc[:, :1])
+    with pytest.raises(ValueError, match=r"\(2, 0, 2, 64\) are empty"):
+        call(q, kc[:, :0], kc[:, :0], cache_seqlens=lens)
+    with pytest.raises(ValueError, match=r"page_table \(2, 0\) holds no pages"):
+        call(q, kc, kc, cache_seqlens=lens, page_table=cupy.zeros((2, 0), dtype=cupy.int32))
+    assert cupy.isfinite(call(q, kc, kc, cache_seqlens=lens)).all()  # still usable
+
+
 def test_a_decode_loop_captured_in_a_cuda_graph():
     """One captured step (append one token, attend) replayed with new tokens and lengths that the
     host moves forward on the device between replays."""

@@ -182,6 +182,19 @@ def test_invalid_varlen_inputs_are_named():
         cuflash.attention_varlen(q, q, q, cu.astype(cupy.int64), cu)
     with pytest.raises(ValueError, match="one per sequence"):
         cuflash.attention_varlen(q, q, q, cu, cu[:2])
+    with pytest.raises(ValueError, match="max_seqlen_k=-1"):
+        cuflash.attention_varlen(q, q, q, cu, cu, max_seqlen_k=-1)
+
+
+def test_varlen_with_no_keys_gives_zero_rows():
+    rng = np.random.default_rng(3)
+    q = cupy.asarray(rng.standard_normal((10, 4, 64)), dtype=cupy.float16)
+    k = cupy.zeros((0, 2, 64), dtype=cupy.float16)
+    cu_q = cupy.asarray(np.array([0, 4, 10], dtype=np.int32))
+    cu_k = cupy.zeros(3, dtype=cupy.int32)
+    for causal in (False, True):
+        out, lse = cuflash.attention_varlen(q, k, k, cu_q, cu_k, causal=causal, return_lse=True, max_seqlen_k=0)
+        assert (out == 0).all() and cupy.isneginf(lse).all()
 
 
 @pytest.mark.parametrize("deterministic", [False, True])  # one launch on Hopper; the per-sequence walk

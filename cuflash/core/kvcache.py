@@ -137,6 +137,9 @@ def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_t
                          f"from {16 if fp8_format else 8} to 256)")
     if heads_k < 1 or heads % heads_k:
         raise ValueError(f"q has {heads} heads, the cache {heads_k}: heads must be a multiple of heads_k")
+    if k_cache.size == 0 and batch:
+        raise ValueError(f"k_cache and v_cache {k_cache.shape} are empty: a cache holds at least one key "
+                         f"(or one page) per sequence")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not _rows_aligned(x):
             raise ValueError(f"{name} (strides {x.strides}, base {x.data.ptr:#x}) must have a contiguous last "
@@ -148,6 +151,8 @@ def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_t
         capacity, num_pages, paged = page_size, slots, False
     else:
         _int32_array(cupy, "page_table", page_table, "[batch, max_pages]", device)
+        if page_table.ndim == 2 and page_table.shape[0] == batch and page_table.shape[1] < 1:
+            raise ValueError(f"page_table {page_table.shape} holds no pages: each sequence needs max_pages >= 1")
         if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.strides[1] != 4:
             raise ValueError(f"page_table must be int32 [batch={batch}, max_pages] with contiguous rows, got shape "
                              f"{page_table.shape}, strides {page_table.strides}")
