@@ -119,7 +119,8 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
                 if window != (-1, -1):
                     variants = ((-1, -1), variants[1])
             score_mod, mask_mod, block_mask = _sparsity.flash_mods(problem, *variants, score_mod, mask_mod, block_mask)
-        mods = _modset.prepare(score_mod, _sparsity.mask_mod_of(block_mask, mask_mod, problem), problem.device_id)
+        mods = _modset.prepare(score_mod, _sparsity.mask_mod_of(block_mask, mask_mod, problem), problem.device_id,
+                               _modset.extents_of(problem))
         sparse = b""
         if mods is not None:
             spec = _with_mods(spec, mods, bp)

@@ -211,7 +211,7 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
             key = None  # a float32 copy: the next call copies again
         sinks = checked_sinks
     mask_mod = _sparsity.mask_mod_of(block_mask, mask_mod, problem)
-    mods = _modset.prepare(score_mod, mask_mod, problem.device_id)
+    mods = _modset.prepare(score_mod, mask_mod, problem.device_id, _modset.extents_of(problem))
     sparse = b""  # the block mask's visit lists, after the mods' arrays in the kernel's last argument
     with _on_device(problem.device_id):
         spec = ((selected or select_spec(problem, family, out_tag, return_lse)) if spec is None

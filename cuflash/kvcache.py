@@ -131,7 +131,9 @@ def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page
         lse = cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
         return (out, lse) if return_lse else out
     _kv.check_mods(problem, score_mod, mask_mod)
-    mods = _modset.prepare(score_mod, mask_mod, problem.device_id)
+    # positions depend on the lengths, read on the device: only the sequence and head are bounded here
+    mods = _modset.prepare(score_mod, mask_mod, problem.device_id,
+                           {"b": problem.batch, "h": problem.heads, "q_idx": None, "kv_idx": None})
     if any(a is not b for a, b in zip((q, k_new, v_new, cache_seqlens, sinks32), original + (sinks,))):
         key = None  # copied inputs (the plan would keep a copy of the lengths): the full path again
     descales = tuple(_kv.descale_operand(cupy, name, value, problem.heads_k, problem.device_id)

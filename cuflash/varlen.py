@@ -134,7 +134,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         elif batch and max_seqlen_q and out.size:
             # the KV-cache kernel: its own softcap and window, the call's mods per score element
             from .core import modset
-            own_mods = modset.prepare(score_mod, mask_mod, device)
+            own_mods = modset.prepare(score_mod, mask_mod, device, _varlen_extents(problem))
             spec = _kv.select_spec(problem, _arch(device), own_mods)
             kernels = _compile.get_kernel(spec, device)
             plan = _kv.KVCachePlan(kernels, spec, problem, page_table=None, cache_seqlens=None, splits=1,
@@ -212,7 +212,13 @@ def _varlen_mods(problem, score_mod, mask_mod):
     if score_mod is None and mask_mod is None and not problem.softcap:
         return None
     score_mod, mask_mod = _with_softcap(problem.window, problem.softcap, problem.causal, score_mod, mask_mod)
-    return modset.prepare(score_mod, mask_mod, problem.device_id)
+    return modset.prepare(score_mod, mask_mod, problem.device_id, _varlen_extents(problem))
+
+
+def _varlen_extents(problem) -> dict:
+    """The symbols' counts of a packed forward (modset.check_bounds): its sequences, heads and
+    max_seqlen_q; the keys of a sequence are not known on the host."""
+    return {"b": problem.batch, "h": problem.heads, "q_idx": problem.seqlen_q, "kv_idx": None}
 
 
 def _split_refusal(spec, score_graph) -> str:
@@ -457,7 +463,8 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
     plain = window[0] < 0 and (causal or window[1] < 0)  # no bound beyond the causal one
     spec = default_bwd_spec(problem.head_dim, problem.dtype.tag, causal, arch, False, family="wgmma").replace(
         varlen=True, local=not plain)
-    mods = _modset.prepare(score_mod, mask_mod, problem.device_id)
+    mods = _modset.prepare(score_mod, mask_mod, problem.device_id,
+                           {"b": np.shape(cu_q)[0] - 1, "h": q.shape[1], "q_idx": maxima[0], "kv_idx": maxima[1]})
     if mods is not None:
         why = _split_refusal(spec, mods.score)
         if why:

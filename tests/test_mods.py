@@ -183,6 +183,36 @@ def test_bad_arrays_indices_and_results_are_named():
         reference.attention_reference(*_qkv(heads=4, heads_k=4, seqlen_q=12, seqlen_k=12), score_mod=reads_far)
 
 
+def test_indices_run_from_zero_and_their_range_in_a_call_is_checked():
+    from cuflash.core import modset
+
+    table = np.zeros((4, 8), np.float32)
+    with pytest.raises(IndexError, match="index -1 is out of bounds"):  # no wrap-around, as in the kernels
+        mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, -1])
+    back = mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, q - k])
+    with pytest.raises(IndexError, match=r"index -\d+\.\.\d+ of dim 1"):
+        reference.attention_reference(*_qkv(heads=4, heads_k=4, seqlen_q=6, seqlen_k=6), score_mod=back)
+    sizes = {"b": 2, "h": 4, "q_idx": 8, "kv_idx": 8}
+    modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, q]), sizes)
+    with pytest.raises(ValueError, match=r"reads table\[\.\.\.\] at index 0\.\.4 of dim 0 .*whose size is 4"):
+        modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, 0]), dict(sizes, h=5))
+    with pytest.raises(ValueError, match=r"at index -7\.\.7 of dim 1"):
+        modset.check_bounds(back, sizes)
+    # ranges the check bounds exactly: clipped distances, floor division, modulo, products, abs
+    fine = [lambda s, b, h, q, k: s + table[h, mods.maximum(mods.minimum(q - k, 3), -3) + 3],
+            lambda s, b, h, q, k: s + table[h // 2 + 2, (q * 3 + k) // 4 % 8],
+            lambda s, b, h, q, k: s + table[b * 2 + 1, abs(q - k) // 2]]
+    for fn in fine:
+        modset.check_bounds(mods.trace_score_mod(fn), sizes)
+    with pytest.raises(ValueError, match=r"at index 0\.\.16 of dim 1"):
+        modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, q * 2 + k // 4]), dict(sizes, kv_idx=12))
+    # ranges it cannot bound exactly are left to the reference: a symbol twice, a where, unknown counts
+    modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, q - q + 9]), sizes)
+    modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, mods.where(q < 8, q, 0)]), sizes)
+    modset.check_bounds(back, dict(sizes, kv_idx=None))
+    modset.check_bounds(back, dict(sizes, q_idx=0))
+
+
 # -- the reference ----------------------------------------------------------------------------------
 
 def test_builtin_and_user_mods_against_plain_numpy():

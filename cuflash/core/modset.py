@@ -40,9 +40,10 @@ def traced(mod, kind: str) -> Graph | None:
     return trace_cached(mod, kind)
 
 
-def prepare(score_mod, mask_mod, device_id: int) -> ModSet | None:
+def prepare(score_mod, mask_mod, device_id: int, extents: dict | None = None) -> ModSet | None:
     """Trace the mods (or take their graphs) and check that the arrays they capture are CuPy arrays
-    on the call's device; None when the call has none."""
+    on the call's device, read within their bounds where ``extents`` (each symbol's count of values
+    in this call, None where unknown) tells; None when the call has none."""
     if score_mod is None and mask_mod is None:
         return None
     import cupy
@@ -61,9 +62,84 @@ def prepare(score_mod, mask_mod, device_id: int) -> ModSet | None:
             if array.size and max(array.shape) >= 2**31:
                 raise ValueError(f"the {kind}_mod captures {name!r} with shape {array.shape}; dims must stay "
                                  f"below 2**31")
+        if extents is not None:
+            check_bounds(graph, extents)
     return ModSet(graphs["score"], graphs["mask"],
                   mod_codegen.register(graphs["score"]) if graphs["score"] is not None else "",
                   mod_codegen.register(graphs["mask"]) if graphs["mask"] is not None else "")
+
+
+def extents_of(problem) -> dict:
+    """Each symbol's count of values in an attention call (validate.Problem)."""
+    return {"b": problem.batch, "h": problem.heads, "q_idx": problem.seqlen_q, "kv_idx": problem.seqlen_k}
+
+
+def check_bounds(graph: Graph, extents: dict) -> None:
+    """Refuse a load whose index, over the symbols' values in this call (``extents``: symbol ->
+    count, or None where unknown), leaves its array's bounds: the kernels would read NaN there and
+    the reference raises. Indices are bounded by interval arithmetic where exact (each symbol once
+    per index; +, -, *, neg, abs, minimum, maximum, and // or % by a positive constant)."""
+    if any(n == 0 for n in extents.values()):
+        return  # nothing is evaluated
+    spans: list = []
+    for node in graph.nodes:
+        spans.append(_span(node, spans, extents))
+        if node.op != "load":
+            continue
+        slot, *index = node.args
+        array = graph.arrays[slot]
+        for position, i in enumerate(index):
+            if spans[i] is None:
+                continue
+            low, high, _ = spans[i]
+            if low < 0 or high >= array.shape[position]:
+                raise ValueError(f"the {graph.kind}_mod reads {graph.array_names[slot]}[...] at index {low}..{high} "
+                                 f"of dim {position} in this call (b < {extents.get('b')}, h < {extents.get('h')}, "
+                                 f"q_idx < {extents.get('q_idx')}, kv_idx < {extents.get('kv_idx')}), whose size is "
+                                 f"{array.shape[position]}: indices run from 0 to size - 1")
+
+
+def _span(node, spans, extents):
+    """(low, high, symbols) of an integer node's values, or None where not bounded exactly."""
+    if node.op == "const":
+        value = node.args[0]
+        return (value, value, frozenset()) if isinstance(value, int) and not isinstance(value, bool) else None
+    if node.op == "sym":
+        n = extents.get(node.args[0])
+        return None if n is None else (0, n - 1, frozenset((node.args[0],)))
+    args = [spans[i] for i in node.args]
+    if node.op not in _SPAN_OPS or any(a is None for a in args):
+        return None
+    if len(args) == 2 and args[0][2] & args[1][2]:
+        return None  # a symbol on both sides: intervals would over-reach
+    symbols = frozenset().union(*(a[2] for a in args))
+    bounds = _SPAN_OPS[node.op](*((a[0], a[1]) for a in args))
+    return None if bounds is None else (*bounds, symbols)
+
+
+def _corners(f):
+    """A binary op monotone in each argument: its extremes lie at the corners."""
+    def span(a, b):
+        values = [f(x, y) for x in a for y in b]
+        return min(values), max(values)
+    return span
+
+
+def _by_positive_constant(f):
+    def span(a, b):
+        if b[0] != b[1] or b[0] <= 0:
+            return None
+        return (f(a[0], b[0]), f(a[1], b[0])) if f is int.__floordiv__ else \
+            ((a[0] % b[0], a[0] % b[0]) if a[0] == a[1] else (0, b[0] - 1))
+    return span
+
+
+_SPAN_OPS = {
+    "add": _corners(lambda x, y: x + y), "sub": _corners(lambda x, y: x - y), "mul": _corners(lambda x, y: x * y),
+    "minimum": _corners(min), "maximum": _corners(max), "neg": lambda a: (-a[1], -a[0]),
+    "abs": lambda a: (0 if a[0] <= 0 <= a[1] else min(abs(a[0]), abs(a[1])), max(abs(a[0]), abs(a[1]))),
+    "floordiv": _by_positive_constant(int.__floordiv__), "mod": _by_positive_constant(int.__mod__),
+}
 
 
 #: Graphs of functions traced before, by trace_key; a graph holds the arrays its function captures,

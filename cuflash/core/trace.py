@@ -396,7 +396,7 @@ class CapturedArray:
                 raise TypeError(_where_in_user_code(f"{self.name}'s index {position} is a {e.dtype}; indices are "
                                                     f"integers (b, h, q_idx, kv_idx and integer arithmetic)"))
             node = self.graph.nodes[e.id]
-            if node.op == "const" and not -self.array.shape[position] <= node.args[0] < self.array.shape[position]:
+            if node.op == "const" and not 0 <= node.args[0] < self.array.shape[position]:
                 raise IndexError(_where_in_user_code(f"{self.name}[...] index {node.args[0]} is out of bounds for "
                                                      f"dim {position} of size {self.array.shape[position]}"))
             ids.append(e.id)
@@ -603,7 +603,7 @@ def evaluate(graph: Graph, inputs: dict, arrays=None, float_dtype=np.float64):
             array = arrays[node.args[0]]
             index = tuple(np.asarray(values[i], dtype=np.int64) for i in node.args[1:])
             for position, (i, n) in enumerate(zip(index, array.shape)):
-                if i.size and (i.min() < -n or i.max() >= n):
+                if i.size and (i.min() < 0 or i.max() >= n):  # no wrap-around: the kernels read NaN there
                     name = graph.array_names[node.args[0]]
                     raise IndexError(f"the mod reads {name}[...] at index {int(i.min())}..{int(i.max())} of dim "
                                      f"{position}, whose size is {n}")
