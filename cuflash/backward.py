@@ -100,7 +100,7 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
     bp = validate_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
                            deterministic=deterministic)
     problem = bp.forward
-    variants = None if not softcap and window_size == (-1, -1) else validate_variants(window_size, softcap, causal)
+    variants = None if not softcap and type(window_size) is tuple and window_size == (-1, -1) else validate_variants(window_size, softcap, causal)
     sinks32 = None if sinks is None else validate_sinks(sinks, problem.heads, problem.device_id)
     with _on_device(problem.device_id):
         dq, dk, dv = grads or (cupy.empty(q.shape, dtype=q.dtype), cupy.empty(k.shape, dtype=k.dtype),

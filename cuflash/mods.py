@@ -212,9 +212,39 @@ def _run_bounds(ids):
         return cupy.asarray(starts), cupy.asarray(ends)
 
 
+def _replayed(graph: Graph):
+    """A traced mod as a function again: calling it inside another trace adds the graph's nodes
+    (its captured arrays too) to that trace."""
+    def replay(*symbols):
+        values, arrays = [], {}
+        for node in graph.nodes:
+            args = [values[i] for i in node.args] if node.op not in ("const", "sym", "load") else None
+            if node.op == "const":
+                value = node.args[0]
+            elif node.op == "sym":
+                value = symbols[graph.symbols.index(node.args[0])]
+            elif node.op == "load":
+                slot = node.args[0]
+                if slot not in arrays:
+                    arrays[slot] = _trace.CapturedArray(_trace._graph_of(*symbols), graph.arrays[slot],
+                                                        graph.array_names[slot])
+                value = arrays[slot][tuple(values[i] for i in node.args[1:])]
+            elif node.op == "where":
+                value = _trace.where(*args)
+            else:
+                value = _trace.binary(node.op, *args) if len(args) == 2 else _trace.unary(node.op, *args)
+            values.append(value)
+        return values[graph.output]
+    return replay
+
+
 def _combined(masks, op, name):
     if not masks:
         raise ValueError(f"{name} takes at least one mask_mod")
+    masks = tuple(_replayed(m) if isinstance(m, Graph) and m.kind == "mask" else m for m in masks)
+    for mask in masks:
+        if not callable(mask):
+            raise TypeError(f"{name} takes mask_mods (functions or traced mask graphs), got {type(mask).__name__}")
 
     def combined(b, h, q_idx, kv_idx):
         result = masks[0](b, h, q_idx, kv_idx)

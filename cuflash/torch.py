@@ -319,7 +319,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
         The output, contiguous in ``layout`` and q's dtype (and the LSE with ``return_lse``), on
         torch's current stream.
     """
-    variants = _NO_VARIANTS if not softcap and window_size == (-1, -1) else _variants(window_size, softcap, causal)
+    variants = _NO_VARIANTS if not softcap and type(window_size) is tuple and window_size == (-1, -1) else _variants(window_size, softcap, causal)
     modded = score_mod is not None or mask_mod is not None or block_mask is not None
     if not _is_compiling() and type(q) is _Tensor and type(deterministic) is bool and sinks is None and not modded:
         # A repeated call that needs no gradient: straight to its plan.

@@ -6,6 +6,7 @@ import pytest
 
 import cuflash
 import cuflash.mods as mods
+from cuflash import reference
 from cuflash.core.validate import FLOAT32_MAX, validate_softcap
 
 
@@ -81,8 +82,6 @@ def test_the_varlen_backward_names_what_is_not_an_array():
     (dict(q=np.ones((1, 2, 3, 0)), k=np.ones((1, 2, 3, 0)), v=np.ones((1, 2, 3, 0))), ValueError, "head_dim"),
 ])
 def test_the_reference_refuses_what_the_kernels_refuse(change, error, match):
-    from cuflash import reference
-
     args = dict(q=np.ones((1, 2, 3, 4)), k=np.ones((1, 2, 3, 4)), v=np.ones((1, 2, 3, 4)))
     args.update(change)
     with pytest.raises(error, match=match):
@@ -144,3 +143,12 @@ def test_empty_caches_are_named_and_empty_queries_launch_nothing(monkeypatch):
         assert not kernel.calls and not driver.launches
     finally:
         fake_device.uninstall(cupy)
+
+
+def test_a_window_may_be_a_numpy_pair_of_integers():
+    q = np.random.default_rng(0).standard_normal((1, 2, 8, 16))
+    as_array = reference.attention_reference(q, q, q, window_size=np.array([2, 0]))
+    as_tuple = reference.attention_reference(q, q, q, window_size=(2, 0))
+    assert all(np.array_equal(a, b) for a, b in zip(as_array, as_tuple))
+    with pytest.raises(TypeError, match=r"window_size must be a pair of ints .* got array\(\[2\., 0\.\]\)"):
+        reference.attention_reference(q, q, q, window_size=np.array([2.0, 0.0]))

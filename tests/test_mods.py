@@ -213,6 +213,19 @@ def test_indices_run_from_zero_and_their_range_in_a_call_is_checked():
     modset.check_bounds(back, dict(sizes, q_idx=0))
 
 
+def test_combined_masks_take_traced_graphs_as_functions():
+    doc = np.array([[0, 0, 1, 1, 1, 2, 2, 2]] * 2, np.int32)
+    same_doc = lambda b, h, q, k: doc[b, q] == doc[b, k]  # noqa: E731
+    prefix = mods.prefix_lm(np.array([3, 5], np.int32))
+    plain = mods.trace_mask_mod(mods.and_masks(same_doc, prefix))
+    replayed = mods.trace_mask_mod(mods.and_masks(mods.trace_mask_mod(same_doc), mods.trace_mask_mod(prefix)))
+    assert replayed.digest == plain.digest and len(replayed.arrays) == 2
+    nested = mods.trace_mask_mod(lambda b, h, q, k: mods.where(q > 2, abs(q - k) < 3, ~(q < k)))
+    assert mods.trace_mask_mod(mods.or_masks(nested)).digest == nested.digest
+    with pytest.raises(TypeError, match="and_masks takes mask_mods .* got int"):
+        mods.and_masks(same_doc, 3)
+
+
 # -- the reference ----------------------------------------------------------------------------------
 
 def test_builtin_and_user_mods_against_plain_numpy():

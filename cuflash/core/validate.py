@@ -175,6 +175,8 @@ def _descale_array(name, value, shape, device_id):
 
 def validate_window(window_size, causal: bool) -> tuple[int, int]:
     """FlashAttention's ``window_size=(left, right)`` (-1 unbounded) as two ints; with ``causal`` right is 0."""
+    if isinstance(window_size, np.ndarray) and window_size.shape == (2,) and window_size.dtype.kind in "iu":
+        window_size = tuple(window_size.tolist())
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
             and all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded; got {window_size!r}")
