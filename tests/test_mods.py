@@ -206,6 +206,8 @@ def test_indices_run_from_zero_and_their_range_in_a_call_is_checked():
         modset.check_bounds(mods.trace_score_mod(fn), sizes)
     with pytest.raises(ValueError, match=r"at index 0\.\.16 of dim 1"):
         modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, q * 2 + k // 4]), dict(sizes, kv_idx=12))
+    with pytest.raises(ValueError, match=r"integer arithmetic reaches 0\.\.4294836225 .* 32 bits"):
+        modset.check_bounds(mods.trace_mask_mod(lambda b, h, q, k: q * k % 7 == 0), dict(sizes, q_idx=65536, kv_idx=65536))
     # ranges it cannot bound exactly are left to the reference: a symbol twice, a where, unknown counts
     modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, q - q + 9]), sizes)
     modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, mods.where(q < 8, q, 0)]), sizes)

@@ -78,12 +78,16 @@ def check_bounds(graph: Graph, extents: dict) -> None:
     """Refuse a load whose index, over the symbols' values in this call (``extents``: symbol ->
     count, or None where unknown), leaves its array's bounds: the kernels would read NaN there and
     the reference raises. Indices are bounded by interval arithmetic where exact (each symbol once
-    per index; +, -, *, neg, abs, minimum, maximum, and // or % by a positive constant)."""
+    per index; +, -, *, neg, abs, minimum, maximum, and // or % by a positive constant), and
+    integer arithmetic that leaves 32 bits (the reference computes in 64) is refused too."""
     if any(n == 0 for n in extents.values()):
         return  # nothing is evaluated
     spans: list = []
     for node in graph.nodes:
         spans.append(_span(node, spans, extents))
+        if spans[-1] is not None and not -2**31 <= spans[-1][0] <= spans[-1][1] < 2**31:
+            raise ValueError(f"the {graph.kind}_mod's integer arithmetic reaches {spans[-1][0]}..{spans[-1][1]} in "
+                             f"this call ({_counts(extents)}): the kernels compute integers in 32 bits")
         if node.op != "load":
             continue
         slot, *index = node.args
@@ -94,9 +98,12 @@ def check_bounds(graph: Graph, extents: dict) -> None:
             low, high, _ = spans[i]
             if low < 0 or high >= array.shape[position]:
                 raise ValueError(f"the {graph.kind}_mod reads {graph.array_names[slot]}[...] at index {low}..{high} "
-                                 f"of dim {position} in this call (b < {extents.get('b')}, h < {extents.get('h')}, "
-                                 f"q_idx < {extents.get('q_idx')}, kv_idx < {extents.get('kv_idx')}), whose size is "
+                                 f"of dim {position} in this call ({_counts(extents)}), whose size is "
                                  f"{array.shape[position]}: indices run from 0 to size - 1")
+
+
+def _counts(extents: dict) -> str:
+    return ", ".join(f"{name} < {n}" for name, n in extents.items() if n is not None)
 
 
 def _span(node, spans, extents):
