@@ -42,7 +42,9 @@ except ImportError as exc:  # jax is optional: only this module needs it
 import numpy as np
 
 from .backward import attention_backward as _attention_backward
-from .core.validate import validate_variants
+from .core import modset as _modset
+from .core import trace as _trace
+from .core.validate import validate_variants, variant_mods
 from .forward import attention as _attention
 
 LAYOUTS = ("bhsd", "bshd")
@@ -165,35 +167,65 @@ def _on_cuda(named, work):
         return tuple(_to_jax(cupy, r) for r in results)
 
 
+def _captured(x):
+    """A JAX array a mod captures, as the array cuflash reads: a CuPy view of one on a GPU (the
+    kernels), a NumPy array of one on the CPU (the reference)."""
+    if isinstance(x, _Tracer):
+        raise TypeError(f"a mod captures a traced JAX value ({type(x).__name__}); cuflash.jax.attention runs "
+                        f"eagerly, with concrete arrays")
+    if len(x.devices()) == 1 and int(x.__dlpack_device__()[0]) == _KDL_CUDA:
+        import cupy
+
+        with cupy.cuda.Device(int(x.__dlpack_device__()[1])):
+            return _to_cupy(cupy, x)
+    return np.asarray(x)
+
+
+def _captured_key(x):
+    """What tells a captured JAX array apart (its buffer: the graph keeps it alive); None for a tracer
+    or one spread over devices, which are never kept."""
+    try:
+        return tuple(x.shape), str(x.dtype), x.unsafe_buffer_pointer()
+    except Exception:  # noqa: BLE001 - no single buffer
+        return None
+
+
+for _module in ("jax", "jaxlib"):  # jax.Array's type lives in jaxlib
+    _trace.ARRAY_CONVERTERS[_module] = (_captured, _captured_key)
+
+
 def _named(**arrays):
     """(name, array) pairs of the arrays given, leaving out the None ones (absent sinks)."""
     return tuple((name, x) for name, x in arrays.items() if x is not None)
 
 
-def _sinks_kwargs(rest, variants=None) -> dict:
+def _sinks_kwargs(rest, variants=None, mods=None) -> dict:
     """The ``sinks=`` of a call whose named arrays ended with the sinks (``rest``: them or nothing),
-    and its ``window_size`` and ``softcap`` (``variants``: both, or None for neither)."""
+    its ``window_size`` and ``softcap`` (``variants``: both, or None for neither) and its traced
+    mods (``mods``: score and mask graphs and the block mask, or None)."""
     kwargs = {"sinks": rest[0]} if rest else {}
     if variants is not None:
         kwargs.update(window_size=variants[0], softcap=variants[1])
+    if mods is not None:
+        kwargs.update(score_mod=mods[0], mask_mod=mods[1], block_mask=mods[2])
     return kwargs
 
 
-def _forward(q, k, v, sinks, causal, scale, layout, return_lse, variants):
+def _forward(q, k, v, sinks, causal, scale, layout, return_lse, variants, mods):
     def work(q, k, v, *sinks_):
         result = _attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=return_lse,
-                            **_sinks_kwargs(sinks_, variants))
+                            **_sinks_kwargs(sinks_, variants, mods))
         return result if return_lse else (result,)
 
     return _on_cuda(_named(q=q, k=k, v=v, sinks=sinks), work)
 
 
-def _backward(causal, scale, layout, deterministic, variants, residuals, dout):
+def _backward(causal, scale, layout, deterministic, variants, mods, residuals, dout):
     q, k, v, sinks, out, lse = residuals
 
     def work(dout, q, k, v, out, lse, *sinks_):
         return _attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
-                                   deterministic=deterministic, **_sinks_kwargs(sinks_, variants))
+                                   deterministic=deterministic, **_sinks_kwargs(sinks_, variants, mods))
 
     grads = _on_cuda(_named(dout=dout, q=q, k=k, v=v, out=out, lse=lse, sinks=sinks), work)
     return (*grads[:3], grads[3] if sinks is not None else None)
@@ -203,35 +235,35 @@ def _backward(causal, scale, layout, deterministic, variants, residuals, dout):
 # function returns the output alone, the other the LSE too (whose cotangent is ignored, as
 # FlashAttention's).
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _attention_out(q, k, v, sinks, causal, scale, layout, deterministic, variants):
-    return _forward(q, k, v, sinks, causal, scale, layout, False, variants)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _attention_out(q, k, v, sinks, causal, scale, layout, deterministic, variants, mods):
+    return _forward(q, k, v, sinks, causal, scale, layout, False, variants, mods)[0]
 
 
-def _attention_out_fwd(q, k, v, sinks, causal, scale, layout, deterministic, variants):
-    out, lse = _forward(q, k, v, sinks, causal, scale, layout, True, variants)
+def _attention_out_fwd(q, k, v, sinks, causal, scale, layout, deterministic, variants, mods):
+    out, lse = _forward(q, k, v, sinks, causal, scale, layout, True, variants, mods)
     return out, (q, k, v, sinks, out, lse)
 
 
-def _attention_out_bwd(causal, scale, layout, deterministic, variants, residuals, dout):
-    return _backward(causal, scale, layout, deterministic, variants, residuals, dout)
+def _attention_out_bwd(causal, scale, layout, deterministic, variants, mods, residuals, dout):
+    return _backward(causal, scale, layout, deterministic, variants, mods, residuals, dout)
 
 
 _attention_out.defvjp(_attention_out_fwd, _attention_out_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _attention_lse(q, k, v, sinks, causal, scale, layout, deterministic, variants):
-    return _forward(q, k, v, sinks, causal, scale, layout, True, variants)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _attention_lse(q, k, v, sinks, causal, scale, layout, deterministic, variants, mods):
+    return _forward(q, k, v, sinks, causal, scale, layout, True, variants, mods)
 
 
-def _attention_lse_fwd(q, k, v, sinks, causal, scale, layout, deterministic, variants):
-    out, lse = _forward(q, k, v, sinks, causal, scale, layout, True, variants)
+def _attention_lse_fwd(q, k, v, sinks, causal, scale, layout, deterministic, variants, mods):
+    out, lse = _forward(q, k, v, sinks, causal, scale, layout, True, variants, mods)
     return (out, lse), (q, k, v, sinks, out, lse)
 
 
-def _attention_lse_bwd(causal, scale, layout, deterministic, variants, residuals, cotangents):
-    return _backward(causal, scale, layout, deterministic, variants, residuals, cotangents[0])
+def _attention_lse_bwd(causal, scale, layout, deterministic, variants, mods, residuals, cotangents):
+    return _backward(causal, scale, layout, deterministic, variants, mods, residuals, cotangents[0])
 
 
 _attention_lse.defvjp(_attention_lse_fwd, _attention_lse_bwd)
@@ -256,7 +288,7 @@ def _check(q, k, v, layout, sinks=None):
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layout: str = "bhsd",
               return_lse: bool = False, deterministic: bool = False, sinks=None, window_size=(-1, -1),
-              softcap: float = 0.0):
+              softcap: float = 0.0, score_mod=None, mask_mod=None, block_mask=None):
     """:func:`cuflash.attention` on JAX arrays on a CUDA GPU, differentiable with respect to q, k
     and v (and the sinks) (``jax.grad``, ``jax.value_and_grad``, ``jax.vjp``), eagerly only.
 
@@ -273,6 +305,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
             on q's device), as for :func:`cuflash.attention`; their gradient has their dtype.
         window_size, softcap: FlashAttention's sliding window ``(left, right)`` (-1: unbounded)
             and logit cap (0: none), as for :func:`cuflash.attention` (Gemma 2's, say).
+        score_mod, mask_mod, block_mask: as for :func:`cuflash.attention`; the mods are traced once
+            for both passes and may capture JAX arrays (on q's GPU; constants, not differentiated).
 
     Returns:
         The output, in ``layout`` and q's dtype (and the LSE with ``return_lse``), on q's device,
@@ -291,8 +325,13 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
     variants = validate_variants(window_size, softcap, causal)  # hashable: a static argument
+    mods = None  # traced here, once for both passes: graphs are static arguments too
+    if score_mod is not None or mask_mod is not None or block_mask is not None:
+        mods = (_modset.traced(score_mod, "score"), _modset.traced(mask_mod, "mask"), block_mask)
+        if variants is not None:
+            variant_mods(variants, causal, mods[0], mods[1] if block_mask is None else block_mask)
     function = _attention_lse if return_lse else _attention_out
-    return function(q, k, v, sinks, causal, float(scale), layout, deterministic, variants)
+    return function(q, k, v, sinks, causal, float(scale), layout, deterministic, variants, mods)
 
 
 __all__ = ["attention", "LAYOUTS"]

@@ -67,7 +67,8 @@ def _captured(tensor):
 def _register_captured_tensors() -> None:
     from .core import trace
 
-    trace.ARRAY_CONVERTERS["torch"] = _captured
+    trace.ARRAY_CONVERTERS["torch"] = (_captured, lambda t: (tuple(t.shape), str(t.dtype), tuple(t.stride()),
+                                                            t.data_ptr()))
 
 
 _register_captured_tensors()

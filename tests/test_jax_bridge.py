@@ -126,6 +126,9 @@ def _as_mods(extra, q, k, layout):
     """The reference's keywords for a call's: ``window_size`` as a band mask written out here and
     ``softcap`` as mods.softcap."""
     extra = dict(extra)
+    block_mask = extra.pop("block_mask", None)
+    if block_mask is not None and extra.get("mask_mod") is None:
+        extra["mask_mod"] = block_mask.graph
     left, right = extra.pop("window_size", (-1, -1))
     cap = extra.pop("softcap", 0.0)
     axis = 2 if layout == "bhsd" else 1
@@ -216,6 +219,38 @@ def test_window_and_softcap_are_static_arguments_of_both_passes(reference_kernel
         assert np.allclose(np.asarray(got), ref, atol=1e-5)
     with pytest.raises(ValueError, match="right must be 0"):
         cj.attention(*(_cpu(x) for x in (q, k, v)), causal=True, window_size=(5, 5))
+
+
+@needs_jax
+def test_mods_capturing_jax_arrays_are_traced_once_for_both_passes(reference_kernels):
+    from cuflash.core import modset
+
+    q, k, v, dout = _problem()
+    slopes = np.linspace(0.1, 0.8, 4).astype(np.float32)
+    docs = np.array([[0] * 10 + [1] * 14], np.int32)  # 24 keys; query i sits at key i + 8
+
+    def mods_of(slopes, docs):
+        return (lambda s, b, h, q_idx, kv_idx: s - slopes[h] * abs(q_idx + 8 - kv_idx),
+                lambda b, h, q_idx, kv_idx: docs[b, q_idx + 8] == docs[b, kv_idx])
+    score_np, mask_np = mods_of(slopes, docs)
+    want = reference.attention_backward_reference(dout, q, k, v, layout="bshd", score_mod=score_np, mask_mod=mask_np)
+    ref_out, ref_lse = reference.attention_reference(q, k, v, layout="bshd", score_mod=score_np, mask_mod=mask_np)
+    score_mod, mask_mod = mods_of(_cpu(slopes), _cpu(docs))
+
+    def loss(q, k, v):
+        return (cj.attention(q, k, v, layout="bshd", score_mod=score_mod, mask_mod=mask_mod) * dout).sum()
+
+    traced_before = len(modset._traced)
+    grads = jax.grad(loss, argnums=(0, 1, 2))(*(_cpu(x) for x in (q, k, v)))
+    for got, ref in zip(grads, want):
+        assert np.allclose(np.asarray(got), ref, atol=1e-5)
+    out, lse = cj.attention(*(_cpu(x) for x in (q, k, v)), layout="bshd", return_lse=True, score_mod=score_mod,
+                            mask_mod=mask_mod)
+    assert np.allclose(np.asarray(out), ref_out, atol=1e-6) and np.allclose(np.asarray(lse), ref_lse, atol=1e-5)
+    assert len(modset._traced) == traced_before + 2  # one graph each, kept for the second call
+    assert reference_kernels == [FORWARD, BACKWARD, FORWARD]
+    with pytest.raises(ValueError, match="softcap=5.0 and score_mod were both given"):
+        cj.attention(*(_cpu(x) for x in (q, k, v)), layout="bshd", softcap=5.0, score_mod=score_mod)
 
 
 @needs_jax

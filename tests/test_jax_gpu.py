@@ -88,6 +88,34 @@ def test_sinks_and_their_gradient(cuda_device):
     assert np.allclose(np.asarray(grads[3]), ref[3], atol=0.05 * (1 + np.abs(ref[3]).max()))
 
 
+def test_mods_capturing_jax_arrays_and_their_gradients(cuda_device):
+    import cuflash.jax as cj
+    from cuflash import reference
+    problem = PROBLEMS[0]
+    (q, k, v, dout), (jq, jk, jv, jdout) = _inputs(problem, cuda_device, seed=5)
+    slopes = np.linspace(0.05, 0.4, problem.heads).astype(np.float32)
+    docs = np.sort(np.random.default_rng(5).integers(0, 4, (problem.batch, problem.seqlen_k))).astype(np.int32)
+    d = problem.seqlen_k - problem.seqlen_q
+
+    def mods_of(slopes, docs):
+        return (lambda s, b, h, q_idx, kv_idx: s - slopes[h] * abs(q_idx + d - kv_idx),
+                lambda b, h, q_idx, kv_idx: docs[b, q_idx + d] == docs[b, kv_idx])
+    kw = dict(causal=True, **dict(zip(("score_mod", "mask_mod"), mods_of(slopes, docs))))
+    score_mod, mask_mod = mods_of(jax.device_put(slopes, cuda_device), jax.device_put(docs, cuda_device))
+    out = cj.attention(jq, jk, jv, causal=True, score_mod=score_mod, mask_mod=mask_mod)
+    assert_attention_close(np.asarray(out), reference.attention_reference(q, k, v, **kw)[0], problem.dtype,
+                           baseline=reference.attention_naive(q, k, v, **kw)[0])
+
+    def loss(q, k, v):
+        out = cj.attention(q, k, v, causal=True, score_mod=score_mod, mask_mod=mask_mod)
+        return (out.astype(jnp.float32) * jdout.astype(jnp.float32)).sum()
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(jq, jk, jv)
+    assert_gradients_close(tuple(np.asarray(g) for g in grads),
+                           reference.attention_backward_reference(dout, q, k, v, **kw), problem.dtype,
+                           baselines=reference.attention_backward_naive(dout, q, k, v, **kw))
+
+
 def test_vjp_with_the_lse_matches_grad_bit_for_bit(cuda_device):
     import cuflash.jax as cj
     problem = PROBLEMS[0]

@@ -194,8 +194,9 @@ def test_indices_run_from_zero_and_their_range_in_a_call_is_checked():
         reference.attention_reference(*_qkv(heads=4, heads_k=4, seqlen_q=6, seqlen_k=6), score_mod=back)
     sizes = {"b": 2, "h": 4, "q_idx": 8, "kv_idx": 8}
     modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, q]), sizes)
+    head_row = mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, 0])
     with pytest.raises(ValueError, match=r"reads table\[\.\.\.\] at index 0\.\.4 of dim 0 .*whose size is 4"):
-        modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, 0]), dict(sizes, h=5))
+        modset.check_bounds(head_row, dict(sizes, h=5))
     with pytest.raises(ValueError, match=r"at index -7\.\.7 of dim 1"):
         modset.check_bounds(back, sizes)
     # ranges the check bounds exactly: clipped distances, floor division, modulo, products, abs
@@ -205,9 +206,11 @@ def test_indices_run_from_zero_and_their_range_in_a_call_is_checked():
     for fn in fine:
         modset.check_bounds(mods.trace_score_mod(fn), sizes)
     with pytest.raises(ValueError, match=r"at index 0\.\.16 of dim 1"):
-        modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, q * 2 + k // 4]), dict(sizes, kv_idx=12))
+        modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, q * 2 + k // 4]),
+                            dict(sizes, kv_idx=12))
     with pytest.raises(ValueError, match=r"integer arithmetic reaches 0\.\.4294836225 .* 32 bits"):
-        modset.check_bounds(mods.trace_mask_mod(lambda b, h, q, k: q * k % 7 == 0), dict(sizes, q_idx=65536, kv_idx=65536))
+        modset.check_bounds(mods.trace_mask_mod(lambda b, h, q, k: q * k % 7 == 0),
+                            dict(sizes, q_idx=65536, kv_idx=65536))
     # ranges it cannot bound exactly are left to the reference: a symbol twice, a where, unknown counts
     modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, q - q + 9]), sizes)
     modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, mods.where(q < 8, q, 0)]), sizes)

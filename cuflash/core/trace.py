@@ -410,8 +410,8 @@ class CapturedArray:
         raise TypeError(_where_in_user_code(f"the captured array {self.name} cannot be looped over in a mod"))
 
 
-#: Arrays of other libraries a mod may capture, by top-level module: a function giving the CuPy
-#: (device) or NumPy (host) array over the same memory. cuflash.torch registers torch's tensors.
+#: Arrays of other libraries a mod may capture, by top-level module (cuflash.torch and cuflash.jax
+#: register theirs): (the CuPy or NumPy array over its memory, what tells it apart; None: not kept).
 ARRAY_CONVERTERS: dict = {}
 
 
@@ -422,17 +422,17 @@ def is_array(value) -> bool:
 
 
 def array_key(value) -> tuple:
-    """What a captured array is to a kept trace: its identity, shape, dtype, strides and (another
-    library's tensor, whose memory may be swapped) address."""
-    convert = ARRAY_CONVERTERS.get(type(value).__module__.split(".")[0])
-    if convert is None:
+    """A captured array to a kept trace: identity, shape, dtype, strides (another library's: its key)."""
+    entry = ARRAY_CONVERTERS.get(type(value).__module__.split(".")[0])
+    if entry is None:
         return ("array", id(value), value.shape, value.dtype.str, value.strides)
-    return ("array", id(value), tuple(value.shape), str(value.dtype), tuple(value.stride()), value.data_ptr())
+    key = entry[1](value)
+    return None if key is None else ("array", id(value), key)
 
 
 def _as_array(value):
-    convert = ARRAY_CONVERTERS.get(type(value).__module__.split(".")[0])
-    return value if convert is None else convert(value)
+    entry = ARRAY_CONVERTERS.get(type(value).__module__.split(".")[0])
+    return value if entry is None else entry[0](value)
 
 
 def _with_captured(fn, graph: Graph, _depth: int = 0):
