@@ -10,7 +10,7 @@ from .core.launch import outputs_unused
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, page_table=None,
                            causal=True, scale=None, window_size=(-1, -1), softcap=0.0, num_splits=None,
                            return_lse=False, fp8_format=None, k_descale=None, v_descale=None, sinks=None,
-                           score_mod=None, mask_mod=None):
+                           score_mod=None, mask_mod=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False):
     """Attend a few new query tokens per sequence to a KV cache (contiguous or paged).
 
     Args:
@@ -47,6 +47,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
             sequence, ``h`` the query head, ``q_idx`` the query's position in its sequence
             (``length - seqlen_q + i`` for token i, ``length`` the keys after the append) and
             ``kv_idx`` the key's, from 0. A mask_mod narrows what causal and the window allow.
+        rotary_cos, rotary_sin: rotary position embeddings, as FlashAttention's call applies them:
+            tables [seqlen_ro, rotary_dim / 2] (seqlen_ro at least the cache's capacity) by which
+            the first rotary_dim dims of k_new are rotated at positions ``cache_seqlens[b] + j``
+            before the append, and q's at its tokens' positions (causal or a window), else all at
+            ``cache_seqlens[b]``. Needs k_new; 16-bit caches. ``rotary_interleaved``: rotate
+            even / odd dim pairs (GPT-J) instead of the two halves (GPT-NeoX).
 
     Returns:
         The output [batch, seqlen_q, heads, head_dim] in q's dtype (and the LSE). A row with no
@@ -60,6 +66,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
 
     if cache_seqlens is None:  # None marks the packed-sequence path inside cuflash, never a call's
         raise TypeError("cache_seqlens must be an int32 CuPy array [batch] or an int, got None")
+    if rotary_cos is not None or rotary_sin is not None:  # new arrays: the call then goes on as without
+        q, k_new = _rotated(cupy, q, k_cache, k_new, page_table, cache_seqlens, causal, window_size, fp8_format,
+                            rotary_cos, rotary_sin, rotary_interleaved)
     key = _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
                     fp8_format, k_descale, v_descale, window_size, softcap, sinks)
     if score_mod is not None or mask_mod is not None:
@@ -88,6 +97,25 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     return _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale,
                       num_splits, return_lse, fp8_format, k_descale, v_descale, window_size, softcap, sinks,
                       score_mod, mask_mod)
+
+
+def _rotated(cupy, q, k_cache, k_new, page_table, cache_seqlens, causal, window_size, fp8_format, cos, sin,
+             interleaved):
+    from .core import rotary
+
+    if fp8_format is not None:
+        raise ValueError("rotary_cos and rotary_sin apply to 16-bit caches; rotate the keys before quantizing "
+                         "them for an FP8 cache")
+    if not isinstance(k_cache, cupy.ndarray) or k_cache.ndim != 4 or not isinstance(q, cupy.ndarray):
+        return q, k_new  # the full path names it
+    device = q.data.device_id
+    for name, x in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if isinstance(x, cupy.ndarray) and x.data.device_id != device:
+            raise ValueError(f"{name} is on device {x.data.device_id}, q on device {device}")
+    capacity = k_cache.shape[1] * (page_table.shape[1] if isinstance(page_table, cupy.ndarray) and
+                                   page_table.ndim == 2 else 1)
+    with cupy.cuda.Device(device):
+        return rotary.apply(cupy, q, k_new, cache_seqlens, capacity, causal, window_size, cos, sin, interleaved)
 
 
 def _new_output(cupy, plan, q):

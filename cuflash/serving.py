@@ -86,7 +86,7 @@ def merge_states(outs: Sequence, lses: Sequence, *, layout: str = "bhsd"):
 def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, page_table=None,
                                      causal=True, scale=None, window_size=(-1, -1), softcap=0.0, fp8_format=None,
                                      k_descale=None, v_descale=None, sinks=None, score_mod=None, mask_mod=None,
-                                     naive=False):
+                                     rotary_cos=None, rotary_sin=None, rotary_interleaved=False, naive=False):
     """What :func:`cuflash.attention_with_kvcache` computes, on NumPy arrays (CuPy arrays are
     copied to the host): the new keys appended to copies of the caches, then each sequence's
     attention over its keys, in float64 (``naive=True``: :func:`cuflash.reference.attention_naive`
@@ -98,7 +98,8 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
     ``score_mod`` and ``mask_mod`` (functions or traced graphs) are evaluated on index grids with
     ``b`` the sequence and ``q_idx`` the query's position after the sequence's keys (``length -
     seqlen_q + i``, length counting the new keys), as the kernel reads them; the mask and-ed with
-    causal and the window; a softcap takes no score_mod beside it (ValueError)."""
+    causal and the window; a softcap takes no score_mod beside it (ValueError). The rotary tables rotate
+    the new keys as the call does (in float32) and q in float64 (``naive``: as the call does)."""
     import numpy as np
 
     from . import fp8, reference
@@ -115,6 +116,15 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
     seqlen_new = 0 if k_new is None else k_new.shape[1]
     k_new = None if k_new is None else to_numpy(k_new)
     v_new = None if v_new is None else to_numpy(v_new)
+    if rotary_cos is not None or rotary_sin is not None:
+        from .core import rotary
+
+        tables = (to_numpy(rotary_cos), to_numpy(rotary_sin), rotary_interleaved)
+        # the new keys as the call writes them (float32, rounded to the cache's dtype); q in float64
+        q_rotated = rotary.apply(np, q, k_new, lens, capacity, causal, window_size, *tables,
+                                 *((np.float32, None) if naive else (np.float64, np.float64)))[0]
+        k_new = rotary.apply(np, q, k_new, lens, capacity, causal, window_size, *tables)[1]
+        q = q_rotated
 
     def where(b, j):
         j = np.asarray(j)

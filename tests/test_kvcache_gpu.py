@@ -60,17 +60,19 @@ def _to_device(*xs):
 
 
 def _check(q, kc, vc, lens, table, new, *, dtype, causal=True, num_splits=None, fp8_format=None, descales=(None, None),
-           window_size=(-1, -1), softcap=0.0, sinks=None):
+           window_size=(-1, -1), softcap=0.0, sinks=None, rotary=None):
     dq, dk, dv, dlens, dtable = _to_device(q, kc, vc, np.asarray(lens, dtype=np.int32), table)
+    tables = {} if rotary is None else dict(rotary_cos=rotary[0], rotary_sin=rotary[1], rotary_interleaved=rotary[2])
     dnew = _to_device(*new) if new else (None, None)
     kwargs = dict(page_table=dtable, causal=causal, fp8_format=fp8_format, window_size=window_size, softcap=softcap)
     out, lse = cuflash.attention_with_kvcache(dq, dk, dv, cache_seqlens=dlens, k_new=dnew[0], v_new=dnew[1],
                                               num_splits=num_splits, return_lse=True, k_descale=descales[0],
                                               v_descale=descales[1], sinks=None if sinks is None else cupy.asarray(sinks),
-                                              **kwargs)
+                                              **kwargs, **{k: cupy.asarray(v) if k != "rotary_interleaved" else v
+                                                           for k, v in tables.items()})
     ref_kwargs = dict(k_new=None if not new else new[0], v_new=None if not new else new[1], page_table=table,
                       causal=causal, fp8_format=fp8_format, k_descale=descales[0], v_descale=descales[1],
-                      window_size=window_size, softcap=softcap, sinks=sinks)
+                      window_size=window_size, softcap=softcap, sinks=sinks, **tables)
     ref, ref_lse, k_after, v_after = attention_with_kvcache_reference(q, kc, vc, lens, **ref_kwargs)
     naive, naive_lse, _, _ = attention_with_kvcache_reference(q, kc, vc, lens, naive=True, **ref_kwargs)
     assert out.dtype == dq.dtype and out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
@@ -277,6 +279,23 @@ def test_invalid_host_inputs_are_named():
         call(q, kc, kc, cache_seqlens=lens, window_size=10)
     with pytest.raises(ValueError, match="softcap=-1"):
         call(q, kc, kc, cache_seqlens=lens, softcap=-1)
+
+
+@pytest.mark.parametrize("page_size,seqlen_q,seqlen_new,causal,interleaved,rotary_dim,dtype", [
+    (None, 1, 1, True, False, 128, "bf16"), (None, 1, 1, True, True, 64, "fp16"), (16, 4, 4, True, False, 128, "bf16"),
+    (256, 3, 5, False, True, 32, "bf16"), (None, 2, 2, False, False, 128, "fp16")])
+def test_rotary_embeddings_of_queries_and_new_keys(page_size, seqlen_q, seqlen_new, causal, interleaved, rotary_dim,
+                                                   dtype):
+    rng = np.random.default_rng(seqlen_q * 7 + seqlen_new + rotary_dim)
+    lens = rng.integers(0, 500, size=3)
+    q, kc, vc, table, new = _make(rng, batch=3, seqlen_q=seqlen_q, heads=8, heads_k=2, head_dim=128, dtype=dtype,
+                                  lengths=lens, capacity=512, page_size=page_size, seqlen_new=seqlen_new)
+    capacity = 512 if page_size is None else table.shape[1] * page_size
+    angles = np.arange(capacity)[:, None] / 10000.0 ** (np.arange(0, rotary_dim, 2) / rotary_dim)[None, :]
+    tables = (np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32), interleaved)
+    rotated, _ = _check(q, kc, vc, lens, table, new, dtype=dtype, causal=causal, rotary=tables)
+    plain, _ = _check(q, kc, vc, lens, table, new, dtype=dtype, causal=causal)
+    assert not np.allclose(rotated, plain)  # the tables were applied
 
 
 def test_empty_queries_and_empty_caches():

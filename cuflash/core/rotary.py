@@ -1,0 +1,85 @@
+"""Rotary position embeddings (RoPE) as FlashAttention's KV-cache call applies them: the queries
+and the new keys rotated by cos / sin tables at their positions, before the append and the
+attention (CuPy arrays for the call, NumPy arrays for the reference)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .validate import validate_window
+
+#: The table dtypes (float16, bfloat16 and float32), by name.
+TABLE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def check(xp, cos, sin, head_dim: int, capacity: int) -> None:
+    """Refuse tables that are not [seqlen_ro, rotary_dim / 2] of one float dtype, with rotary_dim
+    at most head_dim and seqlen_ro covering the cache's positions."""
+    if (cos is None) != (sin is None):
+        raise ValueError("pass rotary_cos and rotary_sin together, or neither")
+    for name, x in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not isinstance(x, xp.ndarray):
+            raise TypeError(f"{name} must be a {xp.__name__} array [seqlen_ro, rotary_dim / 2], got "
+                            f"{type(x).__module__}.{type(x).__name__}")
+        if x.ndim != 2 or x.dtype.name not in TABLE_DTYPES:
+            raise ValueError(f"{name} must be [seqlen_ro, rotary_dim / 2] in float16, bfloat16 or float32, got "
+                             f"{x.dtype} {x.shape}")
+    if cos.shape != sin.shape or cos.dtype != sin.dtype:
+        raise ValueError(f"rotary_cos {cos.dtype} {cos.shape} and rotary_sin {sin.dtype} {sin.shape} must match")
+    seqlen_ro, half = cos.shape
+    if not 1 <= 2 * half <= head_dim:
+        raise ValueError(f"rotary_cos {cos.shape} rotates {2 * half} dims; rotary_dim runs from 2 to head_dim="
+                         f"{head_dim}")
+    if seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos {cos.shape} has {seqlen_ro} positions; the cache holds {capacity}, so "
+                         f"seqlen_ro must be at least that")
+
+
+def positions(xp, cache_seqlens, batch: int, count: int, first: int, per_token: bool):
+    """int32 [batch, count]: ``cache_seqlens[b] + first + i`` for token i, or ``cache_seqlens[b]``
+    for every token (``per_token=False``)."""
+    lengths = xp.asarray(cache_seqlens, dtype=xp.int32).reshape(-1)
+    lengths = xp.broadcast_to(lengths, (batch,))[:, None]
+    if not per_token:
+        return xp.broadcast_to(lengths, (batch, count))
+    return lengths + (first + xp.arange(count, dtype=xp.int32))[None, :]
+
+
+def rotate(xp, x, cos, sin, pos, interleaved: bool, compute=np.float32, out_dtype=None):
+    """x [batch, seqlen, heads, head_dim] with its first rotary_dim dims rotated at ``pos``
+    [batch, seqlen]: halves (x1, x2) = (first, second half), or even and odd dims with
+    ``interleaved``, become (x1 cos - x2 sin, x1 sin + x2 cos), computed in ``compute``. A new
+    C-contiguous array of ``out_dtype`` (default x's)."""
+    half = cos.shape[1]
+    pos = xp.clip(pos, 0, cos.shape[0] - 1)  # past the table: NaN rows in the kernels anyway
+    c, s = (t[pos].astype(compute)[:, :, None, :] for t in (cos, sin))
+    r = x[..., :2 * half].astype(compute)
+    x1, x2 = (r[..., 0::2], r[..., 1::2]) if interleaved else (r[..., :half], r[..., half:])
+    out = x.astype(out_dtype or x.dtype, order="C", copy=True)
+    first, second = (slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if interleaved else \
+        (slice(0, half), slice(half, 2 * half))
+    out[..., first] = (x1 * c - x2 * s).astype(out.dtype)
+    out[..., second] = (x1 * s + x2 * c).astype(out.dtype)
+    return out
+
+
+def apply(xp, q, k_new, cache_seqlens, capacity: int, causal: bool, window_size, cos, sin, interleaved: bool,
+          compute=np.float32, out_dtype=None):
+    """(q, k_new) rotated: the new keys at ``cache_seqlens[b] + j``; the queries, the last seqlen_q
+    tokens after the append, at theirs where causal or a window makes positions matter, else all at
+    ``cache_seqlens[b]`` (as FlashAttention's call does)."""
+    if k_new is None:
+        raise ValueError("rotary_cos and rotary_sin rotate the new keys and the queries: pass k_new and v_new")
+    for name, x in (("q", q), ("k_new", k_new)):
+        if not isinstance(x, xp.ndarray) or x.ndim != 4:
+            raise ValueError(f"{name} must be a 4-d {xp.__name__} array to take rotary embeddings, got "
+                             f"{type(x).__name__} {getattr(x, 'shape', '')}")
+    if not isinstance(interleaved, (bool, np.bool_)):
+        raise TypeError(f"rotary_interleaved must be a bool, got {interleaved!r}")
+    check(xp, cos, sin, q.shape[3], capacity)
+    batch, seqlen_q = q.shape[:2]
+    seqlen_new = k_new.shape[1]
+    local = validate_window(window_size, bool(causal)) != (-1, -1)
+    q_pos = positions(xp, cache_seqlens, batch, seqlen_q, seqlen_new - seqlen_q, bool(causal) or local)
+    k_pos = positions(xp, cache_seqlens, batch, seqlen_new, 0, True)
+    return (rotate(xp, q, cos, sin, q_pos, bool(interleaved), compute, out_dtype),
+            rotate(xp, k_new, cos, sin, k_pos, bool(interleaved), compute, out_dtype))
