@@ -37,8 +37,10 @@ def check(xp, cos, sin, head_dim: int, capacity: int) -> None:
 def positions(xp, cache_seqlens, batch: int, count: int, first: int, per_token: bool):
     """int32 [batch, count]: ``cache_seqlens[b] + first + i`` for token i, or ``cache_seqlens[b]``
     for every token (``per_token=False``)."""
-    lengths = xp.asarray(cache_seqlens, dtype=xp.int32).reshape(-1)
-    lengths = xp.broadcast_to(lengths, (batch,))[:, None]
+    if isinstance(cache_seqlens, (int, np.integer)):  # filled on the device: no copy from the host
+        lengths = xp.full((batch, 1), int(cache_seqlens), dtype=xp.int32)
+    else:
+        lengths = xp.broadcast_to(xp.asarray(cache_seqlens, dtype=xp.int32).reshape(-1), (batch,))[:, None]
     if not per_token:
         return xp.broadcast_to(lengths, (batch, count))
     return lengths + (first + xp.arange(count, dtype=xp.int32))[None, :]
