@@ -505,6 +505,27 @@ def test_kvcache_mods_through_the_bridge_match_cupy():
     assert torch.equal(out, _torch(want))
 
 
+def test_kvcache_rotary_through_the_bridge_matches_cupy():
+    """The bridge's rotary tables give the CuPy call's output and cache bits."""
+    import cuflash.torch as ct
+
+    torch.manual_seed(3)
+    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    caches = [torch.randn(2, 300, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    new = [torch.randn(2, 1, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    lens = torch.tensor([250, 17], device="cuda", dtype=torch.int32)
+    angles = torch.arange(300, device="cuda")[:, None] / 10000.0 ** (torch.arange(0, 64, 2, device="cuda") / 64)
+    cos, sin = angles.cos().float(), angles.sin().float()
+    copies = [_cupy(c.clone()) for c in caches]
+    out = ct.attention_with_kvcache(q, *caches, cache_seqlens=lens, k_new=new[0], v_new=new[1], rotary_cos=cos,
+                                    rotary_sin=sin, rotary_interleaved=True)
+    want = cuflash.attention_with_kvcache(_cupy(q), *copies, cache_seqlens=_cupy(lens), k_new=_cupy(new[0]),
+                                          v_new=_cupy(new[1]), rotary_cos=_cupy(cos), rotary_sin=_cupy(sin),
+                                          rotary_interleaved=True)
+    torch.cuda.synchronize()
+    assert torch.equal(out, _torch(want)) and torch.equal(caches[0], _torch(copies[0]))
+
+
 @pytest.mark.usefixtures("warm_torch_mod_kernels")
 def test_varlen_mods_through_the_bridge_match_cupy():
     """attention_varlen with a score_mod capturing a torch tensor gives the bits of the CuPy calls
