@@ -261,7 +261,9 @@ def _hopper(q, k, v, cu_q, cu_k, out, lse, max_seqlen_q, problem, sinks=None, mo
         spec = spec.replace(sinks=True, lse=True)
     if not plain:
         spec = spec.replace(local=True)
-    varlen = struct.pack("<QQiiii", cu_q.data.ptr, cu_k.data.ptr, q.shape[0], k.shape[0], max_seqlen_q, k.shape[0])
+    # the offsets are checked against the call's own key count (0 where k is the one-row stand-in)
+    varlen = struct.pack("<QQiiii", cu_q.data.ptr, cu_k.data.ptr, q.shape[0], problem.total_k, max_seqlen_q,
+                         k.shape[0])
     if mods is not None:
         from .core import modset
         spec = spec.replace(score_mod=mods.score_digest, mask_mod=mods.mask_digest)
