@@ -195,6 +195,10 @@ def test_varlen_with_no_keys_gives_zero_rows():
     for causal in (False, True):
         out, lse = cuflash.attention_varlen(q, k, k, cu_q, cu_k, causal=causal, return_lse=True, max_seqlen_k=0)
         assert (out == 0).all() and cupy.isneginf(lse).all()
+    # offsets that claim a key of the empty k: that sequence's rows stay NaN, the other's are 0
+    claims = cupy.asarray(np.array([0, 1, 1], dtype=np.int32))
+    out = cuflash.attention_varlen(q, k, k, cu_q, claims).astype(cupy.float32)
+    assert cupy.isnan(out[:4]).all() and (out[4:] == 0).all()
 
 
 @pytest.mark.parametrize("deterministic", [False, True])  # one launch on Hopper; the per-sequence walk
