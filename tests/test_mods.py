@@ -211,6 +211,8 @@ def test_indices_run_from_zero_and_their_range_in_a_call_is_checked():
     with pytest.raises(ValueError, match=r"integer arithmetic reaches 0\.\.4294836225 .* 32 bits"):
         modset.check_bounds(mods.trace_mask_mod(lambda b, h, q, k: q * k % 7 == 0),
                             dict(sizes, q_idx=65536, kv_idx=65536))
+    pair = np.zeros((4, 2), np.float32)  # q % 4 for q in 4..5 is 0..1: within a table of 2
+    modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + pair[h, (q + 4) % 4]), dict(sizes, q_idx=2))
     # ranges it cannot bound exactly are left to the reference: a symbol twice, a where, unknown counts
     modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, q - q + 9]), sizes)
     modset.check_bounds(mods.trace_score_mod(lambda s, b, h, q, k: s + table[h, mods.where(q < 8, q, 0)]), sizes)

@@ -132,20 +132,25 @@ def _corners(f):
     return span
 
 
-def _by_positive_constant(f):
-    def span(a, b):
-        if b[0] != b[1] or b[0] <= 0:
-            return None
-        return (f(a[0], b[0]), f(a[1], b[0])) if f is int.__floordiv__ else \
-            ((a[0] % b[0], a[0] % b[0]) if a[0] == a[1] else (0, b[0] - 1))
-    return span
+def _floordiv_span(a, b):
+    return None if b[0] != b[1] or b[0] <= 0 else (a[0] // b[0], a[1] // b[0])
+
+
+def _mod_span(a, b):
+    """x % n over [low, high] by a positive constant n: the residues' least and greatest."""
+    if b[0] != b[1] or b[0] <= 0:
+        return None
+    n = b[0]
+    if a[1] - a[0] + 1 >= n or a[0] % n > a[1] % n:  # every residue, or a wrap past n - 1 to 0
+        return 0, n - 1
+    return a[0] % n, a[1] % n
 
 
 _SPAN_OPS = {
     "add": _corners(lambda x, y: x + y), "sub": _corners(lambda x, y: x - y), "mul": _corners(lambda x, y: x * y),
     "minimum": _corners(min), "maximum": _corners(max), "neg": lambda a: (-a[1], -a[0]),
     "abs": lambda a: (0 if a[0] <= 0 <= a[1] else min(abs(a[0]), abs(a[1])), max(abs(a[0]), abs(a[1]))),
-    "floordiv": _by_positive_constant(int.__floordiv__), "mod": _by_positive_constant(int.__mod__),
+    "floordiv": _floordiv_span, "mod": _mod_span,
 }
 
 
