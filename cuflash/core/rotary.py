@@ -77,6 +77,9 @@ def apply(xp, q, k_new, cache_seqlens, capacity: int, causal: bool, window_size,
                              f"{type(x).__name__} {getattr(x, 'shape', '')}")
     if not isinstance(interleaved, (bool, np.bool_)):
         raise TypeError(f"rotary_interleaved must be a bool, got {interleaved!r}")
+    if k_new.shape[0] != q.shape[0] or k_new.shape[3] != q.shape[3]:
+        raise ValueError(f"k_new {k_new.shape} must be [batch={q.shape[0]}, seqlen_new, heads_k, "
+                         f"head_dim={q.shape[3]}]")
     check(xp, cos, sin, q.shape[3], capacity)
     batch, seqlen_q = q.shape[:2]
     seqlen_new = k_new.shape[1]
