@@ -10,7 +10,8 @@ from .core.launch import outputs_unused
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, page_table=None,
                            causal=True, scale=None, window_size=(-1, -1), softcap=0.0, num_splits=None,
                            return_lse=False, fp8_format=None, k_descale=None, v_descale=None, sinks=None,
-                           score_mod=None, mask_mod=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False):
+                           score_mod=None, mask_mod=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
+                           cache_batch_idx=None):
     """Attend a few new query tokens per sequence to a KV cache (contiguous or paged).
 
     Args:
@@ -53,6 +54,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
             before the append, and q's at its tokens' positions (causal or a window), else all at
             ``cache_seqlens[b]``. Needs k_new; 16-bit caches. ``rotary_interleaved``: rotate
             even / odd dim pairs (GPT-J) instead of the two halves (GPT-NeoX).
+        cache_batch_idx: int32 CuPy array [batch]: sequence b's keys are row ``cache_batch_idx[b]``
+            of a contiguous cache [num_slots, max_seqlen, heads_k, head_dim] (FlashAttention's
+            argument); it runs as a paged cache of one page per sequence. Not with ``page_table``.
 
     Returns:
         The output [batch, seqlen_q, heads, head_dim] in q's dtype (and the LSE). A row with no
@@ -66,6 +70,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
 
     if cache_seqlens is None:  # None marks the packed-sequence path inside cuflash, never a call's
         raise TypeError("cache_seqlens must be an int32 CuPy array [batch] or an int, got None")
+    if cache_batch_idx is not None:  # a contiguous cache's rows picked per sequence: pages of max_seqlen keys
+        page_table = _one_page_each(cupy, cache_batch_idx, page_table)
     if rotary_cos is not None or rotary_sin is not None:  # new arrays: the call then goes on as without
         q, k_new = _rotated(cupy, q, k_cache, k_new, page_table, cache_seqlens, causal, window_size, fp8_format,
                             rotary_cos, rotary_sin, rotary_interleaved)
@@ -97,6 +103,17 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     return _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale,
                       num_splits, return_lse, fp8_format, k_descale, v_descale, window_size, softcap, sinks,
                       score_mod, mask_mod)
+
+
+def _one_page_each(cupy, cache_batch_idx, page_table):
+    if page_table is not None:
+        raise ValueError("pass cache_batch_idx or page_table, not both")
+    if not isinstance(cache_batch_idx, cupy.ndarray) or cache_batch_idx.dtype != cupy.int32 \
+            or cache_batch_idx.ndim != 1:
+        raise TypeError(f"cache_batch_idx must be an int32 CuPy array [batch], got "
+                        f"{getattr(cache_batch_idx, 'dtype', type(cache_batch_idx).__name__)} "
+                        f"{getattr(cache_batch_idx, 'shape', '')}")
+    return cupy.ascontiguousarray(cache_batch_idx).reshape(-1, 1)
 
 
 def _rotated(cupy, q, k_cache, k_new, page_table, cache_seqlens, causal, window_size, fp8_format, cos, sin,

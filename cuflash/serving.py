@@ -86,7 +86,8 @@ def merge_states(outs: Sequence, lses: Sequence, *, layout: str = "bhsd"):
 def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, page_table=None,
                                      causal=True, scale=None, window_size=(-1, -1), softcap=0.0, fp8_format=None,
                                      k_descale=None, v_descale=None, sinks=None, score_mod=None, mask_mod=None,
-                                     rotary_cos=None, rotary_sin=None, rotary_interleaved=False, naive=False):
+                                     rotary_cos=None, rotary_sin=None, rotary_interleaved=False, cache_batch_idx=None,
+                                     naive=False):
     """What :func:`cuflash.attention_with_kvcache` computes, on NumPy arrays (CuPy arrays are
     copied to the host): the new keys appended to copies of the caches, then each sequence's
     attention over its keys, in float64 (``naive=True``: :func:`cuflash.reference.attention_naive`
@@ -109,6 +110,8 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
     q = to_numpy(q)
     k_cache, v_cache = to_numpy(k_cache).copy(), to_numpy(v_cache).copy()
     lens = np.broadcast_to(np.asarray(to_numpy(cache_seqlens), dtype=np.int64), (q.shape[0],))
+    if cache_batch_idx is not None:  # one page of max_seqlen keys per sequence
+        page_table = to_numpy(cache_batch_idx).reshape(-1, 1)
     table = None if page_table is None else to_numpy(page_table).astype(np.int64)
     batch, seqlen_q, heads, head_dim = q.shape
     page_size = k_cache.shape[1]

@@ -152,3 +152,26 @@ def test_a_window_may_be_a_numpy_pair_of_integers():
     assert all(np.array_equal(a, b) for a, b in zip(as_array, as_tuple))
     with pytest.raises(TypeError, match=r"window_size must be a pair of ints .* got array\(\[2\., 0\.\]\)"):
         reference.attention_reference(q, q, q, window_size=np.array([2.0, 0.0]))
+
+
+def test_cache_batch_idx_is_a_page_table_of_one_page_per_sequence(monkeypatch):
+    cupy = pytest.importorskip("cupy")
+    import fake_device
+    from cuflash import kvcache
+
+    seen = {}
+    monkeypatch.setattr(kvcache, "_full_call", lambda cupy, key, q, kc, vc, lens, kn, vn, table, *rest, **kw:
+                        seen.setdefault("table", table))
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *a: type("S", (), {"ptr": 0x5000})())
+    q = fake_device.fake_array(cupy, (3, 1, 8, 64), np.float16, 0x1000_0000)
+    cache = fake_device.fake_array(cupy, (5, 128, 2, 64), np.float16, 0x2000_0000)
+    lens = fake_device.fake_array(cupy, (3,), np.int32, 0x900)
+    rows = fake_device.fake_array(cupy, (3,), np.int32, 0xA00)
+    cuflash.attention_with_kvcache(q, cache, cache, cache_seqlens=lens, cache_batch_idx=rows)
+    assert seen["table"].shape == (3, 1) and seen["table"].data.ptr == 0xA00 and seen["table"].strides == (4, 4)
+    with pytest.raises(ValueError, match="cache_batch_idx or page_table, not both"):
+        cuflash.attention_with_kvcache(q, cache, cache, cache_seqlens=lens, cache_batch_idx=rows,
+                                       page_table=rows.reshape(3, 1))
+    with pytest.raises(TypeError, match="cache_batch_idx must be an int32 CuPy array"):
+        cuflash.attention_with_kvcache(q, cache, cache, cache_seqlens=lens, cache_batch_idx=np.arange(3))

@@ -298,6 +298,26 @@ def test_rotary_embeddings_of_queries_and_new_keys(page_size, seqlen_q, seqlen_n
     assert not np.allclose(rotated, plain)  # the tables were applied
 
 
+def test_cache_batch_idx_picks_each_sequences_cache_row():
+    rng = np.random.default_rng(11)
+    lens5 = rng.integers(1, 300, size=5)
+    _, kc, vc, _, _ = _make(rng, batch=5, seqlen_q=1, heads=8, heads_k=2, head_dim=128, dtype="bf16", lengths=lens5,
+                            capacity=320)
+    rows = np.array([4, 0, 2], np.int32)
+    q, _, _, _, new = _make(rng, batch=3, seqlen_q=2, heads=8, heads_k=2, head_dim=128, dtype="bf16",
+                            lengths=[1, 1, 1], capacity=320, seqlen_new=2)
+    lens = lens5[rows]
+    dq, dk, dv, dlens, drows, dkn, dvn = _to_device(q, kc, vc, lens.astype(np.int32), rows, *new)
+    out, lse = cuflash.attention_with_kvcache(dq, dk, dv, cache_seqlens=dlens, k_new=dkn, v_new=dvn,
+                                              cache_batch_idx=drows, return_lse=True)
+    ref, ref_lse, k_after, _ = attention_with_kvcache_reference(q, kc, vc, lens, k_new=new[0], v_new=new[1],
+                                                                cache_batch_idx=rows)
+    naive, naive_lse, _, _ = attention_with_kvcache_reference(q, kc, vc, lens, k_new=new[0], v_new=new[1],
+                                                              cache_batch_idx=rows, naive=True)
+    assert_attention_close(out, ref, "bf16", baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+    assert np.array_equal(to_numpy(dk).view(np.uint16), k_after.view(np.uint16))
+
+
 def test_empty_queries_and_empty_caches():
     q = cupy.asarray(np.random.default_rng(0).standard_normal((2, 1, 8, 64)), dtype=cupy.float16)
     kc = cupy.ones((2, 128, 2, 64), dtype=cupy.float16)
