@@ -18,8 +18,8 @@ from .core import modset as _modset
 from .core.bwd_spec import BwdSpec
 from .core.launch import launch_backward, rows_padded
 from .core.policy import default_bwd_spec
-from .core.validate import (aligned_copy, aligned_for_async_copy, readable_by_tma, validate_backward, validate_sinks,
-                            validate_variants, variant_mods)
+from .core.validate import (aligned_copy, aligned_for_async_copy, no_variants, readable_by_tma, validate_backward,
+                            validate_sinks, validate_variants, variant_mods)
 from .forward import _arch, _on_device, _out_strides, attention
 
 
@@ -100,7 +100,7 @@ def _attention_backward(dout, q, k, v, out, lse, grads, *, causal, scale, layout
     bp = validate_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
                            deterministic=deterministic)
     problem = bp.forward
-    variants = None if not softcap and type(window_size) is tuple and window_size == (-1, -1) else validate_variants(window_size, softcap, causal)
+    variants = None if no_variants(window_size, softcap) else validate_variants(window_size, softcap, causal)
     sinks32 = None if sinks is None else validate_sinks(sinks, problem.heads, problem.device_id)
     with _on_device(problem.device_id):
         dq, dk, dv = grads or (cupy.empty(q.shape, dtype=q.dtype), cupy.empty(k.shape, dtype=k.dtype),

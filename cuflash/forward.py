@@ -11,7 +11,7 @@ from .core import modset as _modset
 from .core.launch import LaunchPlan, launch, lse_scratch, outputs_unused
 from .core.policy import FP8_WGMMA_MIN_HEAD_DIM, SHORT_SEQLEN, default_spec
 from .core.spec import KernelSpec
-from .core.validate import (Problem, aligned_copy, aligned_for_async_copy, readable_by_tma, validate,
+from .core.validate import (Problem, aligned_copy, aligned_for_async_copy, no_variants, readable_by_tma, validate,
                             validate_fp8_scales, validate_sinks, validate_variants, variant_mods)
 
 _arch_of_device: dict[int, str] = {}
@@ -123,7 +123,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     key = _UNKEYED
     if score_mod is None and mask_mod is None and block_mask is None and fp8_format is None and q_descale is None \
             and k_descale is None and v_descale is None and out_dtype is None and sinks is None and not softcap \
-            and type(window_size) is tuple and window_size == _NO_WINDOW:
+            and no_variants(window_size, softcap):
         # a repeated plain call: straight to its plan
         cupy = _cupy or _import_cupy()
         key = _plan_key(cupy, q, k, v, causal, scale, return_lse, layout, family, spec)
@@ -152,8 +152,7 @@ def _attention(q, k, v, outputs, *, causal, scale, return_lse, layout, family, s
             if _without_fp8(fp8_format, q_descale, k_descale, v_descale, out_dtype) else None
     if sinks is not None and key is not None:
         key = key + (_Same(sinks),)  # the sinks' address is in the parameter block
-    variants = None if not softcap and type(window_size) is tuple and window_size == _NO_WINDOW \
-        else validate_variants(window_size, softcap, causal)
+    variants = None if no_variants(window_size, softcap) else validate_variants(window_size, softcap, causal)
     if variants is not None and key is not None:
         key = key + variants
     if key is not None and (score_mod is not None or mask_mod is not None or block_mask is not None):

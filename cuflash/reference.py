@@ -129,9 +129,10 @@ def _variants(window_size, softcap, causal, score_mod, mask_mod):
     """(score_mod, window or None) of a call's ``window_size`` and ``softcap``, checked as
     :func:`cuflash.attention` checks them (a cap with a score_mod, or a window with a mask_mod, is
     refused)."""
-    if not softcap and type(window_size) is tuple and window_size == (-1, -1):
+    from .core.validate import no_variants, validate_variants, variant_mods
+
+    if no_variants(window_size, softcap):
         return score_mod, None
-    from .core.validate import validate_variants, variant_mods
     from .mods import softcap as _softcap
 
     variants = validate_variants(window_size, softcap, causal)

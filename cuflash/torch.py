@@ -23,7 +23,7 @@ except ImportError as exc:  # torch is optional: only this module needs it
     raise ImportError("cuflash.torch needs PyTorch with CUDA (pip install torch); cuflash itself does not") from exc
 
 from .backward import _attention_backward
-from .core.validate import validate_softcap, validate_window
+from .core.validate import no_variants, validate_softcap, validate_window
 from .forward import _attention
 from .torch_interop import (_DTYPES, _current_stream_ptr, _on_torch_stream, _readable, _rows, _to_cupy,  # noqa: F401
                             _to_torch)
@@ -319,7 +319,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, layo
         The output, contiguous in ``layout`` and q's dtype (and the LSE with ``return_lse``), on
         torch's current stream.
     """
-    variants = _NO_VARIANTS if not softcap and type(window_size) is tuple and window_size == (-1, -1) else _variants(window_size, softcap, causal)
+    variants = _NO_VARIANTS if no_variants(window_size, softcap) else _variants(window_size, softcap, causal)
     modded = score_mod is not None or mask_mod is not None or block_mask is not None
     if not _is_compiling() and type(q) is _Tensor and type(deterministic) is bool and sinks is None and not modded:
         # A repeated call that needs no gradient: straight to its plan.

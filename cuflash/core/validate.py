@@ -203,6 +203,12 @@ def validate_softcap(softcap) -> float:
     return float(softcap)
 
 
+def no_variants(window_size, softcap) -> bool:
+    """No window and no cap, as the calls' fast paths tell it before validate_variants (a tuple
+    compared only: an array would compare element-wise)."""
+    return not softcap and type(window_size) is tuple and window_size == (-1, -1)
+
+
 def validate_variants(window_size, softcap, causal: bool):
     """``((left, right), cap)`` of a call's FlashAttention-style ``window_size`` and ``softcap``, or
     None where they change nothing (no bound beyond the causal one, no cap)."""
