@@ -80,12 +80,9 @@ def cuda_source(graph: Graph) -> str:
 
 def softcap(cap: float):
     """The score_mod ``cap * tanh(score / cap)`` (Gemma 2's logit cap)."""
-    from .core.validate import FLOAT32_MAX
+    from .core.validate import float32_number
 
-    if isinstance(cap, bool) or not isinstance(cap, (int, float, np.integer, np.floating)) \
-            or not 0 < float(cap) <= FLOAT32_MAX:
-        raise ValueError(f"cap={cap!r} must be a positive number, finite in float32")
-    cap = float(cap)
+    cap = float32_number("cap", cap, positive=True)
 
     def softcap_mod(score, b, h, q_idx, kv_idx):
         return cap * tanh(score / cap)

@@ -25,7 +25,7 @@ def test_the_one_launch_varlen_backward_takes_at_most_a_grids_sequences():
 
 @pytest.mark.parametrize("value", [float("inf"), 1e39, -1.0, 0.0, True, "1"])
 def test_softcaps_float32_cannot_hold_are_refused(value):
-    with pytest.raises(ValueError, match="cap="):
+    with pytest.raises(TypeError if isinstance(value, (bool, str)) else ValueError, match="cap"):
         mods.softcap(value)
     if value not in (0.0,):  # 0 is no cap for validate_softcap
         with pytest.raises(ValueError, match="softcap="):

@@ -20,7 +20,7 @@ from .decode_spec import CACHE_DTYPES, MAX_SPLITS, DecodeSpec
 from .params import DECODE_STRUCT
 from .launch import _memory_bandwidth_gbs, _multiprocessors
 from .spec import HEAD_DIMS, ceil_div
-from .validate import FLOAT32_MAX, GRID_YZ_MAX, aligned_for_async_copy, validate_softcap, validate_window
+from .validate import GRID_YZ_MAX, aligned_for_async_copy, float32_number, real_number, validate_softcap, validate_window
 
 _PARAMS = np.dtype((np.void, DECODE_STRUCT.size))
 _LOG2E = 1.0 / math.log(2.0)
@@ -196,11 +196,7 @@ def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_t
         k_new, v_new = (x if _contiguous(x) else x.copy() for x in (k_new, v_new))
     if not _contiguous(q):
         q = q.copy()
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif not isinstance(scale, (int, float, np.floating, np.integer)) or isinstance(scale, bool) \
-            or not abs(float(scale)) <= FLOAT32_MAX:
-        raise ValueError(f"scale must be a number, finite in float32, got {scale!r}")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float32_number("scale", scale)
     if batch * heads_k >= 2**31:
         raise ValueError(f"batch x heads_k = {batch * heads_k} is too many")
     if seqlen_new and batch > GRID_YZ_MAX:  # the append kernel's grid holds the batch in z
@@ -219,10 +215,8 @@ def descale_operand(cupy, name, value, heads_k, device):
     float32 array of shape (), (1,) or (heads_k,) is read on the device."""
     if value is None:
         return 1.0, None, False
-    if isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool):
-        if not 0 < float(value) <= FLOAT32_MAX:
-            raise ValueError(f"{name}={value!r} must be a positive number, finite in float32")
-        return float(value), None, False
+    if real_number(value):
+        return float32_number(name, value, positive=True), None, False
     if not isinstance(value, cupy.ndarray) or value.dtype != np.float32:
         raise TypeError(f"{name} must be a positive number or a float32 CuPy array of shape () or "
                         f"(heads_k={heads_k},), got {type(value).__name__}")

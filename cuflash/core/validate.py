@@ -20,6 +20,24 @@ GRID_YZ_MAX = 65535
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+def real_number(value) -> bool:
+    """Whether value is a Python or NumPy real number (a bool is not)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def float32_number(name: str, value, *, positive: bool = False) -> float:
+    """value as a float: a real number finite in float32 (and above 0 where positive), else
+    TypeError / ValueError naming it."""
+    if not real_number(value):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    value = float(value)
+    low = 0 < value if positive else -FLOAT32_MAX <= value
+    if not (low and value <= FLOAT32_MAX):
+        what = "positive and finite" if positive else "finite"
+        raise ValueError(f"{name}={value!r} must be {what} in float32 (|{name}| <= {FLOAT32_MAX:.4g})")
+    return value
+
+
 @dataclass(slots=True)
 class Problem:
     """A validated attention call, in the kernel's terms (strides in elements, bhsd order).
@@ -109,11 +127,7 @@ def validate(q, k, v, *, causal, scale, layout, fp8_format=None) -> Problem:
         if x.size and x.strides[-1] != x.itemsize:
             raise ValueError(f"{name} must be contiguous in its last dim; got {name}.strides={x.strides} "
                              f"(itemsize {x.itemsize})")
-    if isinstance(scale, bool) or (scale is not None and not isinstance(scale, numbers.Real)):
-        raise TypeError(f"scale must be a real number or None, got {scale!r}")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if not abs(scale) <= FLOAT32_MAX:
-        raise ValueError(f"scale={scale} must be finite in float32 (|scale| <= {FLOAT32_MAX:.4g})")
+    scale = 1.0 / math.sqrt(d) if scale is None else float32_number("scale", scale)
     if sq > _INT32_MAX or sk > _INT32_MAX or b * hq > _INT32_MAX:
         raise ValueError(f"seqlen_q={sq}, seqlen_k={sk} and batch*heads={b * hq} must each be below 2**31")
     if hq > GRID_YZ_MAX or b > GRID_YZ_MAX:
@@ -144,10 +158,8 @@ def _descale_array(name, value, shape, device_id):
     """A descale as a float32 device array of shape (1,) (per tensor) or ``shape`` (per head)."""
     import cupy
 
-    if value is None or isinstance(value, numbers.Real) and not isinstance(value, bool):
-        value = 1.0 if value is None else float(value)
-        if not 0 < value <= FLOAT32_MAX:
-            raise ValueError(f"{name}={value} must be a positive number, finite in float32")
+    if value is None or real_number(value):
+        value = 1.0 if value is None else float32_number(name, value, positive=True)
         key = (device_id, value)
         array = _ONES.get(key)
         if array is None:
@@ -197,8 +209,7 @@ def validate_softcap(softcap) -> float:
     """A logit cap ``softcap * tanh(s / softcap)`` as a float, 0 (or None) for none."""
     if softcap is None:
         return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)) \
-            or not 0 <= float(softcap) <= FLOAT32_MAX:
+    if not real_number(softcap) or not 0 <= float(softcap) <= FLOAT32_MAX:
         raise ValueError(f"softcap={softcap!r} must be a number from 0 (none) to {FLOAT32_MAX:.4g} (float32)")
     return float(softcap)
 
