@@ -443,6 +443,26 @@ def test_fp8_v_operand_kernel_compiles():
         nvrtc.destroyProgram(prog)
 
 
+@pytest.mark.parametrize("table", [0, 1, 2])
+@pytest.mark.parametrize("arch", ["sm90a", "sm80"])
+def test_rotary_kernel_compiles(arch, table):
+    """The KV-cache call's rotation kernel (rotary.cuh) for each table dtype, float16 and bfloat16."""
+    pytest.importorskip("cupy")
+    from cupy.cuda import nvrtc
+
+    from cuflash.core.compile import arch_options
+
+    for bf16 in ((), ("-DCUFLASH_ROTARY_BF16",)):
+        options = [o.replace("-arch=", "--gpu-architecture=") for o in arch_options(arch)]
+        prog = nvrtc.createProgram('#include "cuflash/rotary.cuh"\n', "rotary.cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, options + [f"-DCUFLASH_ROTARY_TABLE={table}", *bf16])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(prog))
+        finally:
+            nvrtc.destroyProgram(prog)
+
+
 def test_default_family_per_target():
     assert default_spec(128, "bf16", True, "sm90a").family == "wgmma"
     assert default_spec(96, "bf16", True, "sm90a").family == "wgmma"  # padded to 128 columns

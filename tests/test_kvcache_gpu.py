@@ -298,6 +298,38 @@ def test_rotary_embeddings_of_queries_and_new_keys(page_size, seqlen_q, seqlen_n
     assert not np.allclose(rotated, plain)  # the tables were applied
 
 
+@pytest.mark.parametrize("dtype,table_dtype,interleaved,rotary_dim,per_token", [
+    ("float16", "float32", False, 64, True), ("bfloat16", "bfloat16", True, 128, True),
+    ("bfloat16", "float16", False, 32, False), ("float16", "bfloat16", True, 16, True)])
+def test_the_rotation_kernel_is_the_rotation_in_float32(dtype, table_dtype, interleaved, rotary_dim, per_token):
+    """The one-kernel rotation of a strided view against rotate() in NumPy, position by position,
+    positions past the table clamped."""
+    from cuflash.core import rotary
+
+    np_dtype = np.dtype(dtype) if dtype == "float16" else _bf16()
+    table_np = np.dtype(table_dtype) if table_dtype != "bfloat16" else _bf16()
+    rng = np.random.default_rng(rotary_dim)
+    x = rng.standard_normal((3, 5, 4, 96 + 32)).astype(np_dtype)
+    angles = rng.uniform(-3, 3, size=(40, rotary_dim // 2))
+    cos, sin = np.cos(angles).astype(table_np), np.sin(angles).astype(table_np)
+    lens = np.array([0, 17, 38], np.int32)  # the last runs past the table's 40 positions
+    wide = cupy.asarray(np.stack([x, x], axis=3).reshape(3, 5, 8, 128))[:, :, ::2]  # a strided view of x
+    got = rotary.rotate_on_device(cupy, wide, cupy.asarray(cos), cupy.asarray(sin), cupy.asarray(lens), -2,
+                                  per_token, interleaved)
+    pos = rotary.positions(np, lens, 3, 5, -2, per_token)
+    want = rotary.rotate(np, x, cos, sin, pos, interleaved, np.float32)
+    assert got.flags.c_contiguous and got.dtype == np_dtype
+    got, want = to_numpy(got).astype(np.float64), want.astype(np.float64)
+    assert (np.abs(got - want) <= 2 ** -7 * np.abs(want) + 2 ** -24).all()  # a rounding apart at most
+    assert np.array_equal(got[..., rotary_dim:], x[..., rotary_dim:].astype(np.float64))
+
+
+def _bf16():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
 def test_cache_batch_idx_picks_each_sequences_cache_row():
     rng = np.random.default_rng(11)
     lens5 = rng.integers(1, 300, size=5)

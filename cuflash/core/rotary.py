@@ -64,6 +64,51 @@ def rotate(xp, x, cos, sin, pos, interleaved: bool, compute=np.float32, out_dtyp
     return out
 
 
+def rotate_on_device(cupy, x, cos, sin, lens, first: int, per_token: bool, interleaved: bool):
+    """:func:`rotate` of a float16 / bfloat16 CuPy array in one kernel (rotary.cuh): token s of
+    sequence b at ``lens[b] + first + s`` (``per_token``) or ``lens[b]``; ``lens`` an int or an
+    int32 array of one or ``batch`` lengths, read on the device."""
+    batch, seqlen, heads, head_dim = x.shape
+    out = cupy.empty(x.shape, dtype=x.dtype)
+    if out.size == 0:
+        return out
+    if x.strides[3] != x.itemsize or any(st % x.itemsize for st in x.strides):
+        x = cupy.ascontiguousarray(x)
+    if isinstance(lens, (int, np.integer)):
+        lens = cupy.full((1,), int(lens), dtype=cupy.int32)
+    else:
+        lens = cupy.ascontiguousarray(cupy.asarray(lens, dtype=cupy.int32).reshape(-1))
+        if lens.size not in (1, batch):
+            raise ValueError(f"cache_seqlens holds {lens.size} lengths; batch={batch}")
+    cos, sin = cupy.ascontiguousarray(cos), cupy.ascontiguousarray(sin)
+    pairs = out.size // 2
+    _kernel(cupy, x, cos)(
+        (-(-pairs // 256),), (256,),
+        (x, out, cos, sin, lens, np.int32(0 if lens.size == 1 else 1), np.int32(seqlen), np.int32(heads),
+         np.int32(head_dim), np.int32(cos.shape[1]), np.int32(cos.shape[0]), np.int32(first), np.int32(per_token),
+         np.int32(interleaved), *(np.int64(st // x.itemsize) for st in x.strides[:3]), np.int64(pairs)))
+    return out
+
+
+_KERNELS: dict = {}
+
+
+def _kernel(cupy, x, table):
+    """The rotation kernel of x's dtype and the tables' on x's device, compiled once."""
+    device = x.data.device_id
+    key = (device, x.dtype.name, table.dtype.name)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        from .compile import arch_options, device_arch
+
+        options = arch_options(device_arch(device)) + (
+            f"-DCUFLASH_ROTARY_TABLE={TABLE_DTYPES.index(table.dtype.name)}",
+            *(("-DCUFLASH_ROTARY_BF16",) if x.dtype.name == "bfloat16" else ()))
+        module = cupy.RawModule(code='#include "cuflash/rotary.cuh"\n', options=options)
+        kernel = _KERNELS[key] = module.get_function("cuflash_rotary")
+    return kernel
+
+
 def apply(xp, q, k_new, cache_seqlens, capacity: int, causal: bool, window_size, cos, sin, interleaved: bool,
           compute=np.float32, out_dtype=None):
     """(q, k_new) rotated: the new keys at ``cache_seqlens[b] + j``; the queries, the last seqlen_q
@@ -84,6 +129,10 @@ def apply(xp, q, k_new, cache_seqlens, capacity: int, causal: bool, window_size,
     batch, seqlen_q = q.shape[:2]
     seqlen_new = k_new.shape[1]
     local = validate_window(window_size, bool(causal)) != (-1, -1)
+    if xp is not np and out_dtype is None and q.dtype.name in ("float16", "bfloat16") and k_new.dtype == q.dtype:
+        return (rotate_on_device(xp, q, cos, sin, cache_seqlens, seqlen_new - seqlen_q, bool(causal) or local,
+                                 bool(interleaved)),
+                rotate_on_device(xp, k_new, cos, sin, cache_seqlens, 0, True, bool(interleaved)))
     q_pos = positions(xp, cache_seqlens, batch, seqlen_q, seqlen_new - seqlen_q, bool(causal) or local)
     k_pos = positions(xp, cache_seqlens, batch, seqlen_new, 0, True)
     return (rotate(xp, q, cos, sin, q_pos, bool(interleaved), compute, out_dtype),
