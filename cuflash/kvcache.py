@@ -1,6 +1,8 @@
 """Attention over a KV cache: decode steps, speculative verification, chunked prefill."""
 from __future__ import annotations
 
+import numpy as np
+
 from .core import compile as _compile
 from .core import kvcache as _kv
 from .core import modset as _modset
@@ -11,7 +13,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
                            causal=True, scale=None, window_size=(-1, -1), softcap=0.0, num_splits=None,
                            return_lse=False, fp8_format=None, k_descale=None, v_descale=None, sinks=None,
                            score_mod=None, mask_mod=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
-                           cache_batch_idx=None):
+                           cache_batch_idx=None, cu_seqlens_q=None, max_seqlen_q=None):
     """Attend a few new query tokens per sequence to a KV cache (contiguous or paged).
 
     Args:
@@ -57,6 +59,13 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         cache_batch_idx: int32 CuPy array [batch]: sequence b's keys are row ``cache_batch_idx[b]``
             of a contiguous cache [num_slots, max_seqlen, heads_k, head_dim] (FlashAttention's
             argument); it runs as a paged cache of one page per sequence. Not with ``page_table``.
+        cu_seqlens_q, max_seqlen_q: queries packed [total_q, heads, head_dim], sequence b's rows
+            ``cu_seqlens_q[b]`` to ``cu_seqlens_q[b + 1]`` (int32 CuPy array [batch + 1], read on
+            the device), so a batch mixes decode and prefill without padding. ``cache_seqlens``
+            then counts every key, the queries' own included (no k_new); the output is packed
+            like q, the LSE [heads, total_q], rows no sequence covers stay NaN, and the keys run
+            unsplit. ``max_seqlen_q`` (the most queries of one sequence; None reads the offsets
+            on the host once) sizes the grid: a sequence with more gets NaN rows.
 
     Returns:
         The output [batch, seqlen_q, heads, head_dim] in q's dtype (and the LSE). A row with no
@@ -72,11 +81,16 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         raise TypeError("cache_seqlens must be an int32 CuPy array [batch] or an int, got None")
     if cache_batch_idx is not None:  # a contiguous cache's rows picked per sequence: pages of max_seqlen keys
         page_table = _one_page_each(cupy, cache_batch_idx, page_table)
+    packed = None
+    if cu_seqlens_q is not None or max_seqlen_q is not None:  # (offsets, batch, max_seqlen_q)
+        packed = _packed_queries(cupy, q, cu_seqlens_q, max_seqlen_q, k_new, v_new, rotary_cos, rotary_sin)
     if rotary_cos is not None or rotary_sin is not None:  # new arrays: the call then goes on as without
         q, k_new = _rotated(cupy, q, k_cache, k_new, page_table, cache_seqlens, causal, window_size, fp8_format,
                             rotary_cos, rotary_sin, rotary_interleaved)
     key = _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
                     fp8_format, k_descale, v_descale, window_size, softcap, sinks)
+    if packed is not None and key is not None:  # offsets copied (strided): no plan keeps the copy
+        key = key + (packed[0].data.ptr, packed[0].shape, packed[2]) if packed[0] is cu_seqlens_q else None
     if score_mod is not None or mask_mod is not None:
         # A call with mods has a plan when they trace to graphs kept for their function and captured
         # values (the same graphs hold the same arrays: the same kernel argument).
@@ -91,6 +105,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         k_new_ptr, v_new_ptr = (0, 0) if k_new is None else (k_new.data.ptr, v_new.data.ptr)
         aligned = not (q_ptr | k_ptr | v_ptr | k_new_ptr | v_new_ptr) % 16
     if plan is not None and aligned:
+        if packed is not None:
+            out, lse = _kv.poisoned_outputs(cupy, q)
+            plan.launch(q, k_cache, v_cache, None, None, out, lse)
+            return (out, lse) if return_lse else out
         if not return_lse:
             out, lse = _new_output(cupy, plan, q), plan.lse_scratch
             plan.launch(q, k_cache, v_cache, k_new, v_new, out, lse,
@@ -102,7 +120,31 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         return out, lse
     return _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale,
                       num_splits, return_lse, fp8_format, k_descale, v_descale, window_size, softcap, sinks,
-                      score_mod, mask_mod)
+                      score_mod, mask_mod, packed)
+
+
+def _packed_queries(cupy, q, cu_seqlens_q, max_seqlen_q, k_new, v_new, rotary_cos, rotary_sin):
+    """(offsets, batch, max_seqlen_q) of a call with packed queries, checked."""
+    if cu_seqlens_q is None:
+        raise ValueError("max_seqlen_q goes with cu_seqlens_q (packed queries)")
+    if k_new is not None or v_new is not None:
+        raise ValueError("k_new and v_new with cu_seqlens_q: write the new keys into the cache first; "
+                         "cache_seqlens then counts them")
+    if rotary_cos is not None or rotary_sin is not None:
+        raise ValueError("rotary_cos and rotary_sin rotate k_new, which packed queries (cu_seqlens_q) do not take")
+    if not isinstance(q, cupy.ndarray) or q.ndim != 3:
+        raise ValueError(f"q must be a 3-d CuPy array [total_q, heads, head_dim] with cu_seqlens_q, got "
+                         f"{type(q).__name__} {getattr(q, 'shape', '')}")
+    offsets = _kv.offsets(cupy, "cu_seqlens_q", cu_seqlens_q, q.data.device_id)
+    batch = offsets.size - 1
+    if max_seqlen_q is None:
+        max_seqlen_q = int(np.max(np.diff(offsets.get()), initial=0)) if batch else 0
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer)) \
+            or not 0 <= max_seqlen_q < 2**31:
+        raise ValueError(f"max_seqlen_q={max_seqlen_q!r} must be a non-negative integer below 2**31")
+    if q.shape[0] >= 2**31:
+        raise ValueError(f"total_q={q.shape[0]} must be below 2**31")
+    return offsets, batch, int(max_seqlen_q)
 
 
 def _one_page_each(cupy, cache_batch_idx, page_table):
@@ -157,7 +199,7 @@ def _new_output(cupy, plan, q):
 
 def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
                return_lse, fp8_format, k_descale, v_descale, window_size, softcap, sinks, score_mod=None,
-               mask_mod=None):
+               mask_mod=None, packed=None):
     from .core.validate import validate_sinks
     from .forward import _arch, _on_device
 
@@ -166,14 +208,14 @@ def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page
     original = (q, k_new, v_new, cache_seqlens)
     problem, q, cache_seqlens, k_new, v_new = _kv.validate_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, page_table=page_table,
-        causal=causal, scale=scale, fp8_format=fp8_format, window_size=window_size, softcap=softcap)
+        causal=causal, scale=scale, fp8_format=fp8_format, window_size=window_size, softcap=softcap,
+        packed=None if packed is None else packed[1:])
     sinks32 = None if sinks is None else validate_sinks(sinks, problem.heads, problem.device_id)
-    if q.size == 0:  # no query rows: nothing to attend, nothing launched
+    if q.size == 0 or problem.rows == 0:  # no query rows: nothing to attend, nothing launched
         if problem.seqlen_new and problem.batch:
             raise ValueError(f"q {q.shape} has no query rows: k_new and v_new are appended only by a call that "
                              f"attends")
-        out = cupy.empty(q.shape, dtype=q.dtype)
-        lse = cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
+        out, lse = _outputs(cupy, problem, q)
         return (out, lse) if return_lse else out
     _kv.check_mods(problem, score_mod, mask_mod)
     # positions depend on the lengths, read on the device: only the sequence and head are bounded here
@@ -186,18 +228,27 @@ def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page
     with _on_device(problem.device_id):
         spec = _kv.select_spec(problem, _arch(problem.device_id), mods)
         splits = _kv.choose_splits(spec, problem, num_splits)
-        out = cupy.empty(q.shape, dtype=q.dtype)
-        lse = cupy.empty((problem.batch, problem.heads, problem.seqlen_q), dtype=cupy.float32)
+        out, lse = _outputs(cupy, problem, q)
         kernels = _compile.get_kernel(spec, problem.device_id)
         plan = _kv.KVCachePlan(kernels, spec, problem, page_table=page_table, cache_seqlens=cache_seqlens,
                                splits=splits, k_descale=descales[0], v_descale=descales[1],
-                               stream=cupy.cuda.get_current_stream().ptr, sinks=sinks32, mods=mods)
+                               stream=cupy.cuda.get_current_stream().ptr, sinks=sinks32, mods=mods,
+                               cu_seqlens=(None if packed is None else packed[0], None))
         plan.launch(q, k_cache, v_cache, k_new, v_new, out, lse)
         if key is not None:
             if len(_plans) >= _MAX_PLANS:
                 _plans.clear()
             _plans[key] = plan
     return (out, lse) if return_lse else out
+
+
+def _outputs(cupy, problem, q):
+    """The output and LSE of a call: [batch, heads, seqlen_q] LSE, or packed queries' NaN-started
+    ones ([heads, total_q] LSE; rows no sequence covers stay NaN)."""
+    if problem.packed:
+        return _kv.poisoned_outputs(cupy, q)
+    return cupy.empty(q.shape, dtype=q.dtype), cupy.empty((problem.batch, problem.heads, problem.seqlen_q),
+                                                           dtype=cupy.float32)
 
 
 #: Launch plans by everything a call's validation and launch depend on but the addresses of q,

@@ -87,7 +87,7 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
                                      causal=True, scale=None, window_size=(-1, -1), softcap=0.0, fp8_format=None,
                                      k_descale=None, v_descale=None, sinks=None, score_mod=None, mask_mod=None,
                                      rotary_cos=None, rotary_sin=None, rotary_interleaved=False, cache_batch_idx=None,
-                                     naive=False):
+                                     cu_seqlens_q=None, naive=False):
     """What :func:`cuflash.attention_with_kvcache` computes, on NumPy arrays (CuPy arrays are
     copied to the host): the new keys appended to copies of the caches, then each sequence's
     attention over its keys, in float64 (``naive=True``: :func:`cuflash.reference.attention_naive`
@@ -100,7 +100,9 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
     ``b`` the sequence and ``q_idx`` the query's position after the sequence's keys (``length -
     seqlen_q + i``, length counting the new keys), as the kernel reads them; the mask and-ed with
     causal and the window; a softcap takes no score_mod beside it (ValueError). The rotary tables rotate
-    the new keys as the call does (in float32) and q in float64 (``naive``: as the call does)."""
+    the new keys as the call does (in float32) and q in float64 (``naive``: as the call does).
+    ``cu_seqlens_q``: q packed [total_q, heads, head_dim] by these offsets (no new keys); the
+    output is packed likewise and the LSE is [heads, total_q], NaN where no sequence covers a row."""
     import numpy as np
 
     from . import fp8, reference
@@ -109,11 +111,16 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
 
     q = to_numpy(q)
     k_cache, v_cache = to_numpy(k_cache).copy(), to_numpy(v_cache).copy()
-    lens = np.broadcast_to(np.asarray(to_numpy(cache_seqlens), dtype=np.int64), (q.shape[0],))
+    packed = cu_seqlens_q is not None
+    if packed and (k_new is not None or rotary_cos is not None):
+        raise ValueError("packed queries (cu_seqlens_q) take no k_new and no rotary tables")
+    starts = to_numpy(cu_seqlens_q).astype(np.int64) if packed else None
+    batch = starts.size - 1 if packed else q.shape[0]
+    lens = np.broadcast_to(np.asarray(to_numpy(cache_seqlens), dtype=np.int64), (batch,))
     if cache_batch_idx is not None:  # one page of max_seqlen keys per sequence
         page_table = to_numpy(cache_batch_idx).reshape(-1, 1)
     table = None if page_table is None else to_numpy(page_table).astype(np.int64)
-    batch, seqlen_q, heads, head_dim = q.shape
+    heads, head_dim = q.shape[-2:]
     page_size = k_cache.shape[1]
     capacity = page_size * (table.shape[1] if table is not None else 1)
     seqlen_new = 0 if k_new is None else k_new.shape[1]
@@ -144,12 +151,18 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
         raise ValueError(f"softcap={softcap} and score_mod were both given; put the cap into the score_mod "
                          f"(cuflash.mods.softcap shows how)")
     out_dtype = np.float64 if not naive else q.dtype
-    out = np.zeros(q.shape, dtype=np.float64)
-    lse = np.zeros((batch, heads, seqlen_q), dtype=np.float64)
+    out = np.full(q.shape, np.nan) if packed else np.zeros(q.shape, dtype=np.float64)
+    lse = np.full((heads, q.shape[0]), np.nan) if packed else np.zeros((batch, heads, q.shape[1]), dtype=np.float64)
     for b in range(batch):
+        rows = slice(starts[b], starts[b + 1]) if packed else b
+        qb = q[None, rows] if packed else q[b:b + 1]  # [1, seqlen_q, heads, head_dim]
+        seqlen_q = qb.shape[1]
         old = int(lens[b])
         if old < 0 or old + seqlen_new > capacity:
-            out[b], lse[b] = np.nan, np.nan
+            if packed:
+                out[rows], lse[:, rows] = np.nan, np.nan
+            else:
+                out[b], lse[b] = np.nan, np.nan
             continue
         if seqlen_new:
             page, row = where(b, np.arange(old, old + seqlen_new))
@@ -166,10 +179,13 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
             mods["mask_mod"] = _mods._rebased(mask_mod, "mask", b, offset, also=window)
         if naive:
             kk, vv = (x.astype(q.dtype) for x in ks)
-            o, l = reference.attention_naive(q[b:b + 1], kk, vv, causal=causal, scale=scale, layout="bshd", **mods)
+            o, l = reference.attention_naive(qb, kk, vv, causal=causal, scale=scale, layout="bshd", **mods)
         else:
-            o, l = reference.attention_reference(q[b:b + 1], *ks, causal=causal, scale=scale, layout="bshd", **mods)
-        out[b], lse[b] = o[0], l[0]
+            o, l = reference.attention_reference(qb, *ks, causal=causal, scale=scale, layout="bshd", **mods)
+        if packed:
+            out[rows], lse[:, rows] = o[0], l[0]
+        else:
+            out[b], lse[b] = o[0], l[0]
     return out.astype(out_dtype), lse.astype(np.float32 if naive else np.float64), k_cache, v_cache
 
 

@@ -396,7 +396,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
                            causal=True, scale=None, window_size=(-1, -1), softcap=0.0, num_splits=None,
                            return_lse=False, fp8_format=None, k_descale=None, v_descale=None, sinks=None,
                            score_mod=None, mask_mod=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
-                           cache_batch_idx=None):
+                           cache_batch_idx=None, cu_seqlens_q=None, max_seqlen_q=None):
     """:func:`cuflash.attention_with_kvcache` on CUDA torch tensors (inference: not differentiable),
     on torch's current device and stream: the caches are read, and appended to, in place; an FP8
     cache is a torch.uint8 tensor of codes, lengths and page tables torch.int32. The mods may
@@ -417,7 +417,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
                           return_lse=return_lse, fp8_format=fp8_format, k_descale=view(k_descale),
                           v_descale=view(v_descale), sinks=view(sinks), score_mod=score_mod, mask_mod=mask_mod,
                           rotary_cos=view(rotary_cos), rotary_sin=view(rotary_sin),
-                          rotary_interleaved=rotary_interleaved, cache_batch_idx=view(cache_batch_idx))
+                          rotary_interleaved=rotary_interleaved, cache_batch_idx=view(cache_batch_idx),
+                          cu_seqlens_q=view(cu_seqlens_q), max_seqlen_q=max_seqlen_q)
     return tuple(_to_torch(x) for x in result) if return_lse else _to_torch(result)
 
 

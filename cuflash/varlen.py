@@ -15,15 +15,6 @@ from .core import kvcache as _kv
 from .fp8 import _xp
 
 
-def _offsets(cupy, name, x, device):
-    if not isinstance(x, cupy.ndarray) or x.dtype != np.int32 or x.ndim != 1 or x.size < 1:
-        raise TypeError(f"{name} must be an int32 CuPy array [batch + 1] of offsets, got "
-                        f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
-    if x.data.device_id != device:
-        raise ValueError(f"{name} is on device {x.data.device_id}, q on device {device}")
-    return x if x.strides == (4,) else x.copy()
-
-
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False, sinks=None, score_mod=None,
                      mask_mod=None):
@@ -75,7 +66,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         key = key + (_Same(score_mod), _Same(mask_mod)) if score_kept and mask_kept else None
     plan = _plans.get(key) if key is not None else None
     if plan is not None and not (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
-        out, lse = _poisoned_outputs(cupy, q)
+        out, lse = _kv.poisoned_outputs(cupy, q)
         plan.launch(q, k, v, out, lse)
         return (out, lse) if return_lse else out
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -87,8 +78,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         raise ValueError(f"k {k.dtype} {k.shape} and v {v.dtype} {v.shape} must match each other and q's dtype "
                          f"{q.dtype}")
     device = q.data.device_id
-    cu_q = _offsets(cupy, "cu_seqlens_q", cu_seqlens_q, device)
-    cu_k = _offsets(cupy, "cu_seqlens_k", cu_seqlens_k, device)
+    cu_q = _kv.offsets(cupy, "cu_seqlens_q", cu_seqlens_q, device)
+    cu_k = _kv.offsets(cupy, "cu_seqlens_k", cu_seqlens_k, device)
     if cu_q.size != cu_k.size:
         raise ValueError(f"cu_seqlens_q has {cu_q.size} offsets and cu_seqlens_k {cu_k.size}: one per sequence "
                          f"boundary each")
@@ -123,7 +114,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         sinks = validate_sinks(sinks, problem.heads, problem.device_id)
     mods = _varlen_mods(problem, score_mod, mask_mod)
     with _on_device(device):
-        out, lse = _poisoned_outputs(cupy, q)
+        out, lse = _kv.poisoned_outputs(cupy, q)
         hopper = _hopper(q, k, v, cu_q, cu_k, out, lse, int(max_seqlen_q), problem, sinks, mods) \
             if batch and max_seqlen_q and out.size else None
         if hopper is not None:
@@ -143,16 +134,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                                    sinks=sinks, mods=own_mods)
             plan.launch(q4, k4, v4, None, None, out, lse)
     return (out, lse) if return_lse else out
-
-
-def _poisoned_outputs(cupy, q):
-    """The output and LSE [heads, total_q], NaN until written: all-ones bytes are NaN in fp16, bf16
-    and float32 (a byte memset runs at full bandwidth, unlike a 16-bit fill)."""
-    out = cupy.empty(q.shape, dtype=q.dtype)
-    lse = cupy.empty((q.shape[1], q.shape[0]), dtype=cupy.float32)
-    for x in (out, lse):
-        x.data.memset_async(0xFF, x.nbytes)
-    return out, lse
 
 
 #: Launch plans of the Hopper forward by everything a call's validation and launch depend on but
@@ -478,7 +459,7 @@ def _hopper_backward(dout, q, k, v, out, lse, cu_q, cu_k, offsets_q, offsets_k, 
     checked = offsets_q is not None
     with _on_device(problem.device_id):
         # the kernels' offsets: CuPy arrays as given (contiguous), host offsets copied to the device
-        cu_q, cu_k = (_offsets(cupy, name, x if isinstance(x, cupy.ndarray) else cupy.asarray(h), problem.device_id)
+        cu_q, cu_k = (_kv.offsets(cupy, name, x if isinstance(x, cupy.ndarray) else cupy.asarray(h), problem.device_id)
                       for name, x, h in (("cu_seqlens_q", cu_q, offsets_q), ("cu_seqlens_k", cu_k, offsets_k)))
         if cu_q.size != cu_k.size:
             raise ValueError(f"cu_seqlens_q has {cu_q.size} offsets and cu_seqlens_k {cu_k.size}")

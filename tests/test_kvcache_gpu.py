@@ -440,3 +440,90 @@ def test_the_device_reports_its_memory_bandwidth():
     from cuflash.core.launch import _ATTR_MEMORY_BUS_WIDTH, _device_attribute, _memory_bandwidth_gbs
     device = cupy.cuda.runtime.getDevice()
     assert _device_attribute(_ATTR_MEMORY_BUS_WIDTH, device) >= 1024 and _memory_bandwidth_gbs(device) >= 500
+
+
+def _packed_case(rng, *, counts, lens, heads, heads_k, head_dim, dtype, capacity, page_size, extra_rows=2):
+    """Packed queries (counts per sequence, then extra_rows that no sequence covers) over a cache
+    of the given lengths, which count the queries' own keys."""
+    _, kc, vc, table, _ = _make(rng, batch=len(counts), seqlen_q=1, heads=heads, heads_k=heads_k, head_dim=head_dim,
+                                dtype=dtype, lengths=lens, capacity=capacity, page_size=page_size)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    q = rng.standard_normal((int(offsets[-1]) + extra_rows, heads, head_dim)).astype(_np_dtype(dtype))
+    return q, kc, vc, table, offsets
+
+
+@pytest.mark.parametrize("dtype,head_dim,page_size,causal,heads,heads_k,mods", [
+    ("bf16", 128, 16, True, 8, 2, False), ("fp16", 64, None, True, 8, 8, False), ("bf16", 128, None, False, 8, 1, True),
+    ("fp16", 128, 256, True, 16, 2, True), ("bf16", 256, 1, True, 4, 2, False)])
+def test_packed_queries_over_a_cache(dtype, head_dim, page_size, causal, heads, heads_k, mods):
+    """Decode and prefill sequences in one packed batch (cu_seqlens_q): one with no query, one
+    with fewer keys than queries (its first rows see no key: O = 0, LSE = -inf), rows past the
+    last sequence left NaN."""
+    rng = np.random.default_rng(head_dim + heads + (page_size or 0))
+    counts, lens = [1, 0, 7, 3, 17], [300, 5, 5, 700, 40]
+    q, kc, vc, table, offsets = _packed_case(rng, counts=counts, lens=lens, heads=heads, heads_k=heads_k,
+                                             head_dim=head_dim, dtype=dtype, capacity=720, page_size=page_size)
+    kwargs = dict(page_table=table, causal=causal)
+    if mods:
+        slopes = rng.uniform(0.01, 0.1, heads).astype(np.float32)
+        dslopes = cupy.asarray(slopes)
+        kwargs["sinks"] = rng.standard_normal(heads).astype(np.float32)
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score - dslopes[h] * (q_idx - kv_idx)
+
+        def recent(b, h, q_idx, kv_idx):
+            return q_idx - kv_idx < 200 + 50 * b
+    dq, dk, dv, dlens, doffsets = _to_device(q, kc, vc, np.asarray(lens, np.int32), offsets)
+    device_kwargs = dict(kwargs, page_table=None if table is None else cupy.asarray(table),
+                         sinks=None if not mods else cupy.asarray(kwargs["sinks"]))
+    mod_kwargs = dict(score_mod=alibi, mask_mod=recent) if mods else {}
+    for max_seqlen_q in (17, None):
+        out, lse = cuflash.attention_with_kvcache(dq, dk, dv, cache_seqlens=dlens, cu_seqlens_q=doffsets,
+                                                  max_seqlen_q=max_seqlen_q, return_lse=True, **device_kwargs,
+                                                  **mod_kwargs)
+        assert out.shape == q.shape and lse.shape == (heads, q.shape[0])
+        ref, ref_lse, _, _ = attention_with_kvcache_reference(q, kc, vc, lens, cu_seqlens_q=offsets, **kwargs,
+                                                              **mod_kwargs)
+        naive, naive_lse, _, _ = attention_with_kvcache_reference(q, kc, vc, lens, cu_seqlens_q=offsets, naive=True,
+                                                                  **kwargs, **mod_kwargs)
+        assert_attention_close(out, ref, dtype, baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+        assert np.isnan(to_numpy(out)[-2:]).all() and np.isnan(to_numpy(lse)[:, -2:]).all()
+        if causal and not mods:
+            first = to_numpy(lse)[:, offsets[2]:offsets[2] + 2]  # 7 queries, 5 keys: two rows see none
+            assert (first == -np.inf).all() and (to_numpy(out)[offsets[2]:offsets[2] + 2] == 0).all()
+    # a grid too small for the longest sequence: its rows NaN, the others as before
+    short = cuflash.attention_with_kvcache(dq, dk, dv, cache_seqlens=dlens, cu_seqlens_q=doffsets, max_seqlen_q=7,
+                                           **device_kwargs, **mod_kwargs)
+    assert np.isnan(to_numpy(short)[offsets[4]:offsets[5]]).all()
+    got, want = (to_numpy(x)[:offsets[4]].astype(np.float32) for x in (short, out))
+    assert np.allclose(got, want, rtol=2e-2, atol=2e-2, equal_nan=True)
+
+
+def test_packed_queries_bad_inputs_are_named():
+    rng = np.random.default_rng(3)
+    q, kc, vc, _, offsets = _packed_case(rng, counts=[2, 3], lens=[10, 20], heads=4, heads_k=2, head_dim=64,
+                                         dtype="fp16", capacity=64, page_size=None, extra_rows=0)
+    dq, dk, dv, doffsets = _to_device(q, kc, vc, offsets)
+    lens = cupy.asarray(np.array([10, 20], np.int32))
+    call = cuflash.attention_with_kvcache
+    with pytest.raises(ValueError, match="k_new and v_new with cu_seqlens_q"):
+        call(dq, dk, dv, cache_seqlens=lens, cu_seqlens_q=doffsets, k_new=dk[:, :1], v_new=dv[:, :1])
+    with pytest.raises(ValueError, match="num_splits=2"):
+        call(dq, dk, dv, cache_seqlens=lens, cu_seqlens_q=doffsets, num_splits=2)
+    with pytest.raises(ValueError, match="3-d"):
+        call(dq[None], dk, dv, cache_seqlens=lens, cu_seqlens_q=doffsets)
+    with pytest.raises(ValueError, match="max_seqlen_q goes with cu_seqlens_q"):
+        call(dq, dk, dv, cache_seqlens=lens, max_seqlen_q=3)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be an int32"):
+        call(dq, dk, dv, cache_seqlens=lens, cu_seqlens_q=doffsets.astype(cupy.int64))
+    with pytest.raises(ValueError, match="cache_seqlens must be int32 \\[batch=2\\]"):
+        call(dq, dk, dv, cache_seqlens=lens[:1], cu_seqlens_q=doffsets)
+    with pytest.raises(ValueError, match="max_seqlen_q=-1"):
+        call(dq, dk, dv, cache_seqlens=lens, cu_seqlens_q=doffsets, max_seqlen_q=-1)
+    # a plan per offsets array: the same call again, and with other offsets
+    first = call(dq, dk, dv, cache_seqlens=lens, cu_seqlens_q=doffsets)
+    again = call(dq, dk, dv, cache_seqlens=lens, cu_seqlens_q=doffsets)
+    assert np.array_equal(to_numpy(first).view(np.uint16), to_numpy(again).view(np.uint16))
+    other = call(dq, dk, dv, cache_seqlens=lens, cu_seqlens_q=cupy.asarray(np.array([0, 5, 5], np.int32)))
+    assert np.isfinite(to_numpy(other)).all() and not np.array_equal(to_numpy(other), to_numpy(first))

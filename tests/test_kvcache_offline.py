@@ -110,6 +110,10 @@ _SAMPLE = [decode_spec(d, t, c, paged, rows, arch) for arch in ("sm80", "sm90a")
                                         (256, "bf16", "bf16", True, 64), (256, "bf16", "e4m3", False, 16),
                                         (96, "bf16", "bf16", True, 32))]
 _SAMPLE += [decode_spec(d, t, t, False, 64, "sm90a", varlen=True) for d, t in ((64, "bf16"), (128, "fp16"), (256, "bf16"))]
+# packed queries over a cache (cu_seqlens_q): paged and contiguous, 16-bit and FP8
+_SAMPLE += [decode_spec(d, t, c, paged, rows, arch, packed_q=True)
+            for d, t, c, paged, rows, arch in ((128, "bf16", "bf16", True, 64, "sm90a"), (64, "fp16", "fp16", False, 16, "sm90a"),
+                                              (128, "bf16", "e4m3", True, 32, "sm90a"), (128, "bf16", "bf16", True, 64, "sm80"))]
 
 
 def test_sample_of_specs_compiles_without_spills():
@@ -278,3 +282,23 @@ def test_calls_with_mods_pass_their_arrays_and_keep_a_plan_per_graph(monkeypatch
     finally:
         kvcache._plans.clear()
         fake_device.uninstall(cupy)
+
+
+def test_reference_of_packed_queries_is_each_sequences_own():
+    """cu_seqlens_q: each sequence's rows are the reference of that sequence alone (its cache row,
+    its length); a sequence with fewer keys than queries leaves its first rows with no key; rows
+    past the last offset stay NaN."""
+    rng = np.random.default_rng(4)
+    counts, lens = [1, 0, 7, 3], [30, 5, 5, 40]
+    k, v = rng.standard_normal((2, 4, 48, 2, 16))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    q = rng.standard_normal((offsets[-1] + 2, 4, 16))
+    out, lse, _, _ = attention_with_kvcache_reference(q, k, v, np.array(lens), cu_seqlens_q=offsets)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0])
+    for b, n in enumerate(counts):
+        rows = slice(offsets[b], offsets[b + 1])
+        want, want_lse, _, _ = attention_with_kvcache_reference(q[None, rows], k[b:b + 1], v[b:b + 1], np.array([lens[b]]))
+        assert np.array_equal(out[rows], want[0]) and np.array_equal(lse[:, rows], want_lse[0])
+    assert (lse[:, offsets[2]:offsets[2] + 2] == -np.inf).all() and np.isnan(out[-2:]).all()
+    with pytest.raises(ValueError, match="no k_new"):
+        attention_with_kvcache_reference(q, k, v, np.array(lens), cu_seqlens_q=offsets, k_new=k[:, :1], v_new=v[:, :1])

@@ -526,6 +526,27 @@ def test_kvcache_rotary_through_the_bridge_matches_cupy():
     assert torch.equal(out, _torch(want)) and torch.equal(caches[0], _torch(copies[0]))
 
 
+def test_kvcache_packed_queries_through_the_bridge_match_cupy():
+    """cu_seqlens_q through the bridge: the CuPy call's bits, NaN rows included."""
+    import cuflash.torch as ct
+
+    torch.manual_seed(4)
+    q = torch.randn(9, 8, 128, device="cuda", dtype=torch.bfloat16)
+    caches = [torch.randn(16, 16, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    table = torch.randperm(16, device="cuda", dtype=torch.int32)[:12].reshape(3, 4)
+    lens = torch.tensor([40, 3, 64], device="cuda", dtype=torch.int32)
+    cu = torch.tensor([0, 1, 6, 8], device="cuda", dtype=torch.int32)  # the last row no sequence's
+    out, lse = ct.attention_with_kvcache(q, *caches, cache_seqlens=lens, page_table=table, cu_seqlens_q=cu,
+                                         max_seqlen_q=5, return_lse=True)
+    want, want_lse = cuflash.attention_with_kvcache(_cupy(q), *(_cupy(c) for c in caches), cache_seqlens=_cupy(lens),
+                                                    page_table=_cupy(table), cu_seqlens_q=_cupy(cu), max_seqlen_q=5,
+                                                    return_lse=True)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and lse.shape == (8, 9)
+    assert torch.equal(out.view(torch.int16), _torch(want).view(torch.int16))
+    assert torch.equal(lse.isnan(), _torch(want_lse).isnan()) and out[-1].isnan().all()
+
+
 @pytest.mark.usefixtures("warm_torch_mod_kernels")
 def test_varlen_mods_through_the_bridge_match_cupy():
     """attention_varlen with a score_mod capturing a torch tensor gives the bits of the CuPy calls

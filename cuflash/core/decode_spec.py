@@ -28,7 +28,8 @@ class DecodeSpec:
     ``warps_m`` row groups of 16 query rows (rows: the query tokens times the query heads of one
     kv head) share each key tile of ``block_n`` keys with ``4 / warps_m`` key groups; the tiles
     stream through ``num_stages`` cp.async stages. ``cache_dtype`` is the query dtype or an FP8
-    format; ``paged`` reads keys through a page table. ``score_mod`` / ``mask_mod`` name traced
+    format; ``paged`` reads keys through a page table; ``packed_q`` takes queries packed
+    [total_q, heads, head_dim] by offsets, each sequence its own count. ``score_mod`` / ``mask_mod`` name traced
     mods (their digests), evaluated per score element; the kernels then take the mods' arrays."""
 
     head_dim: int
@@ -42,11 +43,12 @@ class DecodeSpec:
     varlen: bool = False  # packed sequences of their own lengths (attention_varlen)
     score_mod: str = ""   # digest of a traced score_mod (mod_codegen.register); "" for none
     mask_mod: str = ""    # digest of a traced mask_mod; "" for none
+    packed_q: bool = False  # packed queries of their own counts over a cache (cu_seqlens_q)
 
     def __post_init__(self):
         problems = []
-        if self.varlen and (self.paged or self.fp8):
-            problems.append("varlen specs read packed 16-bit keys (no page table, no FP8)")
+        if self.varlen and (self.paged or self.fp8 or self.packed_q):
+            problems.append("varlen specs read packed 16-bit keys (no page table, no FP8; packed queries already)")
         if self.head_dim not in HEAD_DIMS:
             problems.append(f"head_dim={self.head_dim} (supported: multiples of 8 from 8 to 256)")
         if self.dtype not in QUERY_DTYPES:
@@ -85,7 +87,7 @@ class DecodeSpec:
 
     @property
     def name(self) -> str:
-        paged = "_paged" if self.paged else ""
+        paged = ("_paged" if self.paged else "") + ("_packed" if self.packed_q else "")
         kind = "varlen" if self.varlen else "kvcache"
         mods = (f"_sm{self.score_mod}" if self.score_mod else "") + (f"_mm{self.mask_mod}" if self.mask_mod else "")
         return (f"{kind}_{self.dtype}_{self.cache_dtype}{paged}_hd{self.head_dim}_m{16 * self.warps_m}"

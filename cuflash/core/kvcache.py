@@ -53,6 +53,12 @@ class KVCacheProblem:
     varlen: bool = False      # packed sequences: q [total_q, heads, d], k/v [total_k, heads_k, d]
     total_q: int = 0
     total_k: int = 0
+    packed_q: bool = False    # queries packed [total_q, heads, d] by cu_seqlens_q over a cache
+
+    @property
+    def packed(self) -> bool:
+        """Whether q, the output and the LSE are packed by offsets ([heads, total_q] LSE)."""
+        return self.varlen or self.packed_q
 
     @property
     def group(self) -> int:
@@ -92,14 +98,36 @@ def _int32_array(cupy, name, x, shape_text, device):
     return x
 
 
+def offsets(cupy, name, x, device):
+    """An int32 CuPy array [batch + 1] of packed sequences' offsets, checked (a contiguous copy
+    where strided)."""
+    if not isinstance(x, cupy.ndarray) or x.dtype != np.int32 or x.ndim != 1 or x.size < 1:
+        raise TypeError(f"{name} must be an int32 CuPy array [batch + 1] of offsets, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
+    if x.data.device_id != device:
+        raise ValueError(f"{name} is on device {x.data.device_id}, q on device {device}")
+    return x if x.strides == (4,) else x.copy()
+
+
+def poisoned_outputs(cupy, q):
+    """The output and LSE [heads, total_q], NaN until written: all-ones bytes are NaN in fp16, bf16
+    and float32 (a byte memset runs at full bandwidth, unlike a 16-bit fill)."""
+    out = cupy.empty(q.shape, dtype=q.dtype)
+    lse = cupy.empty((q.shape[1], q.shape[0]), dtype=cupy.float32)
+    for x in (out, lse):
+        x.data.memset_async(0xFF, x.nbytes)
+    return out, lse
+
+
 def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_table, causal, scale, fp8_format,
-                     window_size=(-1, -1), softcap=0.0):
+                     window_size=(-1, -1), softcap=0.0, packed=None):
     """Check a call's host-visible inputs; returns (problem, q, cache_seqlens, k_new, v_new) with
     q and the new keys copied where their rows are not 16-byte copyable, and an int length
-    broadcast to a device array."""
+    broadcast to a device array. ``packed``: (batch, max_seqlen_q) of queries packed
+    [total_q, heads, head_dim] by offsets."""
     import cupy
 
-    q = _array(cupy, "q", q, 4)
+    q = _array(cupy, "q", q, 4 if packed is None else 3)
     k_cache = _array(cupy, "k_cache", k_cache, 4)
     v_cache = _array(cupy, "v_cache", v_cache, 4)
     if not isinstance(causal, (bool, np.bool_)):
@@ -108,7 +136,7 @@ def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_t
     entry = dtypes.from_numpy(q.dtype)
     if not entry.tensor_core:
         raise TypeError(f"q has dtype {q.dtype}; the KV-cache kernels take float16 or bfloat16 queries")
-    batch, seqlen_q, heads, head_dim = q.shape
+    batch, seqlen_q, heads, head_dim = q.shape if packed is None else (*packed, *q.shape[1:])
     if fp8_format is None:
         cache_tag = entry.tag
         if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -204,7 +232,8 @@ def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_t
     problem = KVCacheProblem(batch, seqlen_q, heads, heads_k, head_dim, entry, cache_tag, paged, capacity,
                              page_size if paged else capacity, num_pages, seqlen_new, causal, float(scale), device,
                              tuple(k_cache.strides[:3]), tuple(v_cache.strides[:3]),
-                             validate_window(window_size, causal), validate_softcap(softcap))
+                             validate_window(window_size, causal), validate_softcap(softcap),
+                             packed_q=packed is not None, total_q=q.shape[0] if packed is not None else 0)
     if ceil_div(problem.rows, 64) > 65535:
         raise ValueError(f"seqlen_q x heads / heads_k = {problem.rows} query rows per kv head is too many")
     return problem, q, cache_seqlens, k_new, v_new
@@ -231,7 +260,7 @@ def descale_operand(cupy, name, value, heads_k, device):
 def select_spec(problem: KVCacheProblem, arch: str, mods=None) -> DecodeSpec:
     """The problem's specialization; ``mods`` (a modset.ModSet, or None) names its mods."""
     spec = _spec(problem.head_dim, problem.dtype.tag, problem.cache_dtype, problem.paged, min(problem.rows, 64), arch,
-                 problem.varlen)
+                 problem.varlen, problem.packed_q)
     return spec if mods is None else spec.replace(score_mod=mods.score_digest, mask_mod=mods.mask_digest)
 
 
@@ -244,11 +273,15 @@ def check_mods(problem: KVCacheProblem, score_mod, mask_mod) -> None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _spec(head_dim, dtype, cache_dtype, paged, rows, arch, varlen=False):
-    return policy.decode_spec(head_dim, dtype, cache_dtype, paged, rows, arch, varlen)
+def _spec(head_dim, dtype, cache_dtype, paged, rows, arch, varlen=False, packed_q=False):
+    return policy.decode_spec(head_dim, dtype, cache_dtype, paged, rows, arch, varlen, packed_q)
 
 
 def choose_splits(spec: DecodeSpec, problem: KVCacheProblem, num_splits) -> int:
+    if problem.packed:
+        if num_splits not in (None, 1):
+            raise ValueError(f"num_splits={num_splits!r}: packed queries (cu_seqlens_q) run unsplit; pass None or 1")
+        return 1
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) \
                 or not 1 <= num_splits <= MAX_SPLITS:
@@ -327,7 +360,7 @@ class KVCachePlan:
             self.buffers += (ws, tiles)
         d, h = problem.head_dim, problem.heads
         # q and out: C-contiguous bshd, or packed [total_q, heads, d] (varlen)
-        q_strides = (0 if problem.varlen else problem.seqlen_q * h * d, h * d, d)
+        q_strides = (0 if problem.packed else problem.seqlen_q * h * d, h * d, d)
         new_strides = (problem.seqlen_new * problem.heads_k * d, problem.heads_k * d, d)
         size = problem.cache_dtype in ("e4m3", "e5m2") and 1 or 2
         raw = DECODE_STRUCT.pack(
@@ -356,7 +389,7 @@ class KVCachePlan:
         if self._lse_scratch is None:
             import cupy
             p = self.problem
-            self._lse_scratch = cupy.empty((p.heads, p.total_q) if p.varlen else (p.batch, p.heads, p.seqlen_q),
+            self._lse_scratch = cupy.empty((p.heads, p.total_q) if p.packed else (p.batch, p.heads, p.seqlen_q),
                                            dtype=cupy.float32)
         return self._lse_scratch
 

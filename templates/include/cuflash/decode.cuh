@@ -468,28 +468,31 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p,
     const int bh = blockIdx.x, row0 = blockIdx.y * BM, split = blockIdx.z;
     const int b = bh / p.heads_k, hk = bh - b * p.heads_k;
     const int group = p.group;
-    // Per sequence: its query tokens and their first row in q (varlen: packed), its keys and their
-    // first row in the cache (varlen: packed), and whether these are valid.
+    // Per sequence: its query tokens and their first row in q (kPackedQ: packed), its keys and
+    // their first row in the cache (varlen: packed), and whether these are valid.
     int seqlen_q = p.seqlen_q, q_first = 0, kv_len, k_first = 0;
     bool bad_len;
-    if constexpr (Cfg::kVarlen) {
+    if constexpr (Cfg::kPackedQ) {
         q_first = p.cu_seqlens_q[b];
         seqlen_q = p.cu_seqlens_q[b + 1] - q_first;
-        k_first = p.cu_seqlens_k[b];
-        kv_len = p.cu_seqlens_k[b + 1] - k_first;
         const bool bad_q = q_first < 0 || seqlen_q < 0 || q_first > p.total_q - seqlen_q;
         if (bad_q) return;  // rows of no valid sequence keep the host's NaN
-        // A sequence with more rows than the grid covers (max_seqlen_q too small) is NaN as well.
-        bad_len = k_first < 0 || kv_len < 0 || k_first > p.total_k - kv_len
-                  || static_cast<long long>(seqlen_q) * group > static_cast<long long>(gridDim.y) * BM;
-        if (bad_len) kv_len = 0;
+    }
+    if constexpr (Cfg::kVarlen) {
+        k_first = p.cu_seqlens_k[b];
+        kv_len = p.cu_seqlens_k[b + 1] - k_first;
+        bad_len = k_first < 0 || kv_len < 0 || k_first > p.total_k - kv_len;
     } else {
         const int old_len = p.cache_seqlens[b];
         kv_len = old_len + p.seqlen_new;
         bad_len = old_len < 0 || kv_len > p.capacity;
     }
+    // A sequence with more rows than the grid covers (max_seqlen_q too small) is NaN as well.
+    if constexpr (Cfg::kPackedQ)
+        bad_len = bad_len || static_cast<long long>(seqlen_q) * group > static_cast<long long>(gridDim.y) * BM;
+    if (Cfg::kVarlen && bad_len) kv_len = 0;
     const int rows = seqlen_q * group;
-    if (Cfg::kVarlen && row0 >= rows) return;  // the grid covers the longest sequence
+    if (Cfg::kPackedQ && row0 >= rows) return;  // the grid covers the longest sequence
     const int kv_keys = bad_len ? 0 : kv_len;  // keys the copies may read
 
     // kWgmma: the stages start on 1024-byte boundaries (wgmma's swizzle atoms).
@@ -819,8 +822,8 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p,
         }
         const float factor = bad ? nan : (lr > 0.f ? v_scale * kept / lr : 0.f);
         const float lse = bad ? nan : (lr > 0.f ? (mr + log2_approx(lr)) * kLn2 : neg_inf());
-        // LSE [batch, heads, seqlen_q], or varlen [heads, total_q]
-        const long long state = Cfg::kVarlen ? static_cast<long long>(head) * p.total_q + q_first + token
+        // LSE [batch, heads, seqlen_q], or packed queries [heads, total_q]
+        const long long state = Cfg::kPackedQ ? static_cast<long long>(head) * p.total_q + q_first + token
                                              : (static_cast<long long>(b) * p.heads + head) * seqlen_q + token;
         // This row's output, columns 2c + e of tiles ot, in pairs of dims: (8 ot + 2c, + 1), or
         // with FP8 fragments, fp8_dim(ot, 2c + e) and the next (tile ot + 1).
@@ -852,7 +855,7 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p,
             if (lane % 4 == 0) p.lse_part[part] = lse;
         }
     }
-    if constexpr (!Cfg::kVarlen) {
+    if constexpr (!Cfg::kPackedQ) {  // packed queries run unsplit
         if (p.num_splits > 1 && !p.merge_apart)
             merge_splits<Cfg>(p, reinterpret_cast<float*>(smem + Cfg::kSmemStages), b * p.heads_k + hk, row0,
                               min(rows, row0 + BM), seqlen_q);
