@@ -302,3 +302,67 @@ def test_reference_of_packed_queries_is_each_sequences_own():
     assert (lse[:, offsets[2]:offsets[2] + 2] == -np.inf).all() and np.isnan(out[-2:]).all()
     with pytest.raises(ValueError, match="no k_new"):
         attention_with_kvcache_reference(q, k, v, np.array(lens), cu_seqlens_q=offsets, k_new=k[:, :1], v_new=v[:, :1])
+
+
+def test_packed_queries_launch_one_unsplit_grid_over_the_longest_sequence(monkeypatch):
+    """On the CPU stand-ins (tests/fake_device.py): a call with cu_seqlens_q compiles a packed-q
+    spec and launches blocks (batch x kv heads, row tiles of max_seqlen_q x group rows, 1 split)
+    with q's packed strides, the offsets, total_q and the lengths; the call again reuses its plan,
+    other offsets make another."""
+    cupy = pytest.importorskip("cupy")
+    import fake_device
+
+    import cuflash
+    from cuflash import kvcache
+    from cuflash.core import compile as _compile
+    from cuflash.core import kvcache as _kv
+    from cuflash.core.params import DECODE_PARAM_FIELDS, DECODE_STRUCT
+
+    driver = fake_device.FakeDriver(sizes=[DECODE_STRUCT.size])
+    fake_device.install(monkeypatch, cupy, driver=driver)
+    kernels = tuple(fake_device.FakeKernel(ptr) for ptr in (0xA, 0xB, 0xC))  # attend, append, merge
+    specs = []
+    monkeypatch.setattr(_compile, "get_kernel", lambda spec, device_id: specs.append(spec) or kernels)
+    monkeypatch.setattr(_kv, "poisoned_outputs", lambda cupy, q: (
+        cupy.empty(q.shape, q.dtype), cupy.empty((q.shape[1], q.shape[0]), cupy.float32)))
+    kvcache._plans.clear()
+    try:
+        batch, total_q, heads, heads_k, d, pages, page_size = 3, 10, 8, 2, 128, 20, 16
+        q = fake_device.fake_array(cupy, (total_q, heads, d), np.float16, 0x1000_0000)
+        k, v = (fake_device.fake_array(cupy, (pages, page_size, heads_k, d), np.float16, 0x2000_0000 + i * 0x100_0000)
+                for i in range(2))
+        table = fake_device.fake_array(cupy, (batch, 4), np.int32, 0x3000_0000)
+        lens = fake_device.fake_array(cupy, (batch,), np.int32, 0x3100_0000)
+        offsets = fake_device.fake_array(cupy, (batch + 1,), np.int32, 0x3200_0000)
+        out, lse = cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=offsets,
+                                                  max_seqlen_q=5, return_lse=True)
+        assert out.shape == q.shape and lse.shape == (heads, total_q)
+        spec = specs[-1]
+        assert spec.packed_q and spec.paged and "_packed" in spec.name and spec.block_m == 32  # 5 x 4 rows
+        (launch, args), = driver.launches
+        assert launch[0] == 0xA and launch[1] == (batch * heads_k, 1, 1)
+        params = dict(zip((name for name, _, _ in DECODE_PARAM_FIELDS), DECODE_STRUCT.unpack(args[0])))
+        assert params["cu_seqlens_q"] == offsets.data.ptr and params["cu_seqlens_k"] == 0
+        assert params["cache_seqlens"] == lens.data.ptr and params["page_table"] == table.data.ptr
+        assert (params["q_batch_stride"], params["q_row_stride"], params["q_head_stride"]) == (0, heads * d, d)
+        assert (params["o_batch_stride"], params["o_row_stride"], params["o_head_stride"]) == (0, heads * d, d)
+        assert params["total_q"] == total_q and params["seqlen_q"] == 5 and params["num_splits"] == 1
+        assert params["lse"] == lse.data.ptr and params["q"] == q.data.ptr
+        cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=offsets,
+                                       max_seqlen_q=5)
+        assert len(kvcache._plans) == 1 and len(specs) == 1 and len(driver.launches) == 2
+        other = fake_device.fake_array(cupy, (batch + 1,), np.int32, 0x3300_0000)
+        cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=other,
+                                       max_seqlen_q=5)
+        assert len(kvcache._plans) == 2
+        (_, args), = driver.launches[-1:]
+        assert DECODE_STRUCT.unpack(args[0])[14] == other.data.ptr  # cu_seqlens_q
+        with pytest.raises(ValueError, match="num_splits=4"):
+            cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=offsets,
+                                           max_seqlen_q=5, num_splits=4)
+        with pytest.raises(ValueError, match="k_new and v_new with cu_seqlens_q"):
+            cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=offsets,
+                                           max_seqlen_q=5, k_new=k[:batch, :1], v_new=v[:batch, :1])
+    finally:
+        kvcache._plans.clear()
+        fake_device.uninstall(cupy)

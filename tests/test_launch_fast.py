@@ -444,11 +444,12 @@ def test_calls_with_sinks_keep_a_plan_per_sinks_array(device):
 @pytest.mark.parametrize("device", ["sm90a"], indirect=True)
 def test_repeated_varlen_calls_launch_from_their_plan(device, monkeypatch):
     from cuflash import varlen
+    from cuflash.core import kvcache as _kv
 
     kernel, driver = device
     varlen._plans.clear()
     addresses = iter(range(0x3000_0000, 0x4000_0000, 0x10_0000))
-    monkeypatch.setattr(varlen, "_poisoned_outputs", lambda cupy_, q: (
+    monkeypatch.setattr(_kv, "poisoned_outputs", lambda cupy_, q: (
         fake_device.fake_array(cupy, q.shape, q.dtype, next(addresses)),
         fake_device.fake_array(cupy, (q.shape[1], q.shape[0]), np.float32, next(addresses))))
     q, k, v = _inputs(shape=(300, 4, 64))
