@@ -13,6 +13,7 @@ CuPy arrays alike (with the arrays' own module), in float32.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .fp8 import _xp
 
@@ -107,7 +108,7 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
 
     from . import fp8, reference
     from . import mods as _mods
-    from .testing import to_numpy
+    from .problems import to_numpy
 
     q = to_numpy(q)
     k_cache, v_cache = to_numpy(k_cache).copy(), to_numpy(v_cache).copy()
@@ -197,4 +198,142 @@ def _window_mask(window_size, causal, offset):
     return _mods._window_size_mask(left, -1 if causal else right, offset)
 
 
-__all__ = ["merge_states", "attention_with_kvcache_reference"]
+@dataclass(frozen=True)
+class KVCacheAttentionProblem:
+    """One :func:`cuflash.attention_with_kvcache` case for tests and fuzzing: the sizes, each
+    sequence's keys in its cache, the new keys, the page size and the variants.
+
+    ``lengths[b]``: the keys sequence b's cache holds before the call (with ``packed_counts``:
+    all its keys, its queries' own included). ``seqlen_q`` queries per sequence, or with
+    ``packed_counts`` that many per sequence, packed by ``cu_seqlens_q``. ``page_size`` None is a
+    contiguous cache of ``capacity`` keys per sequence; else pages in shuffled order with spare
+    pages among them."""
+
+    batch: int
+    heads: int
+    heads_k: int
+    head_dim: int
+    dtype: str                  # "fp16" or "bf16"
+    lengths: tuple
+    capacity: int               # keys one sequence's cache holds
+    seqlen_q: int = 1
+    seqlen_new: int = 0         # keys appended by the call (k_new, v_new)
+    page_size: int | None = None
+    causal: bool = True
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+    num_splits: int | None = None
+    packed_counts: tuple | None = None
+
+    def __post_init__(self):
+        from .core import dtypes
+        from .core.spec import HEAD_DIMS
+        from .core.validate import validate_variants
+
+        object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
+        object.__setattr__(self, "window_size", tuple(self.window_size))
+        if self.packed_counts is not None:
+            object.__setattr__(self, "packed_counts", tuple(int(n) for n in self.packed_counts))
+        problems = []
+        if self.dtype not in ("fp16", "bf16") or dtypes.from_tag(self.dtype).tag != self.dtype:
+            problems.append(f"dtype={self.dtype!r} (fp16 or bf16)")
+        if self.head_dim not in HEAD_DIMS:
+            problems.append(f"head_dim={self.head_dim} (multiples of 8 from 8 to 256)")
+        if min(self.batch, self.heads, self.heads_k) < 1 or self.heads % self.heads_k:
+            problems.append(f"batch={self.batch}, heads={self.heads}, heads_k={self.heads_k}: at least 1 each, "
+                            f"heads a multiple of heads_k")
+        if len(self.lengths) != self.batch or any(not 0 <= n <= self.capacity - self.seqlen_new for n in self.lengths):
+            problems.append(f"lengths={self.lengths}: one per sequence, from 0 to capacity={self.capacity} - "
+                            f"seqlen_new={self.seqlen_new}")
+        if self.page_size is not None and (self.page_size < 1 or self.capacity % self.page_size):
+            problems.append(f"page_size={self.page_size} must divide capacity={self.capacity}")
+        if self.packed_counts is not None and (len(self.packed_counts) != self.batch or self.seqlen_new
+                                               or min(self.packed_counts, default=0) < 0):
+            problems.append(f"packed_counts={self.packed_counts}: one count per sequence, and no new keys")
+        try:
+            validate_variants(self.window_size, self.softcap, self.causal)
+        except (TypeError, ValueError) as exc:
+            problems.append(str(exc))
+        if problems:
+            raise ValueError("invalid KV-cache problem: " + "; ".join(problems))
+
+    @property
+    def name(self) -> str:
+        """A short readable label, e.g. ``bf16 hd128 b3 h8/2 sq4 new4 page16 causal``."""
+        queries = f"packed{list(self.packed_counts)}" if self.packed_counts is not None else f"sq{self.seqlen_q}"
+        parts = [self.dtype, f"hd{self.head_dim}", f"b{self.batch}", f"h{self.heads}/{self.heads_k}", queries,
+                 f"lens{list(self.lengths)}"]
+        if self.seqlen_new:
+            parts.append(f"new{self.seqlen_new}")
+        parts.append(f"page{self.page_size}" if self.page_size else f"cap{self.capacity}")
+        if self.causal:
+            parts.append("causal")
+        if self.window_size != (-1, -1):
+            parts.append("window{},{}".format(*self.window_size))
+        if self.softcap:
+            parts.append(f"softcap{self.softcap:g}")
+        if self.num_splits is not None:
+            parts.append(f"splits{self.num_splits}")
+        return " ".join(parts)
+
+    def make_inputs(self, xp=None, seed: int | None = None) -> dict:
+        """The call's arrays on ``xp`` (default NumPy): q, k_cache, v_cache, cache_seqlens (int32),
+        page_table, k_new, v_new and cu_seqlens_q (None where unused), N(0, 1) values in the
+        problem's dtype. Cache rows past each length, and the spare pages, hold NaN: a kernel that
+        reads them shows it."""
+        import numpy as np
+
+        from .core import dtypes
+
+        xp = np if xp is None else xp
+        rng = np.random.default_rng(seed)
+        dtype = dtypes.DTYPES[self.dtype].numpy
+        kv = (self.heads_k, self.head_dim)
+        draw = lambda *shape: rng.standard_normal(shape, dtype=np.float32).astype(dtype)  # noqa: E731
+        counts = self.packed_counts
+        q = draw(sum(counts), self.heads, self.head_dim) if counts is not None else \
+            draw(self.batch, self.seqlen_q, self.heads, self.head_dim)
+        table = None
+        if self.page_size is None:
+            caches = [np.full((self.batch, self.capacity) + kv, np.nan, np.float32).astype(dtype) for _ in range(2)]
+        else:
+            per_seq = self.capacity // self.page_size
+            pages = self.batch * per_seq + 3
+            table = rng.permutation(pages)[:self.batch * per_seq].reshape(self.batch, per_seq).astype(np.int32)
+            caches = [np.full((pages, self.page_size) + kv, np.nan, np.float32).astype(dtype) for _ in range(2)]
+        for b, n in enumerate(self.lengths):
+            keys = np.arange(n)
+            where = (b, keys) if table is None else (table[b, keys // self.page_size], keys % self.page_size)
+            for cache in caches:
+                cache[where] = draw(n, *kv)
+        new = [draw(self.batch, self.seqlen_new, *kv) for _ in range(2)] if self.seqlen_new else [None, None]
+        offsets = None if counts is None else np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        arrays = dict(q=q, k_cache=caches[0], v_cache=caches[1], cache_seqlens=np.asarray(self.lengths, np.int32),
+                      page_table=table, k_new=new[0], v_new=new[1], cu_seqlens_q=offsets)
+        return {name: None if x is None else xp.asarray(x) for name, x in arrays.items()}
+
+    def call_kwargs(self, inputs: dict) -> dict:
+        """The keywords of :func:`cuflash.attention_with_kvcache` beside q and the caches."""
+        kwargs = {name: inputs[name] for name in ("cache_seqlens", "page_table", "k_new", "v_new", "cu_seqlens_q")}
+        if self.packed_counts is not None:
+            kwargs["max_seqlen_q"] = max(self.packed_counts, default=0)
+        return dict(kwargs, causal=self.causal, window_size=self.window_size, softcap=self.softcap,
+                    num_splits=self.num_splits)
+
+    def _reference(self, inputs: dict, naive: bool):
+        args = {name: inputs[name] for name in ("page_table", "k_new", "v_new", "cu_seqlens_q")}
+        return attention_with_kvcache_reference(inputs["q"], inputs["k_cache"], inputs["v_cache"],
+                                                inputs["cache_seqlens"], causal=self.causal,
+                                                window_size=self.window_size, softcap=self.softcap, naive=naive,
+                                                **args)
+
+    def reference(self, inputs: dict):
+        """float64 ``(out, lse, k_cache, v_cache)`` of :func:`attention_with_kvcache_reference`."""
+        return self._reference(inputs, naive=False)
+
+    def naive(self, inputs: dict):
+        """The same in the inputs' precision: the accuracy baseline."""
+        return self._reference(inputs, naive=True)
+
+
+__all__ = ["merge_states", "attention_with_kvcache_reference", "KVCacheAttentionProblem"]

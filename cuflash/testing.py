@@ -336,6 +336,59 @@ def fp8_attention_problems(*, head_dims=FP8_HEAD_DIMS, formats=FP8_FORMATS, gran
     return problems()
 
 
+def kvcache_problems(*, head_dims=(64, 128), dtypes=("fp16", "bf16"), page_sizes=(None, 1, 16, 256),
+                     packed=None, max_batch: int = 4, max_seqlen_q: int = 16, max_length: int = 1023,
+                     max_heads: int = 8, allow_gqa: bool = True, variants: bool = False):
+    """A Hypothesis strategy of :class:`~cuflash.serving.KVCacheAttentionProblem`: decode steps,
+    speculative verification and chunked prefill over contiguous or paged caches.
+
+    Head dims, dtypes and page sizes are ``sampled_from`` their arguments (None: a contiguous
+    cache), so the kernels a test compiles stay bounded. Each sequence's length is drawn on its
+    own, empty and full caches among them. Half the problems append new keys; ``packed`` (None:
+    drawn) packs the queries by ``cu_seqlens_q``, each sequence its own count, some with none and
+    some with more queries than keys. ``variants`` also draws a sliding window and a softcap.
+    """
+    from hypothesis import strategies as st
+
+    from .serving import KVCacheAttentionProblem
+
+    packed_strategy = st.booleans() if packed is None else st.just(bool(packed))
+
+    @st.composite
+    def problems(draw):
+        head_dim = draw(st.sampled_from(tuple(head_dims)))
+        dtype = draw(st.sampled_from(tuple(_dtype_entry(t).tag for t in dtypes)))
+        page_size = draw(st.sampled_from(tuple(page_sizes)))
+        batch = draw(st.integers(1, max_batch))
+        heads_k = draw(st.sampled_from((1, 2))) if allow_gqa else 1
+        heads = heads_k * (draw(st.sampled_from(tuple(g for g in (1, 2, 4, 8) if heads_k * g <= max_heads)))
+                           if allow_gqa else 1)
+        if not allow_gqa:
+            heads = heads_k = draw(st.integers(1, max_heads))
+        is_packed = draw(packed_strategy)
+        seqlen_q = draw(st.integers(1, max_seqlen_q))
+        seqlen_new = 0 if is_packed or not draw(st.booleans()) else draw(st.integers(1, max_seqlen_q))
+        unit = page_size or 1
+        capacity = -(-max(draw(seqlens(max_value=max_length)), seqlen_new + 1) // unit) * unit
+        room = capacity - seqlen_new
+        length = st.one_of(st.just(0), st.just(room), st.integers(0, room))
+        lengths = tuple(draw(length) for _ in range(batch))
+        counts = tuple(draw(st.integers(0, max_seqlen_q)) for _ in range(batch)) if is_packed else None
+        causal = draw(st.booleans())
+        window, cap = (-1, -1), 0.0
+        if variants:
+            bound = st.one_of(st.just(-1), st.integers(0, capacity))
+            window = (draw(bound), 0 if causal else draw(bound))
+            cap = draw(st.sampled_from((0.0, 5.0, 30.0)))
+        splits = draw(st.sampled_from((None, 1, 3))) if not is_packed else None
+        return KVCacheAttentionProblem(batch=batch, heads=heads, heads_k=heads_k, head_dim=head_dim, dtype=dtype,
+                                       lengths=lengths, capacity=capacity, seqlen_q=seqlen_q, seqlen_new=seqlen_new,
+                                       page_size=page_size, causal=causal, window_size=window, softcap=cap,
+                                       num_splits=splits, packed_counts=counts)
+
+    return problems()
+
+
 def register_hypothesis_profiles(load: str | None = None) -> tuple[str, ...]:
     """Register the ``"ci"`` and ``"dev"`` Hypothesis profiles; load ``load`` if given.
 
@@ -358,5 +411,5 @@ __all__ = ["AWKWARD_SEQLENS", "MAX_PROBLEM_WORK", "Tolerance", "TOLERANCES", "At
            "FP8_FORMATS", "FP8_GRANULARITIES", "FP8_OUT_DTYPES", "FP8_HEAD_DIMS", "Fp8Inputs",
            "Fp8AttentionProblem", "fp8_attention_problems",
            "assert_gradients_close",
-           "assert_attention_close", "to_numpy", "seqlens", "seqlen_pairs", "attention_problems",
+           "assert_attention_close", "to_numpy", "seqlens", "seqlen_pairs", "attention_problems", "kvcache_problems",
            "register_hypothesis_profiles"]

@@ -3,10 +3,11 @@ tokens, GQA, contiguous and paged caches (shuffled pages), appends, forced split
 lengths and page ids the kernels must refuse, and a decode loop captured in a CUDA graph."""
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 import cuflash
 from cuflash.serving import attention_with_kvcache_reference
-from cuflash.testing import assert_attention_close, to_numpy
+from cuflash.testing import assert_attention_close, kvcache_problems, to_numpy
 
 cupy = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("warm_kvcache_kernels")]
@@ -527,3 +528,19 @@ def test_packed_queries_bad_inputs_are_named():
     assert np.array_equal(to_numpy(first).view(np.uint16), to_numpy(again).view(np.uint16))
     other = call(dq, dk, dv, cache_seqlens=lens, cu_seqlens_q=cupy.asarray(np.array([0, 5, 5], np.int32)))
     assert np.isfinite(to_numpy(other)).all() and not np.array_equal(to_numpy(other), to_numpy(first))
+
+
+@settings(max_examples=16)
+@given(problem=kvcache_problems(head_dims=(128,), max_batch=3, max_length=700))
+def test_drawn_kvcache_problems_match_the_reference(problem):
+    """Decode, verification and chunked-prefill calls drawn by cuflash.testing.kvcache_problems
+    (contiguous and paged caches, appends, packed queries, splits) against the float64 reference;
+    the caches after the append bit for bit."""
+    inputs = problem.make_inputs(cupy, seed=0)
+    out, lse = cuflash.attention_with_kvcache(inputs["q"], inputs["k_cache"], inputs["v_cache"], return_lse=True,
+                                              **problem.call_kwargs(inputs))
+    ref, ref_lse, k_after, v_after = problem.reference(problem.make_inputs(seed=0))
+    naive, naive_lse, _, _ = problem.naive(problem.make_inputs(seed=0))
+    assert_attention_close(out, ref, problem.dtype, baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+    assert np.array_equal(to_numpy(inputs["k_cache"]).view(np.uint16), k_after.view(np.uint16))
+    assert np.array_equal(to_numpy(inputs["v_cache"]).view(np.uint16), v_after.view(np.uint16))

@@ -4,12 +4,14 @@ import concurrent.futures
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from cuflash.core.compile import compile_offline
 from cuflash.core.decode_spec import MAX_SPLITS, DecodeSpec
 from cuflash.core.policy import all_decode_specs, decode_spec, decode_splits
 from cuflash.core.render import generate
 from cuflash.serving import attention_with_kvcache_reference
+from cuflash.testing import kvcache_problems
 from cuflash import reference
 
 
@@ -366,3 +368,39 @@ def test_packed_queries_launch_one_unsplit_grid_over_the_longest_sequence(monkey
     finally:
         kvcache._plans.clear()
         fake_device.uninstall(cupy)
+
+
+@settings(max_examples=40)
+@given(problem=kvcache_problems(variants=True, max_length=300))
+def test_drawn_kvcache_problems_hide_nan_where_no_call_may_read(problem):
+    """Every drawn problem is valid; its caches hold NaN past each length and in spare pages, and
+    the reference (which reads only what a sequence owns) stays finite."""
+    inputs = problem.make_inputs(seed=0)
+    k_cache, table = inputs["k_cache"], inputs["page_table"]
+    for b, n in enumerate(problem.lengths):
+        owned = (np.full(n, b), np.arange(n)) if table is None else \
+            (table[b, np.arange(n) // problem.page_size], np.arange(n) % problem.page_size)
+        assert np.isfinite(k_cache[owned].astype(np.float32)).all()
+    finite = int(np.isfinite(k_cache.astype(np.float32)).any(axis=(2, 3)).sum())
+    assert finite == sum(problem.lengths)  # nothing else holds a number
+    out, lse, _, _ = problem.reference(inputs)
+    assert np.isfinite(out).all() and not np.isnan(lse).any()
+    rows = sum(problem.packed_counts) if problem.packed_counts is not None else problem.batch * problem.seqlen_q
+    assert out.size == rows * problem.heads * problem.head_dim
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(lengths=(3,)), "one per sequence"),
+    (dict(lengths=(3, 300)), "from 0 to capacity"),
+    (dict(page_size=7), "page_size=7 must divide"),
+    (dict(heads=3), "heads a multiple of heads_k"),
+    (dict(dtype="fp32"), "fp16 or bf16"),
+    (dict(packed_counts=(1, 2), seqlen_new=1), "no new keys"),
+    (dict(window_size=(-2, 0)), "window"),
+])
+def test_invalid_kvcache_problems_are_named(kwargs, match):
+    from cuflash.serving import KVCacheAttentionProblem
+
+    base = dict(batch=2, heads=4, heads_k=2, head_dim=64, dtype="bf16", lengths=(3, 10), capacity=64)
+    with pytest.raises(ValueError, match=match):
+        KVCacheAttentionProblem(**{**base, **kwargs})
