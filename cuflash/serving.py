@@ -190,6 +190,41 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
     return out.astype(out_dtype), lse.astype(np.float32 if naive else np.float64), k_cache, v_cache
 
 
+def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
+                               window_size=(-1, -1), softcap=0.0, sinks=None, score_mod=None, mask_mod=None,
+                               naive=False):
+    """What :func:`cuflash.attention_varlen` computes, on NumPy arrays (CuPy arrays are copied to
+    the host): each packed sequence's attention over its own keys, in float64 (``naive=True``:
+    :func:`cuflash.reference.attention_naive` in q's precision). ``score_mod`` and ``mask_mod``
+    see ``b`` the sequence's index and ``q_idx`` / ``kv_idx`` positions within it, from 0.
+
+    Returns ``(out, lse)``: [total_q, heads, head_dim] and [heads, total_q]; rows that no
+    sequence covers are NaN, a row with no key 0 (LSE -inf)."""
+    import numpy as np
+
+    from . import mods as _mods
+    from . import reference
+    from .problems import to_numpy
+
+    q, k, v = to_numpy(q), to_numpy(k), to_numpy(v)
+    starts_q, starts_k = (to_numpy(x).astype(np.int64) for x in (cu_seqlens_q, cu_seqlens_k))
+    if starts_q.shape != starts_k.shape or starts_q.ndim != 1:
+        raise ValueError(f"cu_seqlens_q {starts_q.shape} and cu_seqlens_k {starts_k.shape} must be [batch + 1] each")
+    fn = reference.attention_naive if naive else reference.attention_reference
+    out = np.full(q.shape, np.nan)
+    lse = np.full((q.shape[1], q.shape[0]), np.nan)
+    for b in range(starts_q.size - 1):
+        qs, ks = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
+        if qs.stop <= qs.start:
+            continue
+        mods = dict(sinks=None if sinks is None else to_numpy(sinks), window_size=window_size, softcap=softcap,
+                    score_mod=None if score_mod is None else _mods._rebased(score_mod, "score", b),
+                    mask_mod=None if mask_mod is None else _mods._rebased(mask_mod, "mask", b))
+        o, l = fn(q[None, qs], k[None, ks], v[None, ks], causal=causal, scale=scale, layout="bshd", **mods)
+        out[qs], lse[:, qs] = o[0], l[0]
+    return out.astype(q.dtype if naive else np.float64), lse.astype(np.float32 if naive else np.float64)
+
+
 def _window_mask(window_size, causal, offset):
     """The mask_mod of a sliding window for queries at positions q_idx + offset, or None."""
     from . import mods as _mods
@@ -336,4 +371,5 @@ class KVCacheAttentionProblem:
         return self._reference(inputs, naive=True)
 
 
-__all__ = ["merge_states", "attention_with_kvcache_reference", "KVCacheAttentionProblem"]
+__all__ = ["merge_states", "attention_with_kvcache_reference", "attention_varlen_reference",
+           "KVCacheAttentionProblem"]

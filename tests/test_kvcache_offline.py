@@ -404,3 +404,34 @@ def test_invalid_kvcache_problems_are_named(kwargs, match):
     base = dict(batch=2, heads=4, heads_k=2, head_dim=64, dtype="bf16", lengths=(3, 10), capacity=64)
     with pytest.raises(ValueError, match=match):
         KVCacheAttentionProblem(**{**base, **kwargs})
+
+
+def test_varlen_reference_is_each_sequences_own_attention():
+    """cuflash.serving.attention_varlen_reference: sequence b's rows are the reference of its own
+    queries and keys, its mods read at b and positions from 0; rows past the offsets NaN."""
+    from cuflash.serving import attention_varlen_reference
+
+    rng = np.random.default_rng(6)
+    lens_q, lens_k = [3, 0, 5], [4, 2, 9]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k))
+    q = rng.standard_normal((cu_q[-1] + 1, 4, 16))
+    k, v = rng.standard_normal((2, cu_k[-1], 2, 16))
+    bias = rng.standard_normal(3)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[b] * (q_idx - kv_idx)
+
+    out, lse = attention_varlen_reference(q, k, v, cu_q, cu_k, causal=True, score_mod=score_mod)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0]) and np.isnan(out[-1]).all()
+    for b in (0, 2):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+
+        def own(score, b_, h, q_idx, kv_idx, b=b):
+            return score + bias[b] * (q_idx - kv_idx)
+
+        want, want_lse = reference.attention_reference(q[None, qs], k[None, ks], v[None, ks], causal=True,
+                                                       layout="bshd", score_mod=own)
+        assert np.allclose(out[qs], want[0]) and np.allclose(lse[:, qs], want_lse[0])
+    naive, _ = attention_varlen_reference(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), cu_q,
+                                          cu_k, causal=True, score_mod=score_mod, naive=True)
+    assert naive.dtype == np.float16 and np.nanmax(np.abs(naive - out)) < 1e-2

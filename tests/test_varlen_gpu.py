@@ -6,6 +6,7 @@ import pytest
 
 import cuflash
 from cuflash import reference
+from cuflash.serving import attention_varlen_reference
 from cuflash.testing import assert_attention_close, to_numpy
 
 cupy = pytest.importorskip("cupy")
@@ -27,17 +28,7 @@ def _packed(rng, lens_q, lens_k, heads, heads_k, head_dim, dtype):
 
 
 def _reference(q, k, v, cu_q, cu_k, naive=False, **kwargs):
-    heads = q.shape[1]
-    out = np.zeros(q.shape, dtype=np.float64 if not naive else q.dtype)
-    lse = np.zeros((heads, q.shape[0]))
-    fn = reference.attention_naive if naive else reference.attention_reference
-    for b in range(len(cu_q) - 1):
-        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        if qs.stop == qs.start:
-            continue
-        o, l = fn(q[None, qs], k[None, ks], v[None, ks], layout="bshd", **kwargs)
-        out[qs], lse[:, qs] = o[0], l[0]
-    return out, lse
+    return attention_varlen_reference(q, k, v, cu_q, cu_k, naive=naive, **kwargs)
 
 
 # every dtype x head dim x mask once; the head counts (GQA 4:1, none, MQA) taken in turn, each
