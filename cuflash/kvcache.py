@@ -63,9 +63,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
             ``cu_seqlens_q[b]`` to ``cu_seqlens_q[b + 1]`` (int32 CuPy array [batch + 1], read on
             the device), so a batch mixes decode and prefill without padding. ``cache_seqlens``
             then counts every key, the queries' own included (no k_new); the output is packed
-            like q, the LSE [heads, total_q], rows no sequence covers stay NaN, and the keys run
-            unsplit. ``max_seqlen_q`` (the most queries of one sequence; None reads the offsets
-            on the host once) sizes the grid: a sequence with more gets NaN rows.
+            like q, the LSE [heads, total_q], rows no sequence covers stay NaN, and the keys are
+            split only when ``num_splits`` asks. ``max_seqlen_q`` (the most queries of one
+            sequence; None reads the offsets on the host once) sizes the grid: a sequence with
+            more gets NaN rows.
 
     Returns:
         The output [batch, seqlen_q, heads, head_dim] in q's dtype (and the LSE). A row with no

@@ -380,7 +380,7 @@ def kvcache_problems(*, head_dims=(64, 128), dtypes=("fp16", "bf16"), page_sizes
             bound = st.one_of(st.just(-1), st.integers(0, capacity))
             window = (draw(bound), 0 if causal else draw(bound))
             cap = draw(st.sampled_from((0.0, 5.0, 30.0)))
-        splits = draw(st.sampled_from((None, 1, 3))) if not is_packed else None
+        splits = draw(st.sampled_from((None, 1, 3)))
         return KVCacheAttentionProblem(batch=batch, heads=heads, heads_k=heads_k, head_dim=head_dim, dtype=dtype,
                                        lengths=lengths, capacity=capacity, seqlen_q=seqlen_q, seqlen_new=seqlen_new,
                                        page_size=page_size, causal=causal, window_size=window, softcap=cap,

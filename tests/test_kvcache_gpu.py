@@ -479,10 +479,12 @@ def test_packed_queries_over_a_cache(dtype, head_dim, page_size, causal, heads, 
     device_kwargs = dict(kwargs, page_table=None if table is None else cupy.asarray(table),
                          sinks=None if not mods else cupy.asarray(kwargs["sinks"]))
     mod_kwargs = dict(score_mod=alibi, mask_mod=recent) if mods else {}
-    for max_seqlen_q in (17, None):
+    # unsplit (max_seqlen_q given, then read from the offsets), split and merged by the last split
+    # to finish, split and merged by the merge kernel
+    for max_seqlen_q, num_splits in ((17, None), (None, None), (17, 3), (17, 64)):
         out, lse = cuflash.attention_with_kvcache(dq, dk, dv, cache_seqlens=dlens, cu_seqlens_q=doffsets,
-                                                  max_seqlen_q=max_seqlen_q, return_lse=True, **device_kwargs,
-                                                  **mod_kwargs)
+                                                  max_seqlen_q=max_seqlen_q, return_lse=True, num_splits=num_splits,
+                                                  **device_kwargs, **mod_kwargs)
         assert out.shape == q.shape and lse.shape == (heads, q.shape[0])
         ref, ref_lse, _, _ = attention_with_kvcache_reference(q, kc, vc, lens, cu_seqlens_q=offsets, **kwargs,
                                                               **mod_kwargs)
@@ -494,9 +496,10 @@ def test_packed_queries_over_a_cache(dtype, head_dim, page_size, causal, heads, 
             first = to_numpy(lse)[:, offsets[2]:offsets[2] + 2]  # 7 queries, 5 keys: two rows see none
             assert (first == -np.inf).all() and (to_numpy(out)[offsets[2]:offsets[2] + 2] == 0).all()
     # a grid too small for the longest sequence: its rows NaN, the others as before
-    short = cuflash.attention_with_kvcache(dq, dk, dv, cache_seqlens=dlens, cu_seqlens_q=doffsets, max_seqlen_q=7,
-                                           **device_kwargs, **mod_kwargs)
-    assert np.isnan(to_numpy(short)[offsets[4]:offsets[5]]).all()
+    for num_splits in (None, 3):
+        short = cuflash.attention_with_kvcache(dq, dk, dv, cache_seqlens=dlens, cu_seqlens_q=doffsets, max_seqlen_q=7,
+                                               num_splits=num_splits, **device_kwargs, **mod_kwargs)
+        assert np.isnan(to_numpy(short)[offsets[4]:offsets[5]]).all() and np.isnan(to_numpy(short)[-2:]).all()
     got, want = (to_numpy(x)[:offsets[4]].astype(np.float32) for x in (short, out))
     assert np.allclose(got, want, rtol=2e-2, atol=2e-2, equal_nan=True)
 
@@ -510,8 +513,8 @@ def test_packed_queries_bad_inputs_are_named():
     call = cuflash.attention_with_kvcache
     with pytest.raises(ValueError, match="k_new and v_new with cu_seqlens_q"):
         call(dq, dk, dv, cache_seqlens=lens, cu_seqlens_q=doffsets, k_new=dk[:, :1], v_new=dv[:, :1])
-    with pytest.raises(ValueError, match="num_splits=2"):
-        call(dq, dk, dv, cache_seqlens=lens, cu_seqlens_q=doffsets, num_splits=2)
+    with pytest.raises(ValueError, match="num_splits=0"):
+        call(dq, dk, dv, cache_seqlens=lens, cu_seqlens_q=doffsets, num_splits=0)
     with pytest.raises(ValueError, match="3-d"):
         call(dq[None], dk, dv, cache_seqlens=lens, cu_seqlens_q=doffsets)
     with pytest.raises(ValueError, match="max_seqlen_q goes with cu_seqlens_q"):

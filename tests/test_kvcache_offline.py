@@ -308,7 +308,8 @@ def test_reference_of_packed_queries_is_each_sequences_own():
 
 def test_packed_queries_launch_one_unsplit_grid_over_the_longest_sequence(monkeypatch):
     """On the CPU stand-ins (tests/fake_device.py): a call with cu_seqlens_q compiles a packed-q
-    spec and launches blocks (batch x kv heads, row tiles of max_seqlen_q x group rows, 1 split)
+    spec and launches blocks (batch x kv heads, row tiles of max_seqlen_q x group rows, 1 split
+    unless num_splits asks)
     with q's packed strides, the offsets, total_q and the lengths; the call again reuses its plan,
     other offsets make another."""
     cupy = pytest.importorskip("cupy")
@@ -359,9 +360,20 @@ def test_packed_queries_launch_one_unsplit_grid_over_the_longest_sequence(monkey
         assert len(kvcache._plans) == 2
         (_, args), = driver.launches[-1:]
         assert DECODE_STRUCT.unpack(args[0])[14] == other.data.ptr  # cu_seqlens_q
-        with pytest.raises(ValueError, match="num_splits=4"):
+        # splits only when asked: [heads, total_q] partials per split
+        kvcache._plans.clear()
+        driver.launches.clear()
+        monkeypatch.setattr(_kv, "_workspace", lambda cupy_, size, key, dtype="float32": fake_device.fake_array(
+            cupy, (size,), dtype, 0x4000_0000 if dtype == "float32" else 0x4800_0000))
+        cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=offsets,
+                                       max_seqlen_q=5, num_splits=4)
+        (launch, args), = driver.launches
+        params = dict(zip((name for name, _, _ in DECODE_PARAM_FIELDS), DECODE_STRUCT.unpack(args[0])))
+        assert launch[1] == (batch * heads_k, 1, 4) and params["num_splits"] == 4 and params["o_part"]
+        assert params["lse_part"] - params["o_part"] == 4 * 4 * heads * total_q * d
+        with pytest.raises(ValueError, match="num_splits=0"):
             cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=offsets,
-                                           max_seqlen_q=5, num_splits=4)
+                                           max_seqlen_q=5, num_splits=0)
         with pytest.raises(ValueError, match="k_new and v_new with cu_seqlens_q"):
             cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, page_table=table, cu_seqlens_q=offsets,
                                            max_seqlen_q=5, k_new=k[:batch, :1], v_new=v[:batch, :1])

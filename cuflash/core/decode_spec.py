@@ -29,7 +29,8 @@ class DecodeSpec:
     kv head) share each key tile of ``block_n`` keys with ``4 / warps_m`` key groups; the tiles
     stream through ``num_stages`` cp.async stages. ``cache_dtype`` is the query dtype or an FP8
     format; ``paged`` reads keys through a page table; ``packed_q`` takes queries packed
-    [total_q, heads, head_dim] by offsets, each sequence its own count. ``score_mod`` / ``mask_mod`` name traced
+    [total_q, heads, head_dim] by offsets, each sequence its own count (its splits' partials
+    [heads, total_q]). ``score_mod`` / ``mask_mod`` name traced
     mods (their digests), evaluated per score element; the kernels then take the mods' arrays."""
 
     head_dim: int

@@ -278,9 +278,7 @@ def _spec(head_dim, dtype, cache_dtype, paged, rows, arch, varlen=False, packed_
 
 
 def choose_splits(spec: DecodeSpec, problem: KVCacheProblem, num_splits) -> int:
-    if problem.packed:
-        if num_splits not in (None, 1):
-            raise ValueError(f"num_splits={num_splits!r}: packed queries (cu_seqlens_q) run unsplit; pass None or 1")
+    if problem.varlen or problem.packed_q and num_splits is None:  # packed queries split only when asked
         return 1
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) \
@@ -345,7 +343,8 @@ class KVCachePlan:
             v_array = ones * np.float32(v_factor) if v_array is None else cupy.broadcast_to(v_array, ones.shape).copy()
             k_factor = v_factor = 1.0
         boost = _E4M3_FACTOR if problem.cache_dtype == "e4m3" and not spec.fp8_exact_convert else 1.0
-        rows = problem.batch * problem.heads * problem.seqlen_q
+        # the partials' query rows of one split: [batch, heads, seqlen_q], or [heads, total_q]
+        rows = problem.heads * problem.total_q if problem.packed else problem.batch * problem.heads * problem.seqlen_q
         o_part = lse_part = counts = 0
         self.buffers = (page_table, cache_seqlens, k_array, v_array, *cu_seqlens, sinks, mods)
         self.grid = (problem.batch * problem.heads_k, ceil_div(problem.rows, spec.block_m), splits)

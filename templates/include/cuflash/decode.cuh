@@ -319,28 +319,39 @@ __device__ __forceinline__ KeyRange key_range(const Params& p, int r, int seqlen
     return {lo, hi};
 }
 
+// The states (query rows x heads) of one split's partials: [batch, heads, seqlen_q], or packed
+// queries' [heads, total_q].
+template <class Cfg>
+__device__ __forceinline__ long long split_states(const typename Cfg::Params& p, int seqlen_q) {
+    return Cfg::kPackedQ ? static_cast<long long>(p.heads) * p.total_q : static_cast<long long>(p.batch) * p.heads * seqlen_q;
+}
+
 // Merges the splits' partials of rows row0 .. row_end - 1 of kv head bh into the output: first
 // one warp per query row: its weights exp(LSE_s - LSE) / sum in shared memory (NaN for every
 // split when one split is NaN, 0 where no split attends) and its LSE; then every thread takes
 // (row, 4 dims) items, kBatch at a time, with eight splits' rows of each in flight at once.
-// `scratch`: (row_end - row0) * num_splits floats of shared memory.
+// `scratch`: (row_end - row0) * num_splits floats of shared memory. Packed queries (kPackedQ):
+// the sequence's rows start at q_first, and its states at head * total_q + q_first.
 template <class Cfg, int kBatch>
 __device__ __forceinline__ void merge_rows(const typename Cfg::Params& p, float* scratch, int bh, int row0,
-                                           int row_end, int seqlen_q) {
+                                           int row_end, int seqlen_q, int q_first) {
     constexpr int kWarps = Cfg::kWarps, kThreads = 32 * kWarps;
     constexpr int kQuads = Cfg::kHeadDimStored / 4;  // 4-dim groups of a row
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int group = p.group, hk = bh % p.heads_k, b = bh / p.heads_k;
     const int n_rows = row_end - row0, n = p.num_splits;
-    const long long states = static_cast<long long>(p.batch) * p.heads * seqlen_q;
+    const long long states = split_states<Cfg>(p, seqlen_q);
     const float qnan = __int_as_float(0x7fffffff);
     // Row r of the tile: its query token and head, its state (LSE index) and its output row.
     auto token_of = [&](int r) { return (row0 + r) / group; };
     auto head_of = [&](int r) { return hk * group + (row0 + r) % group; };
-    auto state_of = [&](int r) { return (static_cast<long long>(b) * p.heads + head_of(r)) * seqlen_q + token_of(r); };
+    auto state_of = [&](int r) {
+        return Cfg::kPackedQ ? static_cast<long long>(head_of(r)) * p.total_q + q_first + token_of(r)
+                             : (static_cast<long long>(b) * p.heads + head_of(r)) * seqlen_q + token_of(r);
+    };
     auto out_of = [&](int r) {
         return reinterpret_cast<u32*>(static_cast<unsigned short*>(p.out) + b * p.o_batch_stride
-                                      + static_cast<long long>(token_of(r)) * p.o_row_stride
+                                      + static_cast<long long>(q_first + token_of(r)) * p.o_row_stride
                                       + head_of(r) * p.o_head_stride);
     };
     for (int r = warp; r < n_rows; r += kWarps) {
@@ -410,7 +421,7 @@ __device__ __forceinline__ void merge_rows(const typename Cfg::Params& p, float*
 // shared memory no longer in use (block_m * kMaxSplits floats and one int).
 template <class Cfg>
 __device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, float* scratch, int bh, int row0,
-                                             int row_end, int seqlen_q) {
+                                             int row_end, int seqlen_q, int q_first) {
     int* last = reinterpret_cast<int*>(scratch + 16 * Cfg::kWarpsM * Cfg::kMaxSplits);
     unsigned* count = p.split_counts + static_cast<long long>(bh) * gridDim.y + blockIdx.y;
     __threadfence();
@@ -420,19 +431,28 @@ __device__ __forceinline__ void merge_splits(const typename Cfg::Params& p, floa
     if (!*last) return;
     __threadfence();
     if (threadIdx.x == 0) *count = 0u;
-    merge_rows<Cfg, 4>(p, scratch, bh, row0, row_end, seqlen_q);
+    merge_rows<Cfg, 4>(p, scratch, bh, row0, row_end, seqlen_q, q_first);
 }
 
 // The merge as a kernel of its own (p.merge_apart), after the attention: block (bh, y) merges
 // rows kMergeRows * y .. (one (row, 4 dims) item per thread) of kv head bh, for the row tiles
-// whose partials are too many for one block to read quickly.
+// whose partials are too many for one block to read quickly. Packed queries: the rows of
+// sequence bh / heads_k that the attention's grid covered (past them the rows stay NaN).
 template <class Cfg>
 __device__ __forceinline__ void decode_merge(const typename Cfg::Params& p) {
     constexpr int kMergeRows = Cfg::kMergeRows;
     __shared__ float scratch[kMergeRows * Cfg::kMaxSplits];
-    const int rows = p.seqlen_q * p.group;
+    int seqlen_q = p.seqlen_q, q_first = 0;
+    if constexpr (Cfg::kPackedQ) {
+        const int b = blockIdx.x / p.heads_k;
+        q_first = p.cu_seqlens_q[b];
+        seqlen_q = p.cu_seqlens_q[b + 1] - q_first;
+        if (q_first < 0 || seqlen_q < 0 || q_first > p.total_q - seqlen_q) return;  // as the attention
+        seqlen_q = min(seqlen_q, p.seqlen_q);
+    }
+    const int rows = seqlen_q * p.group;
     for (int row0 = blockIdx.y * kMergeRows; row0 < rows; row0 += gridDim.y * kMergeRows) {
-        merge_rows<Cfg, 1>(p, scratch, blockIdx.x, row0, min(rows, row0 + kMergeRows), p.seqlen_q);
+        merge_rows<Cfg, 1>(p, scratch, blockIdx.x, row0, min(rows, row0 + kMergeRows), seqlen_q, q_first);
         __syncthreads();
     }
 }
@@ -849,17 +869,15 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p,
                       [](float x, float y) { return pack2<Cfg::kBF16>(x, y); });
             if (lane % 4 == 0) p.lse[state] = lse;
         } else {
-            const long long part = static_cast<long long>(split) * p.batch * p.heads * seqlen_q + state;
+            const long long part = static_cast<long long>(split) * split_states<Cfg>(p, seqlen_q) + state;
             store_row(reinterpret_cast<float2*>(p.o_part + part * Cfg::kHeadDimStored),
                       [](float x, float y) { return make_float2(x, y); });
             if (lane % 4 == 0) p.lse_part[part] = lse;
         }
     }
-    if constexpr (!Cfg::kPackedQ) {  // packed queries run unsplit
-        if (p.num_splits > 1 && !p.merge_apart)
-            merge_splits<Cfg>(p, reinterpret_cast<float*>(smem + Cfg::kSmemStages), b * p.heads_k + hk, row0,
-                              min(rows, row0 + BM), seqlen_q);
-    }
+    if (p.num_splits > 1 && !p.merge_apart)
+        merge_splits<Cfg>(p, reinterpret_cast<float*>(smem + Cfg::kSmemStages), b * p.heads_k + hk, row0,
+                          min(rows, row0 + BM), seqlen_q, q_first);
 }
 
 // Write the new keys and values of token blockIdx.x into the cache at the sequence's length (the
