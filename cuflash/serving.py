@@ -371,5 +371,130 @@ class KVCacheAttentionProblem:
         return self._reference(inputs, naive=True)
 
 
+@dataclass(frozen=True)
+class VarlenAttentionProblem:
+    """One :func:`cuflash.attention_varlen` case for tests and fuzzing: packed sequences of
+    ``lengths_q[b]`` queries and ``lengths_k[b]`` keys each (empty ones included), heads, dtype
+    and variants; its inputs, the call's keywords, and the float64 references of the forward and
+    of the gradients."""
+
+    heads: int
+    heads_k: int
+    head_dim: int
+    dtype: str                  # "fp16" or "bf16"
+    lengths_q: tuple
+    lengths_k: tuple
+    causal: bool = False
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+
+    def __post_init__(self):
+        from .core import dtypes
+        from .core.spec import HEAD_DIMS
+        from .core.validate import validate_variants
+
+        for name in ("lengths_q", "lengths_k", "window_size"):
+            object.__setattr__(self, name, tuple(int(n) for n in getattr(self, name)))
+        problems = []
+        if self.dtype not in ("fp16", "bf16") or dtypes.from_tag(self.dtype).tag != self.dtype:
+            problems.append(f"dtype={self.dtype!r} (fp16 or bf16)")
+        if self.head_dim not in HEAD_DIMS:
+            problems.append(f"head_dim={self.head_dim} (multiples of 8 from 8 to 256)")
+        if min(self.heads, self.heads_k) < 1 or self.heads % self.heads_k:
+            problems.append(f"heads={self.heads}, heads_k={self.heads_k}: heads a multiple of heads_k")
+        if len(self.lengths_q) != len(self.lengths_k) or min(self.lengths_q + self.lengths_k, default=0) < 0:
+            problems.append(f"lengths_q={self.lengths_q} and lengths_k={self.lengths_k}: one non-negative count "
+                            f"per sequence each")
+        try:
+            validate_variants(self.window_size, self.softcap, self.causal)
+        except (TypeError, ValueError) as exc:
+            problems.append(str(exc))
+        if problems:
+            raise ValueError("invalid varlen problem: " + "; ".join(problems))
+
+    @property
+    def name(self) -> str:
+        """A short readable label, e.g. ``bf16 hd128 h8/2 q[0, 17] k[5, 40] causal``."""
+        parts = [self.dtype, f"hd{self.head_dim}", f"h{self.heads}/{self.heads_k}", f"q{list(self.lengths_q)}",
+                 f"k{list(self.lengths_k)}"]
+        if self.causal:
+            parts.append("causal")
+        if self.window_size != (-1, -1):
+            parts.append("window{},{}".format(*self.window_size))
+        if self.softcap:
+            parts.append(f"softcap{self.softcap:g}")
+        return " ".join(parts)
+
+    def make_inputs(self, xp=None, seed: int | None = None) -> dict:
+        """q, k, v (N(0, 1) in the problem's dtype, packed) and the int32 offsets cu_seqlens_q and
+        cu_seqlens_k on ``xp`` (default NumPy)."""
+        import numpy as np
+
+        from .core import dtypes
+
+        xp = np if xp is None else xp
+        rng = np.random.default_rng(seed)
+        dtype = dtypes.DTYPES[self.dtype].numpy
+        draw = lambda *shape: rng.standard_normal(shape, dtype=np.float32).astype(dtype)  # noqa: E731
+        total_q, total_k = sum(self.lengths_q), sum(self.lengths_k)
+        arrays = dict(q=draw(total_q, self.heads, self.head_dim), k=draw(total_k, self.heads_k, self.head_dim),
+                      v=draw(total_k, self.heads_k, self.head_dim))
+        for name, lengths in (("cu_seqlens_q", self.lengths_q), ("cu_seqlens_k", self.lengths_k)):
+            arrays[name] = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32)
+        return {name: xp.asarray(x) for name, x in arrays.items()}
+
+    def call_kwargs(self) -> dict:
+        """The keywords of :func:`cuflash.attention_varlen` (and its backward) beside the arrays."""
+        return dict(max_seqlen_q=max(self.lengths_q, default=0), max_seqlen_k=max(self.lengths_k, default=0),
+                    causal=self.causal, window_size=self.window_size, softcap=self.softcap)
+
+    def _arrays(self, inputs):
+        return tuple(inputs[name] for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"))
+
+    def reference(self, inputs: dict):
+        """float64 ``(out, lse)`` of :func:`attention_varlen_reference`."""
+        return attention_varlen_reference(*self._arrays(inputs), causal=self.causal, window_size=self.window_size,
+                                          softcap=self.softcap)
+
+    def naive(self, inputs: dict):
+        """The same in the inputs' precision: the accuracy baseline."""
+        return attention_varlen_reference(*self._arrays(inputs), causal=self.causal, window_size=self.window_size,
+                                          softcap=self.softcap, naive=True)
+
+    def make_dout(self, xp=None, seed: int | None = None):
+        """A random N(0, 1) output gradient shaped like the packed q."""
+        import numpy as np
+
+        from .core import dtypes
+
+        rng = np.random.default_rng(None if seed is None else seed + 1)
+        shape = (sum(self.lengths_q), self.heads, self.head_dim)
+        dout = rng.standard_normal(shape, dtype=np.float32).astype(dtypes.DTYPES[self.dtype].numpy)
+        return dout if xp is None else xp.asarray(dout)
+
+    def backward_reference(self, dout, inputs: dict, naive: bool = False):
+        """``(dq, dk, dv)`` packed, each sequence's :func:`cuflash.reference.attention_backward_reference`
+        (``naive``: ``attention_backward_naive``, the baseline); keys of a sequence with no
+        queries get zero gradients."""
+        import numpy as np
+
+        from . import reference
+        from .problems import to_numpy
+
+        dout = to_numpy(dout)
+        q, k, v, cu_q, cu_k = (to_numpy(x) for x in self._arrays(inputs))
+        fn = reference.attention_backward_naive if naive else reference.attention_backward_reference
+        grads = [np.zeros(x.shape, dtype=x.dtype if naive else np.float64) for x in (q, k, v)]
+        for b in range(len(self.lengths_q)):
+            qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            if qs.stop == qs.start:
+                continue
+            parts = fn(dout[None, qs], q[None, qs], k[None, ks], v[None, ks], causal=self.causal, layout="bshd",
+                       window_size=self.window_size, softcap=self.softcap)
+            for grad, part, rows in zip(grads, parts, (qs, ks, ks)):
+                grad[rows] = part[0]
+        return tuple(grads)
+
+
 __all__ = ["merge_states", "attention_with_kvcache_reference", "attention_varlen_reference",
-           "KVCacheAttentionProblem"]
+           "KVCacheAttentionProblem", "VarlenAttentionProblem"]

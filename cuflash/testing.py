@@ -389,6 +389,52 @@ def kvcache_problems(*, head_dims=(64, 128), dtypes=("fp16", "bf16"), page_sizes
     return problems()
 
 
+def varlen_problems(*, head_dims=(64, 128), dtypes=("fp16", "bf16"), causal=None, max_batch: int = 5,
+                    max_seqlen: int = 1023, max_heads: int = 8, allow_gqa: bool = True, variants: bool = False,
+                    max_work: int = MAX_PROBLEM_WORK):
+    """A Hypothesis strategy of :class:`~cuflash.serving.VarlenAttentionProblem`: packed sequences
+    whose query and key counts are drawn per sequence (empty and one-token sequences among them,
+    equal counts half the time), shrunk to ``max_work`` over all sequences.
+
+    Head dims and dtypes are ``sampled_from`` their arguments, so the kernels a test compiles stay
+    bounded; ``causal`` is a bool to fix it or None to draw it; ``variants`` also draws a sliding
+    window and a softcap.
+    """
+    from hypothesis import strategies as st
+
+    from .serving import VarlenAttentionProblem
+
+    causal_strategy = st.booleans() if causal is None else st.just(bool(causal))
+    length = st.one_of(st.just(0), seqlens(max_value=max_seqlen))
+
+    @st.composite
+    def problems(draw):
+        head_dim = draw(st.sampled_from(tuple(head_dims)))
+        dtype = draw(st.sampled_from(tuple(_dtype_entry(t).tag for t in dtypes)))
+        heads_k = draw(st.sampled_from((1, 2))) if allow_gqa else 1
+        heads = heads_k * draw(st.sampled_from(tuple(g for g in (1, 2, 4, 8) if heads_k * g <= max_heads)))
+        batch = draw(st.integers(1, max_batch))
+        lengths_q, lengths_k = [], []
+        for _ in range(batch):
+            n = draw(length)
+            lengths_q.append(n)
+            lengths_k.append(n if draw(st.booleans()) else draw(length))
+        while sum(a * b for a, b in zip(lengths_q, lengths_k)) * heads * head_dim > max_work:
+            longest = max(range(batch), key=lambda i: lengths_q[i] * lengths_k[i])
+            lengths_q[longest], lengths_k[longest] = lengths_q[longest] // 2, lengths_k[longest] // 2
+        causal_ = draw(causal_strategy)
+        window, cap = (-1, -1), 0.0
+        if variants:
+            bound = st.one_of(st.just(-1), st.integers(0, max(max(lengths_q), max(lengths_k))))
+            window = (draw(bound), 0 if causal_ else draw(bound))
+            cap = draw(st.sampled_from((0.0, 5.0, 30.0)))
+        return VarlenAttentionProblem(heads=heads, heads_k=heads_k, head_dim=head_dim, dtype=dtype,
+                                      lengths_q=tuple(lengths_q), lengths_k=tuple(lengths_k), causal=causal_,
+                                      window_size=window, softcap=cap)
+
+    return problems()
+
+
 def register_hypothesis_profiles(load: str | None = None) -> tuple[str, ...]:
     """Register the ``"ci"`` and ``"dev"`` Hypothesis profiles; load ``load`` if given.
 
@@ -411,5 +457,5 @@ __all__ = ["AWKWARD_SEQLENS", "MAX_PROBLEM_WORK", "Tolerance", "TOLERANCES", "At
            "FP8_FORMATS", "FP8_GRANULARITIES", "FP8_OUT_DTYPES", "FP8_HEAD_DIMS", "Fp8Inputs",
            "Fp8AttentionProblem", "fp8_attention_problems",
            "assert_gradients_close",
-           "assert_attention_close", "to_numpy", "seqlens", "seqlen_pairs", "attention_problems", "kvcache_problems",
+           "assert_attention_close", "to_numpy", "seqlens", "seqlen_pairs", "attention_problems", "kvcache_problems", "varlen_problems",
            "register_hypothesis_profiles"]

@@ -11,7 +11,7 @@ from cuflash.core.decode_spec import MAX_SPLITS, DecodeSpec
 from cuflash.core.policy import all_decode_specs, decode_spec, decode_splits
 from cuflash.core.render import generate
 from cuflash.serving import attention_with_kvcache_reference
-from cuflash.testing import kvcache_problems
+from cuflash.testing import kvcache_problems, varlen_problems
 from cuflash import reference
 
 
@@ -447,3 +447,21 @@ def test_varlen_reference_is_each_sequences_own_attention():
     naive, _ = attention_varlen_reference(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), cu_q,
                                           cu_k, causal=True, score_mod=score_mod, naive=True)
     assert naive.dtype == np.float16 and np.nanmax(np.abs(naive - out)) < 1e-2
+
+
+@settings(max_examples=25)
+@given(problem=varlen_problems(variants=True, max_seqlen=200))
+def test_drawn_varlen_problems_and_their_references(problem):
+    """Every drawn problem is valid and its packed inputs match its counts; the references are
+    finite (a row with no key gives 0) and the keys of a sequence with no queries get no gradient."""
+    inputs = problem.make_inputs(seed=0)
+    assert inputs["q"].shape[0] == sum(problem.lengths_q) and inputs["k"].shape[0] == sum(problem.lengths_k)
+    assert list(np.diff(inputs["cu_seqlens_q"])) == list(problem.lengths_q)
+    out, lse = problem.reference(inputs)
+    assert np.isfinite(out).all() and not np.isnan(lse).any()
+    dq, dk, dv = problem.backward_reference(problem.make_dout(seed=0), inputs)
+    assert all(np.isfinite(g).all() for g in (dq, dk, dv))
+    cu_k = inputs["cu_seqlens_k"]
+    for b, n in enumerate(problem.lengths_q):
+        if n == 0:
+            assert not dk[cu_k[b]:cu_k[b + 1]].any() and not dv[cu_k[b]:cu_k[b + 1]].any()

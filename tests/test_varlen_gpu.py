@@ -3,11 +3,12 @@ and one-token sequences, seqlen_q != seqlen_k per sequence, causal and not, GQA,
 offsets the kernel must refuse."""
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 import cuflash
 from cuflash import reference
 from cuflash.serving import attention_varlen_reference
-from cuflash.testing import assert_attention_close, to_numpy
+from cuflash.testing import assert_attention_close, to_numpy, varlen_problems
 
 cupy = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("warm_kvcache_kernels")]
@@ -321,3 +322,26 @@ def test_varlen_captured_in_a_cuda_graph():
         ref, ref_lse = _reference(q, k, v, offsets, offsets, causal=True)
         naive, naive_lse = _reference(q, k, v, offsets, offsets, naive=True, causal=True)
         assert_attention_close(out, ref, "fp16", baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+
+
+@settings(max_examples=12)
+@given(problem=varlen_problems(head_dims=(64, 128), max_seqlen=700))
+def test_drawn_varlen_problems_forward_and_backward(problem):
+    """Packed sequences drawn by cuflash.testing.varlen_problems: the forward against the float64
+    reference, and the gradients of the backward against each sequence's."""
+    from cuflash.testing import assert_gradients_close
+
+    inputs = problem.make_inputs(cupy, seed=0)
+    arrays = [inputs[name] for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")]
+    out, backward = cuflash.attention_varlen_with_grad(*arrays, **problem.call_kwargs())
+    host = problem.make_inputs(seed=0)
+    ref, _ = problem.reference(host)
+    naive, _ = problem.naive(host)
+    assert_attention_close(out, ref, problem.dtype, baseline=naive)
+    dout = problem.make_dout(seed=0)
+    grads = [to_numpy(g) for g in backward(cupy.asarray(dout))]
+    want = problem.backward_reference(dout, host)
+    naive_grads = problem.backward_reference(dout, host, naive=True)
+    assert_gradients_close(tuple(g[None] for g in grads), tuple(w[None] for w in want), problem.dtype,
+                           baselines=tuple(n[None] for n in naive_grads))
+
