@@ -69,19 +69,23 @@ def rotate_on_device(cupy, x, cos, sin, lens, first: int, per_token: bool, inter
     sequence b at ``lens[b] + first + s`` (``per_token``) or ``lens[b]``; ``lens`` an int or an
     int32 array of one or ``batch`` lengths, read on the device."""
     batch, seqlen, heads, head_dim = x.shape
+    if head_dim % 2:
+        raise ValueError(f"head_dim={head_dim} is not supported (multiples of 8 from 8 to 256)")
     out = cupy.empty(x.shape, dtype=x.dtype)
     if out.size == 0:
         return out
     if x.strides[3] != x.itemsize or any(st % x.itemsize for st in x.strides):
         x = cupy.ascontiguousarray(x)
     if isinstance(lens, (int, np.integer)):
+        if not 0 <= int(lens) < 2**31:
+            raise ValueError(f"cache_seqlens={int(lens)} must be from 0 to 2**31 - 1")
         lens = cupy.full((1,), int(lens), dtype=cupy.int32)
     else:
         lens = cupy.ascontiguousarray(cupy.asarray(lens, dtype=cupy.int32).reshape(-1))
         if lens.size not in (1, batch):
             raise ValueError(f"cache_seqlens holds {lens.size} lengths; batch={batch}")
     cos, sin = cupy.ascontiguousarray(cos), cupy.ascontiguousarray(sin)
-    pairs = out.size // 2
+    pairs = batch * seqlen * heads * (head_dim // 2)
     _kernel(cupy, x, cos)(
         (-(-pairs // 256),), (256,),
         (x, out, cos, sin, lens, np.int32(0 if lens.size == 1 else 1), np.int32(seqlen), np.int32(heads),
