@@ -28,6 +28,7 @@ from .forward import _attention
 from .torch_interop import (_DTYPES, _current_stream_ptr, _on_torch_stream, _readable, _rows, _to_cupy,  # noqa: F401
                             _to_torch)
 from .torch_mods import _attention_with_mods
+from .torch_kvcache import attention_with_kvcache
 from .torch_varlen import attention_varlen
 
 LAYOUTS = ("bhsd", "bshd")
@@ -390,36 +391,6 @@ def _attention_with_sinks(q, k, v, sinks, causal, scale, layout, return_lse, det
     else:
         out, lse = _sinks_forward_impl(q, k, v, sinks, causal, scale, layout, deterministic, *variants)
     return (out, lse) if return_lse else out
-
-
-def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, page_table=None,
-                           causal=True, scale=None, window_size=(-1, -1), softcap=0.0, num_splits=None,
-                           return_lse=False, fp8_format=None, k_descale=None, v_descale=None, sinks=None,
-                           score_mod=None, mask_mod=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
-                           cache_batch_idx=None, cu_seqlens_q=None, max_seqlen_q=None):
-    """:func:`cuflash.attention_with_kvcache` on CUDA torch tensors (inference: not differentiable),
-    on torch's current device and stream: the caches are read, and appended to, in place; an FP8
-    cache is a torch.uint8 tensor of codes, lengths and page tables torch.int32. The mods may
-    capture torch tensors."""
-    from .kvcache import attention_with_kvcache as _kvcache
-
-    def view(x):
-        return _to_cupy(x) if isinstance(x, torch.Tensor) else x
-
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
-            raise TypeError(f"{name} must be a CUDA torch tensor, got {type(x).__name__}"
-                            + (f" on {x.device}" if isinstance(x, torch.Tensor) else ""))
-    with _on_torch_stream(q.device):
-        result = _kvcache(view(q), view(k_cache), view(v_cache), cache_seqlens=view(cache_seqlens),
-                          k_new=view(k_new), v_new=view(v_new), page_table=view(page_table), causal=causal,
-                          scale=scale, window_size=window_size, softcap=softcap, num_splits=num_splits,
-                          return_lse=return_lse, fp8_format=fp8_format, k_descale=view(k_descale),
-                          v_descale=view(v_descale), sinks=view(sinks), score_mod=score_mod, mask_mod=mask_mod,
-                          rotary_cos=view(rotary_cos), rotary_sin=view(rotary_sin),
-                          rotary_interleaved=rotary_interleaved, cache_batch_idx=view(cache_batch_idx),
-                          cu_seqlens_q=view(cu_seqlens_q), max_seqlen_q=max_seqlen_q)
-    return tuple(_to_torch(x) for x in result) if return_lse else _to_torch(result)
 
 
 # -- transformers ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cuflash"
 #: The layer of a module: 0 the pipeline (cuflash.core), 1 the entry points, 2 the tools.
 ENTRY_POINTS = {"cuflash", "cuflash.forward", "cuflash.backward", "cuflash.fp8", "cuflash.reference",
                 "cuflash.simulate", "cuflash.testing", "cuflash.problems", "cuflash.torch", "cuflash.torch_interop",
-                "cuflash.torch_varlen", "cuflash.torch_mods",
+                "cuflash.torch_varlen", "cuflash.torch_mods", "cuflash.torch_kvcache",
                 "cuflash.jax", "cuflash.mods", "cuflash.serving", "cuflash.kvcache", "cuflash.sparsity",
                 "cuflash.varlen"}
 TOOLS = {"cuflash.__main__"}

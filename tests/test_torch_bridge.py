@@ -144,3 +144,38 @@ def test_a_kept_trace_follows_a_captured_tensors_memory():
     assert first is not None and modset.trace_key(mod) == first
     table.data = torch.zeros(4)  # the same tensor over new memory: traced again
     assert modset.trace_key(mod) != first
+
+
+def test_kvcache_operator_shapes_on_meta_tensors_and_under_torch_compile():
+    """attention_with_kvcache traced: one operator (which appends to the caches in place), its
+    output [batch, seqlen_q, heads, head_dim] and LSE [batch, heads, seqlen_q], or with packed
+    queries [total_q, heads, head_dim] and [heads, total_q]; torch.compile(fullgraph=True) takes
+    it with no graph break."""
+    q, cache = _meta(2, 3, 8, 64), _meta(2, 128, 2, 64)
+    lens = _meta(2, dtype=torch.int32)
+    out, lse = ct.attention_with_kvcache(q, cache, cache, cache_seqlens=lens, k_new=_meta(2, 3, 2, 64),
+                                         v_new=_meta(2, 3, 2, 64), return_lse=True, window_size=(64, 0))
+    assert out.shape == q.shape and lse.shape == (2, 8, 3) and lse.dtype == torch.float32
+    packed = _meta(7, 8, 64)
+    out, lse = ct.attention_with_kvcache(packed, cache, cache, cache_seqlens=lens, return_lse=True,
+                                         cu_seqlens_q=_meta(3, dtype=torch.int32), max_seqlen_q=5, k_descale=0.5)
+    assert out.shape == packed.shape and lse.shape == (8, 7)
+
+    def step(q, k_cache, v_cache, lens, k, v):
+        return ct.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, k_new=k, v_new=v, num_splits=2)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    out = compiled(q, cache, cache, lens, _meta(2, 3, 2, 64), _meta(2, 3, 2, 64))
+    assert out.shape == q.shape
+
+
+def test_kvcache_bridge_names_bad_arguments():
+    q, cache = _meta(2, 3, 8, 64), _meta(2, 128, 2, 64)
+    with pytest.raises(TypeError, match="cache_seqlens must be a torch.int32 tensor"):
+        ct.attention_with_kvcache(q, cache, cache, cache_seqlens="7")
+    with pytest.raises(TypeError, match="k_descale must be a positive number"):
+        ct.attention_with_kvcache(q, cache, cache, cache_seqlens=7, k_descale="x")
+    with pytest.raises(TypeError, match="q must be a CUDA torch tensor"):
+        ct.attention_with_kvcache(torch.zeros(2, 3, 8, 64), cache, cache, cache_seqlens=7)
+    with pytest.raises(ValueError, match="not on meta tensors"):
+        ct.attention_with_kvcache(q, cache, cache, cache_seqlens=7, score_mod=lambda s, b, h, i, j: s)

@@ -526,6 +526,29 @@ def test_kvcache_rotary_through_the_bridge_matches_cupy():
     assert torch.equal(out, _torch(want)) and torch.equal(caches[0], _torch(copies[0]))
 
 
+def test_kvcache_under_torch_compile_appends_in_place_and_matches_eager():
+    """A decode step compiled with fullgraph=True: the operator's output equals the eager call's,
+    and the compiled step appends to the caches in place (the next step sees its keys)."""
+    import cuflash.torch as ct
+
+    torch.manual_seed(5)
+    q = torch.randn(3, 2, 8, 128, device="cuda", dtype=torch.bfloat16)
+    caches = [torch.randn(3, 256, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    new = [torch.randn(3, 2, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    lens = torch.tensor([0, 100, 200], device="cuda", dtype=torch.int32)
+
+    def step(q, k_cache, v_cache, lens, k, v):
+        return ct.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, k_new=k, v_new=v)
+
+    copies = [c.clone() for c in caches]
+    want = step(q, *copies, lens, *new)
+    got = torch.compile(step, fullgraph=True)(q, *caches, lens, *new)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    assert torch.equal(caches[0], copies[0]) and torch.equal(caches[1], copies[1])
+    assert torch.equal(caches[0][1, 100:102], new[0][1])
+
+
 def test_kvcache_packed_queries_through_the_bridge_match_cupy():
     """cu_seqlens_q through the bridge: the CuPy call's bits, NaN rows included."""
     import cuflash.torch as ct
