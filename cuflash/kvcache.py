@@ -1,6 +1,8 @@
 """Attention over a KV cache: decode steps, speculative verification, chunked prefill."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .core import compile as _compile
@@ -13,7 +15,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
                            causal=True, scale=None, window_size=(-1, -1), softcap=0.0, num_splits=None,
                            return_lse=False, fp8_format=None, k_descale=None, v_descale=None, sinks=None,
                            score_mod=None, mask_mod=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
-                           cache_batch_idx=None, cu_seqlens_q=None, max_seqlen_q=None):
+                           cache_batch_idx=None, cu_seqlens_q=None, max_seqlen_q=None, cache_leftpad=None):
     """Attend a few new query tokens per sequence to a KV cache (contiguous or paged).
 
     Args:
@@ -67,6 +69,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
             split only when ``num_splits`` asks. ``max_seqlen_q`` (the most queries of one
             sequence; None reads the offsets on the host once) sizes the grid: a sequence with
             more gets NaN rows.
+        cache_leftpad: int32 CuPy array [batch]: sequence b's keys start at row
+            ``cache_leftpad[b]`` of a contiguous cache (left-padded caches, FlashAttention's
+            argument) and end at ``cache_seqlens[b]`` (plus the new keys, appended there); positions
+            (causal, the window, the mods' q_idx / kv_idx, the rotary tables') count from the
+            first key. Not with ``page_table`` or ``cache_batch_idx``.
 
     Returns:
         The output [batch, seqlen_q, heads, head_dim] in q's dtype (and the LSE). A row with no
@@ -85,13 +92,20 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     packed = None
     if cu_seqlens_q is not None or max_seqlen_q is not None:  # (offsets, batch, max_seqlen_q)
         packed = _packed_queries(cupy, q, cu_seqlens_q, max_seqlen_q, k_new, v_new, rotary_cos, rotary_sin)
+    leftpad_arg = cache_leftpad
+    if cache_leftpad is not None:
+        cache_leftpad = _kv.leftpad(cupy, cache_leftpad, q, page_table, packed[1] if packed else None)
     if rotary_cos is not None or rotary_sin is not None:  # new arrays: the call then goes on as without
-        q, k_new = _rotated(cupy, q, k_cache, k_new, page_table, cache_seqlens, causal, window_size, fp8_format,
+        positions = cache_seqlens if cache_leftpad is None or not isinstance(cache_seqlens, (int, cupy.ndarray)) \
+            else cache_seqlens - cache_leftpad
+        q, k_new = _rotated(cupy, q, k_cache, k_new, page_table, positions, causal, window_size, fp8_format,
                             rotary_cos, rotary_sin, rotary_interleaved)
     key = _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
                     fp8_format, k_descale, v_descale, window_size, softcap, sinks)
     if packed is not None and key is not None:  # offsets copied (strided): no plan keeps the copy
         key = key + (packed[0].data.ptr, packed[0].shape, packed[2]) if packed[0] is cu_seqlens_q else None
+    if cache_leftpad is not None and key is not None:  # a contiguous copy: no plan keeps it
+        key = key + (cache_leftpad.data.ptr, cache_leftpad.shape) if cache_leftpad is leftpad_arg else None
     if score_mod is not None or mask_mod is not None:
         # A call with mods has a plan when they trace to graphs kept for their function and captured
         # values (the same graphs hold the same arrays: the same kernel argument).
@@ -121,7 +135,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         return out, lse
     return _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale,
                       num_splits, return_lse, fp8_format, k_descale, v_descale, window_size, softcap, sinks,
-                      score_mod, mask_mod, packed)
+                      score_mod, mask_mod, packed, cache_leftpad)
 
 
 def _packed_queries(cupy, q, cu_seqlens_q, max_seqlen_q, k_new, v_new, rotary_cos, rotary_sin):
@@ -200,7 +214,7 @@ def _new_output(cupy, plan, q):
 
 def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, causal, scale, num_splits,
                return_lse, fp8_format, k_descale, v_descale, window_size, softcap, sinks, score_mod=None,
-               mask_mod=None, packed=None):
+               mask_mod=None, packed=None, leftpad=None):
     from .core.validate import validate_sinks
     from .forward import _arch, _on_device
 
@@ -211,6 +225,8 @@ def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, page_table=page_table,
         causal=causal, scale=scale, fp8_format=fp8_format, window_size=window_size, softcap=softcap,
         packed=None if packed is None else packed[1:])
+    if leftpad is not None:
+        problem = dataclasses.replace(problem, leftpad=True)
     sinks32 = None if sinks is None else validate_sinks(sinks, problem.heads, problem.device_id)
     if q.size == 0 or problem.rows == 0:  # no query rows: nothing to attend, nothing launched
         if problem.seqlen_new and problem.batch:
@@ -234,7 +250,7 @@ def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page
         plan = _kv.KVCachePlan(kernels, spec, problem, page_table=page_table, cache_seqlens=cache_seqlens,
                                splits=splits, k_descale=descales[0], v_descale=descales[1],
                                stream=cupy.cuda.get_current_stream().ptr, sinks=sinks32, mods=mods,
-                               cu_seqlens=(None if packed is None else packed[0], None))
+                               cu_seqlens=(None if packed is None else packed[0], None), leftpad=leftpad)
         plan.launch(q, k_cache, v_cache, k_new, v_new, out, lse)
         if key is not None:
             if len(_plans) >= _MAX_PLANS:

@@ -88,7 +88,7 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
                                      causal=True, scale=None, window_size=(-1, -1), softcap=0.0, fp8_format=None,
                                      k_descale=None, v_descale=None, sinks=None, score_mod=None, mask_mod=None,
                                      rotary_cos=None, rotary_sin=None, rotary_interleaved=False, cache_batch_idx=None,
-                                     cu_seqlens_q=None, naive=False):
+                                     cu_seqlens_q=None, cache_leftpad=None, naive=False):
     """What :func:`cuflash.attention_with_kvcache` computes, on NumPy arrays (CuPy arrays are
     copied to the host): the new keys appended to copies of the caches, then each sequence's
     attention over its keys, in float64 (``naive=True``: :func:`cuflash.reference.attention_naive`
@@ -103,7 +103,9 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
     causal and the window; a softcap takes no score_mod beside it (ValueError). The rotary tables rotate
     the new keys as the call does (in float32) and q in float64 (``naive``: as the call does).
     ``cu_seqlens_q``: q packed [total_q, heads, head_dim] by these offsets (no new keys); the
-    output is packed likewise and the LSE is [heads, total_q], NaN where no sequence covers a row."""
+    output is packed likewise and the LSE is [heads, total_q], NaN where no sequence covers a row.
+    ``cache_leftpad``: sequence b's keys start at row ``cache_leftpad[b]`` of a contiguous cache,
+    positions counted from there (a pad outside [0, length] gives NaN rows)."""
     import numpy as np
 
     from . import fp8, reference
@@ -118,6 +120,9 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
     starts = to_numpy(cu_seqlens_q).astype(np.int64) if packed else None
     batch = starts.size - 1 if packed else q.shape[0]
     lens = np.broadcast_to(np.asarray(to_numpy(cache_seqlens), dtype=np.int64), (batch,))
+    if cache_leftpad is not None and (page_table is not None or cache_batch_idx is not None):
+        raise ValueError("cache_leftpad applies to contiguous caches, not with page_table or cache_batch_idx")
+    pads = np.zeros(batch, np.int64) if cache_leftpad is None else to_numpy(cache_leftpad).astype(np.int64)
     if cache_batch_idx is not None:  # one page of max_seqlen keys per sequence
         page_table = to_numpy(cache_batch_idx).reshape(-1, 1)
     table = None if page_table is None else to_numpy(page_table).astype(np.int64)
@@ -132,9 +137,10 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
 
         tables = (to_numpy(rotary_cos), to_numpy(rotary_sin), rotary_interleaved)
         # the new keys as the call writes them (float32, rounded to the cache's dtype); q in float64
-        q_rotated = rotary.apply(np, q, k_new, lens, capacity, causal, window_size, *tables,
+        positions = lens - pads  # counted from each sequence's first key
+        q_rotated = rotary.apply(np, q, k_new, positions, capacity, causal, window_size, *tables,
                                  *((np.float32, None) if naive else (np.float64, np.float64)))[0]
-        k_new = rotary.apply(np, q, k_new, lens, capacity, causal, window_size, *tables)[1]
+        k_new = rotary.apply(np, q, k_new, positions, capacity, causal, window_size, *tables)[1]
         q = q_rotated
 
     def where(b, j):
@@ -158,8 +164,8 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
         rows = slice(starts[b], starts[b + 1]) if packed else b
         qb = q[None, rows] if packed else q[b:b + 1]  # [1, seqlen_q, heads, head_dim]
         seqlen_q = qb.shape[1]
-        old = int(lens[b])
-        if old < 0 or old + seqlen_new > capacity:
+        old, pad = int(lens[b]), int(pads[b])
+        if old < 0 or old + seqlen_new > capacity or not 0 <= pad <= old:
             if packed:
                 out[rows], lse[:, rows] = np.nan, np.nan
             else:
@@ -168,9 +174,9 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, k_ne
         if seqlen_new:
             page, row = where(b, np.arange(old, old + seqlen_new))
             k_cache[page, row], v_cache[page, row] = k_new[b], v_new[b]
-        page, row = where(b, np.arange(old + seqlen_new))
+        page, row = where(b, np.arange(pad, old + seqlen_new))
         ks = values(k_cache[page, row], k_descale)[None], values(v_cache[page, row], v_descale)[None]
-        offset = old + seqlen_new - seqlen_q  # the position of query 0
+        offset = old + seqlen_new - pad - seqlen_q  # the position of query 0
         window = _window_mask(window_size, causal, offset)
         mods = dict(score_mod=_mods.softcap(softcap) if softcap else None, mask_mod=window,
                     sinks=None if sinks is None else to_numpy(sinks))

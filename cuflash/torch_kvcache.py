@@ -15,7 +15,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
                            causal=True, scale=None, window_size=(-1, -1), softcap=0.0, num_splits=None,
                            return_lse=False, fp8_format=None, k_descale=None, v_descale=None, sinks=None,
                            score_mod=None, mask_mod=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
-                           cache_batch_idx=None, cu_seqlens_q=None, max_seqlen_q=None):
+                           cache_batch_idx=None, cu_seqlens_q=None, max_seqlen_q=None, cache_leftpad=None):
     """:func:`cuflash.attention_with_kvcache` on CUDA torch tensors (inference: not differentiable),
     on torch's current device and stream: the caches are read, and appended to, in place; an FP8
     cache is a torch.uint8 tensor of codes, lengths, offsets and page tables torch.int32. Under
@@ -26,7 +26,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
             raise TypeError(f"{name} must be a CUDA torch tensor, got {type(x).__name__}"
                             + (f" on {x.device}" if isinstance(x, torch.Tensor) else ""))
     arrays = dict(k_new=k_new, v_new=v_new, page_table=page_table, sinks=sinks, rotary_cos=rotary_cos,
-                  rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cu_seqlens_q=cu_seqlens_q)
+                  rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cu_seqlens_q=cu_seqlens_q,
+                  cache_leftpad=cache_leftpad)
     options = dict(causal=causal, scale=scale, window_size=window_size, softcap=softcap, num_splits=num_splits,
                    fp8_format=fp8_format, rotary_interleaved=rotary_interleaved, max_seqlen_q=max_seqlen_q)
     if score_mod is not None or mask_mod is not None:
@@ -42,7 +43,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
 
 
 #: The optional tensors of a call, in the operator's order.
-_ARRAYS = ("k_new", "v_new", "page_table", "sinks", "rotary_cos", "rotary_sin", "cache_batch_idx", "cu_seqlens_q")
+_ARRAYS = ("k_new", "v_new", "page_table", "sinks", "rotary_cos", "rotary_sin", "cache_batch_idx", "cu_seqlens_q",
+           "cache_leftpad")
 
 
 def _eager(q, k_cache, v_cache, cache_seqlens, k_descale, v_descale, arrays, options):
@@ -99,12 +101,14 @@ def _op_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cach
              v_descale: torch.Tensor | None, v_descale_factor: float, k_new: torch.Tensor | None,
              v_new: torch.Tensor | None, page_table: torch.Tensor | None, sinks: torch.Tensor | None,
              rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
-             cache_batch_idx: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None, causal: bool,
+             cache_batch_idx: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+             cache_leftpad: torch.Tensor | None, causal: bool,
              scale: float | None, window_left: int, window_right: int, softcap: float, num_splits: int | None,
              fp8_format: str | None, rotary_interleaved: bool,
              max_seqlen_q: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     arrays = dict(k_new=k_new, v_new=v_new, page_table=page_table, sinks=sinks, rotary_cos=rotary_cos,
-                  rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cu_seqlens_q=cu_seqlens_q)
+                  rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cu_seqlens_q=cu_seqlens_q,
+                  cache_leftpad=cache_leftpad)
     options = dict(causal=causal, scale=scale, window_size=(window_left, window_right), softcap=softcap,
                    num_splits=num_splits, fp8_format=fp8_format, rotary_interleaved=rotary_interleaved,
                    max_seqlen_q=max_seqlen_q)
@@ -120,7 +124,7 @@ _op = torch.library.custom_op("cuflash::attention_with_kvcache", mutates_args=("
 @_op.register_fake
 def _op_fake(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, k_descale, k_descale_factor, v_descale,
              v_descale_factor, k_new, v_new, page_table, sinks, rotary_cos, rotary_sin, cache_batch_idx, cu_seqlens_q,
-             causal, scale, window_left, window_right, softcap, num_splits, fp8_format, rotary_interleaved,
+             cache_leftpad, causal, scale, window_left, window_right, softcap, num_splits, fp8_format, rotary_interleaved,
              max_seqlen_q):
     if cu_seqlens_q is not None:  # packed [total_q, heads, head_dim]: LSE [heads, total_q]
         return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)

@@ -331,6 +331,35 @@ def _bf16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_new,num_splits,rotary", [(1, 1, None, False), (4, 4, 3, True),
+                                                                     (2, 0, 1, False)])
+def test_left_padded_caches(seqlen_q, seqlen_new, num_splits, rotary):
+    """cache_leftpad: each sequence attends rows pad .. length (plus its new keys) with positions
+    from pad: the reference's, and the padding rows (NaN here) are never read; a pad past the
+    length gives NaN rows."""
+    rng = np.random.default_rng(seqlen_q + seqlen_new)
+    lens, pads = np.array([40, 300, 7, 500]), np.array([5, 0, 7, 120])
+    q, kc, vc, _, new = _make(rng, batch=4, seqlen_q=seqlen_q, heads=8, heads_k=2, head_dim=128, dtype="bf16",
+                              lengths=lens, capacity=512, seqlen_new=seqlen_new)
+    for b, pad in enumerate(pads):
+        kc[b, :pad], vc[b, :pad] = np.nan, np.nan  # padding rows: never read
+    pads[2] = 9  # past its length 7: NaN rows
+    kwargs = dict(k_new=None if new is None else new[0], v_new=None if new is None else new[1], window_size=(100, 0))
+    if rotary:
+        angles = np.arange(512)[:, None] / 10000.0 ** (np.arange(0, 64, 2) / 64)[None, :]
+        kwargs.update(rotary_cos=np.cos(angles).astype(np.float32), rotary_sin=np.sin(angles).astype(np.float32))
+    dq, dk, dv, dlens, dpads = _to_device(q, kc, vc, lens.astype(np.int32), pads.astype(np.int32))
+    out, lse = cuflash.attention_with_kvcache(dq, dk, dv, cache_seqlens=dlens, cache_leftpad=dpads, return_lse=True,
+                                              num_splits=num_splits,
+                                              **{key: None if x is None else cupy.asarray(x) for key, x in kwargs.items()})
+    ref, ref_lse, k_after, _ = attention_with_kvcache_reference(q, kc, vc, lens, cache_leftpad=pads, **kwargs)
+    naive, naive_lse, _, _ = attention_with_kvcache_reference(q, kc, vc, lens, cache_leftpad=pads, naive=True,
+                                                              **kwargs)
+    assert_attention_close(out, ref, "bf16", baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+    assert np.isnan(to_numpy(out)[2]).all() and np.isfinite(to_numpy(out)[[0, 1, 3]]).all()
+    assert np.array_equal(to_numpy(dk).view(np.uint16), k_after.view(np.uint16))  # a bad pad: no new keys
+
+
 def test_cache_batch_idx_picks_each_sequences_cache_row():
     rng = np.random.default_rng(11)
     lens5 = rng.integers(1, 300, size=5)

@@ -113,6 +113,8 @@ _SAMPLE = [decode_spec(d, t, c, paged, rows, arch) for arch in ("sm80", "sm90a")
                                         (96, "bf16", "bf16", True, 32))]
 _SAMPLE += [decode_spec(d, t, t, False, 64, "sm90a", varlen=True) for d, t in ((64, "bf16"), (128, "fp16"), (256, "bf16"))]
 # packed queries over a cache (cu_seqlens_q): paged and contiguous, 16-bit and FP8
+_SAMPLE += [decode_spec(d, t, c, False, rows, "sm90a", leftpad=True)  # left-padded contiguous caches
+            for d, t, c, rows in ((128, "bf16", "bf16", 16), (256, "bf16", "e4m3", 16), (64, "fp16", "fp16", 64))]
 _SAMPLE += [decode_spec(d, t, c, paged, rows, arch, packed_q=True)
             for d, t, c, paged, rows, arch in ((128, "bf16", "bf16", True, 64, "sm90a"), (64, "fp16", "fp16", False, 16, "sm90a"),
                                               (128, "bf16", "e4m3", True, 32, "sm90a"), (128, "bf16", "bf16", True, 64, "sm80"))]
@@ -359,7 +361,8 @@ def test_packed_queries_launch_one_unsplit_grid_over_the_longest_sequence(monkey
                                        max_seqlen_q=5)
         assert len(kvcache._plans) == 2
         (_, args), = driver.launches[-1:]
-        assert DECODE_STRUCT.unpack(args[0])[14] == other.data.ptr  # cu_seqlens_q
+        fields = dict(zip((name for name, _, _ in DECODE_PARAM_FIELDS), DECODE_STRUCT.unpack(args[0])))
+        assert fields["cu_seqlens_q"] == other.data.ptr
         # splits only when asked: [heads, total_q] partials per split
         kvcache._plans.clear()
         driver.launches.clear()
@@ -465,3 +468,74 @@ def test_drawn_varlen_problems_and_their_references(problem):
     for b, n in enumerate(problem.lengths_q):
         if n == 0:
             assert not dk[cu_k[b]:cu_k[b + 1]].any() and not dv[cu_k[b]:cu_k[b + 1]].any()
+
+
+def test_reference_with_left_padded_caches_counts_positions_from_the_first_key():
+    """cache_leftpad: a sequence's keys are rows pad .. length (the new keys appended at length),
+    its positions counted from pad: the reference of the cache without its padding rows; a pad
+    outside [0, length] gives NaN rows."""
+    rng = np.random.default_rng(8)
+    k, v = rng.standard_normal((2, 3, 40, 2, 16))
+    q = rng.standard_normal((3, 2, 4, 16))
+    kn, vn = rng.standard_normal((2, 3, 2, 2, 16))
+    lens, pads = np.array([10, 30, 5]), np.array([3, 0, 7])
+    slopes = rng.uniform(0.1, 0.5, 4)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    out, lse, k2, _ = attention_with_kvcache_reference(q, k, v, lens, k_new=kn, v_new=vn, cache_leftpad=pads,
+                                                       window_size=(6, 0), score_mod=alibi)
+    for b in range(2):
+        n, pad = lens[b], pads[b]
+        trimmed = [c[b:b + 1, pad:] for c in (k, v)]  # the cache without its padding rows
+        want, want_lse, _, _ = attention_with_kvcache_reference(q[b:b + 1], *trimmed, np.array([n - pad]),
+                                                                k_new=kn[b:b + 1], v_new=vn[b:b + 1],
+                                                                window_size=(6, 0), score_mod=alibi)
+        assert np.allclose(out[b], want[0]) and np.allclose(lse[b], want_lse[0])
+        assert np.array_equal(k2[b, n:n + 2], kn[b])  # appended at the length, as without padding
+    assert np.isnan(out[2]).all() and np.isnan(lse[2]).all()  # pad 7 past length 5
+    with pytest.raises(ValueError, match="contiguous caches"):
+        attention_with_kvcache_reference(q, k, v, lens, cache_leftpad=pads, cache_batch_idx=np.arange(3))
+
+
+def test_left_padded_calls_pass_the_pads_and_refuse_pages(monkeypatch):
+    """On the CPU stand-ins: cache_leftpad's address reaches the parameter block (and the plan's
+    key: other pads, another plan); with a page table, a wrong size or dtype it is refused."""
+    cupy = pytest.importorskip("cupy")
+    import fake_device
+
+    import cuflash
+    from cuflash import kvcache
+    from cuflash.core import compile as _compile
+    from cuflash.core.params import DECODE_PARAM_FIELDS, DECODE_STRUCT
+
+    driver = fake_device.FakeDriver(sizes=[DECODE_STRUCT.size])
+    fake_device.install(monkeypatch, cupy, driver=driver)
+    kernels = tuple(fake_device.FakeKernel(ptr) for ptr in (0xA, 0xB, 0xC))
+    specs = []
+    monkeypatch.setattr(_compile, "get_kernel", lambda spec, device_id: specs.append(spec) or kernels)
+    kvcache._plans.clear()
+    try:
+        q = fake_device.fake_array(cupy, (2, 1, 8, 64), np.float16, 0x1000_0000)
+        k, v = (fake_device.fake_array(cupy, (2, 64, 2, 64), np.float16, 0x2000_0000 + i * 0x100_0000) for i in range(2))
+        lens = fake_device.fake_array(cupy, (2,), np.int32, 0x3100_0000)
+        pads, other = (fake_device.fake_array(cupy, (2,), np.int32, base) for base in (0x3200_0000, 0x3300_0000))
+        for leftpad in (pads, pads, other):
+            cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, cache_leftpad=leftpad, num_splits=1)
+            (_, args), = driver.launches[-1:]
+            fields = dict(zip((name for name, _, _ in DECODE_PARAM_FIELDS), DECODE_STRUCT.unpack(args[0])))
+            assert fields["cache_leftpad"] == leftpad.data.ptr and fields["cache_seqlens"] == lens.data.ptr
+        assert len(kvcache._plans) == 2 and specs[-1].leftpad and "_leftpad" in specs[-1].name
+        cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=1)
+        assert not specs[-1].leftpad
+        table = fake_device.fake_array(cupy, (2, 4), np.int32, 0x3400_0000)
+        with pytest.raises(ValueError, match="contiguous caches"):
+            cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, cache_leftpad=pads, page_table=table)
+        with pytest.raises(ValueError, match=r"cache_leftpad must be int32 \[batch=2\]"):
+            cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, cache_leftpad=pads[:1])
+        with pytest.raises(TypeError, match="cache_leftpad must be int32"):
+            cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens, cache_leftpad=pads.view(np.float32))
+    finally:
+        kvcache._plans.clear()
+        fake_device.uninstall(cupy)

@@ -45,11 +45,14 @@ class DecodeSpec:
     score_mod: str = ""   # digest of a traced score_mod (mod_codegen.register); "" for none
     mask_mod: str = ""    # digest of a traced mask_mod; "" for none
     packed_q: bool = False  # packed queries of their own counts over a cache (cu_seqlens_q)
+    leftpad: bool = False   # each sequence's keys start at its cache_leftpad row (contiguous caches)
 
     def __post_init__(self):
         problems = []
         if self.varlen and (self.paged or self.fp8 or self.packed_q):
             problems.append("varlen specs read packed 16-bit keys (no page table, no FP8; packed queries already)")
+        if self.leftpad and (self.paged or self.varlen):
+            problems.append("leftpad specs read a contiguous cache (no page table, no packed keys)")
         if self.head_dim not in HEAD_DIMS:
             problems.append(f"head_dim={self.head_dim} (supported: multiples of 8 from 8 to 256)")
         if self.dtype not in QUERY_DTYPES:
@@ -88,7 +91,7 @@ class DecodeSpec:
 
     @property
     def name(self) -> str:
-        paged = ("_paged" if self.paged else "") + ("_packed" if self.packed_q else "")
+        paged = ("_paged" if self.paged else "") + ("_packed" if self.packed_q else "") + ("_leftpad" if self.leftpad else "")
         kind = "varlen" if self.varlen else "kvcache"
         mods = (f"_sm{self.score_mod}" if self.score_mod else "") + (f"_mm{self.mask_mod}" if self.mask_mod else "")
         return (f"{kind}_{self.dtype}_{self.cache_dtype}{paged}_hd{self.head_dim}_m{16 * self.warps_m}"

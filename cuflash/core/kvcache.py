@@ -54,6 +54,7 @@ class KVCacheProblem:
     total_q: int = 0
     total_k: int = 0
     packed_q: bool = False    # queries packed [total_q, heads, d] by cu_seqlens_q over a cache
+    leftpad: bool = False     # keys from each sequence's cache_leftpad row
 
     @property
     def packed(self) -> bool:
@@ -107,6 +108,20 @@ def offsets(cupy, name, x, device):
     if x.data.device_id != device:
         raise ValueError(f"{name} is on device {x.data.device_id}, q on device {device}")
     return x if x.strides == (4,) else x.copy()
+
+
+def leftpad(cupy, x, q, page_table, batch=None):
+    """cache_leftpad checked: an int32 CuPy array [batch] (q's, or packed queries' ``batch``) on
+    q's device (contiguous), for a contiguous cache."""
+    if page_table is not None:
+        raise ValueError("cache_leftpad applies to contiguous caches, not with page_table or cache_batch_idx")
+    if not isinstance(q, cupy.ndarray) or (batch is None and q.ndim != 4):
+        return x  # the call names q
+    _int32_array(cupy, "cache_leftpad", x, "[batch]", q.data.device_id)
+    batch = q.shape[0] if batch is None else batch
+    if x.ndim != 1 or x.size != batch:
+        raise ValueError(f"cache_leftpad must be int32 [batch={batch}], got shape {x.shape}")
+    return cupy.ascontiguousarray(x)
 
 
 def poisoned_outputs(cupy, q):
@@ -260,7 +275,7 @@ def descale_operand(cupy, name, value, heads_k, device):
 def select_spec(problem: KVCacheProblem, arch: str, mods=None) -> DecodeSpec:
     """The problem's specialization; ``mods`` (a modset.ModSet, or None) names its mods."""
     spec = _spec(problem.head_dim, problem.dtype.tag, problem.cache_dtype, problem.paged, min(problem.rows, 64), arch,
-                 problem.varlen, problem.packed_q)
+                 problem.varlen, problem.packed_q, problem.leftpad)
     return spec if mods is None else spec.replace(score_mod=mods.score_digest, mask_mod=mods.mask_digest)
 
 
@@ -273,8 +288,8 @@ def check_mods(problem: KVCacheProblem, score_mod, mask_mod) -> None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _spec(head_dim, dtype, cache_dtype, paged, rows, arch, varlen=False, packed_q=False):
-    return policy.decode_spec(head_dim, dtype, cache_dtype, paged, rows, arch, varlen, packed_q)
+def _spec(head_dim, dtype, cache_dtype, paged, rows, arch, varlen=False, packed_q=False, leftpad=False):
+    return policy.decode_spec(head_dim, dtype, cache_dtype, paged, rows, arch, varlen, packed_q, leftpad)
 
 
 def choose_splits(spec: DecodeSpec, problem: KVCacheProblem, num_splits) -> int:
@@ -323,7 +338,8 @@ class KVCachePlan:
                  "_lse_scratch", "_driver", "_stream", "spare")
 
     def __init__(self, kernels, spec: DecodeSpec, problem: KVCacheProblem, *, page_table, cache_seqlens, splits,
-                 k_descale, v_descale, stream: int, cu_seqlens=(None, None), sinks=None, mods=None):
+                 k_descale, v_descale, stream: int, cu_seqlens=(None, None), sinks=None, mods=None,
+                 leftpad=None):
         """``mods``: the call's modset.ModSet (spec.has_mods), whose packed arrays every kernel
         takes as its second argument; kept alive with the plan."""
         import cupy
@@ -346,7 +362,7 @@ class KVCachePlan:
         # the partials' query rows of one split: [batch, heads, seqlen_q], or [heads, total_q]
         rows = problem.heads * problem.total_q if problem.packed else problem.batch * problem.heads * problem.seqlen_q
         o_part = lse_part = counts = 0
-        self.buffers = (page_table, cache_seqlens, k_array, v_array, *cu_seqlens, sinks, mods)
+        self.buffers = (page_table, cache_seqlens, leftpad, k_array, v_array, *cu_seqlens, sinks, mods)
         self.grid = (problem.batch * problem.heads_k, ceil_div(problem.rows, spec.block_m), splits)
         merge_apart = policy.decode_merge_apart(spec, problem.rows, splits)
         # the merge kernel: a block per (kv head, spec.merge_rows rows)
@@ -365,7 +381,7 @@ class KVCachePlan:
         raw = DECODE_STRUCT.pack(
             0, 0, 0, 0, 0, 0, 0, o_part, lse_part, counts,
             page_table.data.ptr if page_table is not None else 0,
-            cache_seqlens.data.ptr if cache_seqlens is not None else 0,
+            cache_seqlens.data.ptr if cache_seqlens is not None else 0, leftpad.data.ptr if leftpad is not None else 0,
             k_array.data.ptr if k_array is not None else 0, v_array.data.ptr if v_array is not None else 0,
             *(c.data.ptr if c is not None else 0 for c in cu_seqlens), sinks.data.ptr if sinks is not None else 0,
             *q_strides, *(s // size for s in problem.k_strides), *(s // size for s in problem.v_strides),

@@ -78,6 +78,7 @@ DECODE_PARAM_FIELDS = (
     ("out", "void*", "u8"), ("lse", "float*", "u8"), ("o_part", "float*", "u8"), ("lse_part", "float*", "u8"),
     ("split_counts", "unsigned*", "u8"),  # splits finished per row tile (zero between launches)
     ("page_table", "const int*", "u8"), ("cache_seqlens", "const int*", "u8"),
+    ("cache_leftpad", "const int*", "u8"),  # each sequence's first key in a contiguous cache, null: 0
     # FP8 caches: descales per kv head (descale_head_stride 1) or per tensor (0); null: 1
     ("k_descale", "const float*", "u8"), ("v_descale", "const float*", "u8"),
     # varlen: packed sequences, int32 [batch + 1] offsets into q and k/v (total_q, total_k rows)

@@ -266,11 +266,12 @@ def decode_warps_m(rows: int) -> int:
 
 
 def decode_spec(head_dim: int, dtype: str, cache_dtype: str, paged: bool, rows: int, arch: str, varlen: bool = False,
-                packed_q: bool = False):
+                packed_q: bool = False, leftpad: bool = False):
     """The KV-cache (or varlen) specialization for one problem class; stages fill DECODE_SMEM_BUDGET."""
     warps_m = decode_warps_m(rows)
     block_n = DECODE_WIDE_BLOCK_N if head_dim > 128 and warps_m == 4 else DECODE_BLOCK_N
-    spec = DecodeSpec(head_dim, dtype, cache_dtype, paged, warps_m, block_n, 2, arch, varlen, packed_q=packed_q)
+    spec = DecodeSpec(head_dim, dtype, cache_dtype, paged, warps_m, block_n, 2, arch, varlen, packed_q=packed_q,
+                      leftpad=leftpad)
     stages = (DECODE_SMEM_BUDGET - spec.smem_stages) // spec.stage_bytes
     return replace(spec, num_stages=max(2, min(DECODE_MAX_STAGES, stages)))
 

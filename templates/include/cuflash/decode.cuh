@@ -506,6 +506,14 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p,
         const int old_len = p.cache_seqlens[b];
         kv_len = old_len + p.seqlen_new;
         bad_len = old_len < 0 || kv_len > p.capacity;
+        if constexpr (Cfg::kLeftpad) {  // keys from the sequence's first (left-padded caches)
+            const int pad = p.cache_leftpad[b];
+            bad_len = bad_len || pad < 0 || pad > old_len;
+            if (!bad_len) {
+                k_first = pad;
+                kv_len -= pad;
+            }
+        }
     }
     // A sequence with more rows than the grid covers (max_seqlen_q too small) is NaN as well.
     if constexpr (Cfg::kPackedQ)
@@ -882,12 +890,14 @@ __device__ __forceinline__ void decode_attention(const typename Cfg::Params& p,
 
 // Write the new keys and values of token blockIdx.x into the cache at the sequence's length (the
 // cache_seqlens entry, which stays as it was). A sequence whose new length passes the capacity,
-// or whose length is negative, gets none; a row on a page id outside the cache is skipped.
+// whose length is negative or whose left pad lies outside [0, length], gets none; a row on a page
+// id outside the cache is skipped.
 template <class Cfg>
 __device__ __forceinline__ void decode_append(const typename Cfg::Params& p) {
     const int i = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int old_len = p.cache_seqlens[b];
     if (old_len < 0 || old_len + p.seqlen_new > p.capacity) return;
+    if (Cfg::kLeftpad && (p.cache_leftpad[b] < 0 || p.cache_leftpad[b] > old_len)) return;
     const CacheRows<Cfg::kPaged> cache = cache_rows<Cfg>(p, b);
     long long k_off, v_off;
     if (!cache.locate(old_len + i, k_off, v_off)) return;
