@@ -265,6 +265,7 @@ class KVCacheAttentionProblem:
     softcap: float = 0.0
     num_splits: int | None = None
     packed_counts: tuple | None = None
+    leftpads: tuple | None = None  # each sequence's first key (cache_leftpad; contiguous caches)
 
     def __post_init__(self):
         from .core import dtypes
@@ -272,6 +273,8 @@ class KVCacheAttentionProblem:
         from .core.validate import validate_variants
 
         object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
+        if self.leftpads is not None:
+            object.__setattr__(self, "leftpads", tuple(int(n) for n in self.leftpads))
         object.__setattr__(self, "window_size", tuple(self.window_size))
         if self.packed_counts is not None:
             object.__setattr__(self, "packed_counts", tuple(int(n) for n in self.packed_counts))
@@ -291,6 +294,9 @@ class KVCacheAttentionProblem:
         if self.packed_counts is not None and (len(self.packed_counts) != self.batch or self.seqlen_new
                                                or min(self.packed_counts, default=0) < 0):
             problems.append(f"packed_counts={self.packed_counts}: one count per sequence, and no new keys")
+        if self.leftpads is not None and (self.page_size is not None or len(self.leftpads) != self.batch
+                                          or any(not 0 <= p <= n for p, n in zip(self.leftpads, self.lengths))):
+            problems.append(f"leftpads={self.leftpads}: one per sequence from 0 to its length, contiguous caches")
         try:
             validate_variants(self.window_size, self.softcap, self.causal)
         except (TypeError, ValueError) as exc:
@@ -315,13 +321,15 @@ class KVCacheAttentionProblem:
             parts.append(f"softcap{self.softcap:g}")
         if self.num_splits is not None:
             parts.append(f"splits{self.num_splits}")
+        if self.leftpads is not None:
+            parts.append(f"leftpads{list(self.leftpads)}")
         return " ".join(parts)
 
     def make_inputs(self, xp=None, seed: int | None = None) -> dict:
         """The call's arrays on ``xp`` (default NumPy): q, k_cache, v_cache, cache_seqlens (int32),
         page_table, k_new, v_new and cu_seqlens_q (None where unused), N(0, 1) values in the
-        problem's dtype. Cache rows past each length, and the spare pages, hold NaN: a kernel that
-        reads them shows it."""
+        problem's dtype, and cache_leftpad (None where unused). Cache rows past each length, before
+        its left pad, and the spare pages hold NaN: a kernel that reads them shows it."""
         import numpy as np
 
         from .core import dtypes
@@ -342,27 +350,30 @@ class KVCacheAttentionProblem:
             pages = self.batch * per_seq + 3
             table = rng.permutation(pages)[:self.batch * per_seq].reshape(self.batch, per_seq).astype(np.int32)
             caches = [np.full((pages, self.page_size) + kv, np.nan, np.float32).astype(dtype) for _ in range(2)]
+        pads = self.leftpads or (0,) * self.batch
         for b, n in enumerate(self.lengths):
-            keys = np.arange(n)
+            keys = np.arange(pads[b], n)
             where = (b, keys) if table is None else (table[b, keys // self.page_size], keys % self.page_size)
             for cache in caches:
-                cache[where] = draw(n, *kv)
+                cache[where] = draw(keys.size, *kv)
         new = [draw(self.batch, self.seqlen_new, *kv) for _ in range(2)] if self.seqlen_new else [None, None]
         offsets = None if counts is None else np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         arrays = dict(q=q, k_cache=caches[0], v_cache=caches[1], cache_seqlens=np.asarray(self.lengths, np.int32),
-                      page_table=table, k_new=new[0], v_new=new[1], cu_seqlens_q=offsets)
+                      page_table=table, k_new=new[0], v_new=new[1], cu_seqlens_q=offsets,
+                      cache_leftpad=None if self.leftpads is None else np.asarray(self.leftpads, np.int32))
         return {name: None if x is None else xp.asarray(x) for name, x in arrays.items()}
 
     def call_kwargs(self, inputs: dict) -> dict:
         """The keywords of :func:`cuflash.attention_with_kvcache` beside q and the caches."""
-        kwargs = {name: inputs[name] for name in ("cache_seqlens", "page_table", "k_new", "v_new", "cu_seqlens_q")}
+        kwargs = {name: inputs[name] for name in ("cache_seqlens", "page_table", "k_new", "v_new", "cu_seqlens_q",
+                                                  "cache_leftpad")}
         if self.packed_counts is not None:
             kwargs["max_seqlen_q"] = max(self.packed_counts, default=0)
         return dict(kwargs, causal=self.causal, window_size=self.window_size, softcap=self.softcap,
                     num_splits=self.num_splits)
 
     def _reference(self, inputs: dict, naive: bool):
-        args = {name: inputs[name] for name in ("page_table", "k_new", "v_new", "cu_seqlens_q")}
+        args = {name: inputs[name] for name in ("page_table", "k_new", "v_new", "cu_seqlens_q", "cache_leftpad")}
         return attention_with_kvcache_reference(inputs["q"], inputs["k_cache"], inputs["v_cache"],
                                                 inputs["cache_seqlens"], causal=self.causal,
                                                 window_size=self.window_size, softcap=self.softcap, naive=naive,

@@ -344,7 +344,8 @@ def kvcache_problems(*, head_dims=(64, 128), dtypes=("fp16", "bf16"), page_sizes
 
     Head dims, dtypes and page sizes are ``sampled_from`` their arguments (None: a contiguous
     cache), so the kernels a test compiles stay bounded. Each sequence's length is drawn on its
-    own, empty and full caches among them. Half the problems append new keys; ``packed`` (None:
+    own, empty and full caches among them; half the contiguous ones are left-padded. Half the
+    problems append new keys; ``packed`` (None:
     drawn) packs the queries by ``cu_seqlens_q``, each sequence its own count, some with none and
     some with more queries than keys. ``variants`` also draws a sliding window and a softcap.
     """
@@ -381,10 +382,13 @@ def kvcache_problems(*, head_dims=(64, 128), dtypes=("fp16", "bf16"), page_sizes
             window = (draw(bound), 0 if causal else draw(bound))
             cap = draw(st.sampled_from((0.0, 5.0, 30.0)))
         splits = draw(st.sampled_from((None, 1, 3)))
+        pads = None
+        if page_size is None and draw(st.booleans()):  # left-padded contiguous caches
+            pads = tuple(draw(st.integers(0, n)) for n in lengths)
         return KVCacheAttentionProblem(batch=batch, heads=heads, heads_k=heads_k, head_dim=head_dim, dtype=dtype,
                                        lengths=lengths, capacity=capacity, seqlen_q=seqlen_q, seqlen_new=seqlen_new,
                                        page_size=page_size, causal=causal, window_size=window, softcap=cap,
-                                       num_splits=splits, packed_counts=counts)
+                                       num_splits=splits, packed_counts=counts, leftpads=pads)
 
     return problems()
 

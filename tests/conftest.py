@@ -119,7 +119,8 @@ def _kvcache_specs(arch):
     specs += [decode_spec(d, t, t, paged, rows, arch, packed_q=True)
               for d, t, paged, rows in ((64, "fp16", False, 32), (64, "fp16", False, 16), (256, "bf16", True, 64),
                                         (256, "bf16", True, 16))]
-    specs += [decode_spec(128, "bf16", "bf16", False, rows, arch, leftpad=True) for rows in (16, 32)]  # left pads
+    specs += [decode_spec(128, t, t, False, rows, arch, leftpad=True)  # left-padded caches
+              for t in ("bf16", "fp16") for rows in (16, 32, 64)]
     if arch == "sm90a":  # the Hopper varlen forward, at both length classes
         from cuflash.varlen import hopper_spec
         specs += [hopper_spec(d, t, c, n, arch) for d in (64, 72, 96, 128, 256) for t in ("bf16", "fp16")

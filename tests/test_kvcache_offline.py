@@ -388,16 +388,18 @@ def test_packed_queries_launch_one_unsplit_grid_over_the_longest_sequence(monkey
 @settings(max_examples=40)
 @given(problem=kvcache_problems(variants=True, max_length=300))
 def test_drawn_kvcache_problems_hide_nan_where_no_call_may_read(problem):
-    """Every drawn problem is valid; its caches hold NaN past each length and in spare pages, and
-    the reference (which reads only what a sequence owns) stays finite."""
+    """Every drawn problem is valid; its caches hold NaN past each length, before each left pad and
+    in spare pages, and the reference (which reads only what a sequence owns) stays finite."""
     inputs = problem.make_inputs(seed=0)
     k_cache, table = inputs["k_cache"], inputs["page_table"]
+    pads = problem.leftpads or (0,) * problem.batch
     for b, n in enumerate(problem.lengths):
-        owned = (np.full(n, b), np.arange(n)) if table is None else \
-            (table[b, np.arange(n) // problem.page_size], np.arange(n) % problem.page_size)
+        keys = np.arange(pads[b], n)
+        owned = (np.full(keys.size, b), keys) if table is None else \
+            (table[b, keys // problem.page_size], keys % problem.page_size)
         assert np.isfinite(k_cache[owned].astype(np.float32)).all()
     finite = int(np.isfinite(k_cache.astype(np.float32)).any(axis=(2, 3)).sum())
-    assert finite == sum(problem.lengths)  # nothing else holds a number
+    assert finite == sum(problem.lengths) - sum(pads)  # nothing else holds a number
     out, lse, _, _ = problem.reference(inputs)
     assert np.isfinite(out).all() and not np.isnan(lse).any()
     rows = sum(problem.packed_counts) if problem.packed_counts is not None else problem.batch * problem.seqlen_q
@@ -412,6 +414,8 @@ def test_drawn_kvcache_problems_hide_nan_where_no_call_may_read(problem):
     (dict(dtype="fp32"), "fp16 or bf16"),
     (dict(packed_counts=(1, 2), seqlen_new=1), "no new keys"),
     (dict(window_size=(-2, 0)), "window"),
+    (dict(leftpads=(1, 20)), "leftpads"),
+    (dict(leftpads=(1, 2), page_size=16), "contiguous caches"),
 ])
 def test_invalid_kvcache_problems_are_named(kwargs, match):
     from cuflash.serving import KVCacheAttentionProblem
