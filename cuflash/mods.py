@@ -127,6 +127,22 @@ def sliding_window(window: int, causal: bool = True):
     return window_mod
 
 
+def chunked(chunk: int, causal: bool = True):
+    """The mask_mod of chunked local attention (Llama 4): queries and keys attend within the same
+    block of ``chunk`` positions (``q_idx // chunk == kv_idx // chunk``), and with ``causal``
+    q_idx >= kv_idx."""
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or not 1 <= chunk < 2**31:
+        raise ValueError(f"chunk={chunk!r} must be a positive integer below 2**31")
+    chunk = int(chunk)
+    if causal:
+        def chunked_mod(b, h, q_idx, kv_idx):
+            return (q_idx // chunk == kv_idx // chunk) & (q_idx >= kv_idx)
+    else:
+        def chunked_mod(b, h, q_idx, kv_idx):
+            return q_idx // chunk == kv_idx // chunk
+    return chunked_mod
+
+
 @functools.lru_cache(maxsize=256)
 def _window_size_mask(left: int, right: int, offset: int = 0):
     """The mask_mod of FlashAttention's ``window_size=(left, right)``: a query at q_idx sees the keys
@@ -270,7 +286,7 @@ def prefix_lm(prefix_lengths):
 
 
 __all__ = ["where", "minimum", "maximum", "exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "floor", "abs",
-           "trace_score_mod", "trace_mask_mod", "cuda_source", "softcap", "alibi", "sliding_window",
+           "trace_score_mod", "trace_mask_mod", "cuda_source", "softcap", "alibi", "sliding_window", "chunked",
            "document_mask", "and_masks", "or_masks", "prefix_lm", "Graph"]
 
 

@@ -34,6 +34,8 @@ MASKS = {
     "causal": lambda b, h, q, kv: q >= kv,
     "window": mods.sliding_window(64),
     "two_sided": mods.sliding_window(48, causal=False),
+    "chunked": mods.chunked(50),
+    "chunked_both_ways": mods.chunked(64, causal=False),
     "document": mods.document_mask(DOC, causal=True),
     "prefix_lm": mods.prefix_lm(np.array([40, 170], dtype=np.int32)),
     "per_head": lambda b, h, q, kv: (q - kv) < 16 * (h + 1),

@@ -420,7 +420,7 @@ def test_the_generated_functions_compile():
 
     graphs = [mods.trace_score_mod(f) for f in (everything, mods.softcap(30.0), mods.alibi(np.zeros(4, np.float32)))]
     graphs += [mods.trace_mask_mod(f) for f in (mods.sliding_window(128), mods.document_mask(doc, causal=True),
-                                                padded)]
+                                                padded, mods.chunked(8192))]
     graphs.append(mod_grad.derivative(graphs[0]))
     source = "".join(mods.cuda_source(g) + mod_codegen.generate_split(g) for g in graphs)
     calls = []
@@ -476,3 +476,23 @@ def test_varlen_backward_runs_mods_only_in_its_one_launch():
     with pytest.raises(ValueError, match="window_size"):
         cuflash.attention_varlen_backward(q, q, q, q, q, lse, cu, cu, causal=True, window_size=(3, 0),
                                           mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+
+
+def test_chunked_attention_stays_in_its_block():
+    """mods.chunked: pairs in the same block of `chunk` positions (and causal), as Llama 4's
+    chunked local attention; bad chunk sizes are named."""
+    q_idx, kv_idx = np.meshgrid(np.arange(20), np.arange(20), indexing="ij")
+    allowed = mods.chunked(8)(0, 0, q_idx, kv_idx)
+    assert np.array_equal(allowed, (q_idx // 8 == kv_idx // 8) & (q_idx >= kv_idx))
+    assert np.array_equal(mods.chunked(8, causal=False)(0, 0, q_idx, kv_idx), q_idx // 8 == kv_idx // 8)
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, 20, 16)) for _ in range(3))
+    out, _ = reference.attention_reference(q, k, v, mask_mod=mods.chunked(8))
+    for start in (0, 8, 16):
+        rows = slice(start, min(start + 8, 20))
+        want, _ = reference.attention_reference(q[:, :, rows], k[:, :, rows], v[:, :, rows], causal=True)
+        assert np.allclose(out[:, :, rows], want)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="chunk="):
+            mods.chunked(bad)
+
