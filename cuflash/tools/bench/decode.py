@@ -6,8 +6,8 @@ One query token (or a few) per sequence against a long cache, bf16, 32 query hea
 head dim 128. The figure of merit is bandwidth: the K and V bytes of the cache's attended keys
 over the time. Timed in the same interleaved rounds: cuflash on a contiguous cache, on paged caches
 (pages 16 and 256, shuffled), on an e4m3 cache (tokens per second against bf16), with 4 and 16
-query tokens, and torch SDPA's cuDNN and flash backends on the contiguous cache where torch is
-importable. Also the host time of one small decode call beside torch SDPA's.
+query tokens, with the queries packed by offsets (unsplit, and split as the padded call is), and
+torch SDPA's cuDNN and flash backends on the contiguous cache where torch is importable. Also the host time of one small decode call beside torch SDPA's.
 """
 from __future__ import annotations
 
@@ -58,6 +58,16 @@ def decode_rows(torch=None, reps: int = 30, echo=print) -> list[dict]:
         for n, q in queries.items():
             calls[f"cuflash q{n}"] = (lambda q=q: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lens))
             bytes_of[f"cuflash q{n}"] = kv_bytes
+        # the q1 problem with its queries packed by offsets (cu_seqlens_q): unsplit, and split as q1 is
+        from cuflash import kvcache as _kvcache
+        calls["cuflash q1"]()
+        q1_splits = next(reversed(_kvcache._plans.values())).splits
+        packed_q = queries[1].reshape(batch, HEADS, HEAD_DIM)
+        offsets = cupy.arange(batch + 1, dtype=cupy.int32)
+        for name, splits in (("cuflash packed q1", None), ("cuflash packed q1 split", q1_splits)):
+            calls[name] = (lambda splits=splits: cuflash.attention_with_kvcache(
+                packed_q, k, v, cache_seqlens=lens, cu_seqlens_q=offsets, max_seqlen_q=1, num_splits=splits))
+            bytes_of[name] = kv_bytes
         paged = {}
         for page in (16, 256):
             pk, pv, table = paged[page] = _caches(cupy, batch, keys, page, rng, bf16)
@@ -99,7 +109,7 @@ def decode_rows(torch=None, reps: int = 30, echo=print) -> list[dict]:
 
 
 def format_decode_row(row: dict) -> str:
-    head = f"decode b={row['batch']} keys={row['keys']} {row['variant']:<18}"
+    head = f"decode b={row['batch']} keys={row['keys']} {row['variant']:<23}"
     if row["error"]:
         return f"{head} error: {row['error']}"
     extra = "".join(f"  {key}={row[key]:.2f}" for key in ("time_vs_q1", "vs_cudnn") if key in row)
