@@ -150,3 +150,17 @@ def test_kvcache_reference_refuses_a_softcap_beside_a_score_mod():
     with pytest.raises(ValueError, match="softcap=2.0 and score_mod"):
         attention_with_kvcache_reference(q, k, k, np.array([2]), softcap=2.0,
                                          score_mod=lambda s, b, h, q_idx, kv_idx: s)
+
+
+def test_packed_outputs_merge_as_one_sequence_of_a_batch():
+    """Outputs [total_q, heads, head_dim] with LSE [heads, total_q] merge through [None] views
+    (layout bshd) into the attention over the union of their keys."""
+    q, k, v = _problem(seqlen_k=60, layout="bshd")
+    q, k, v = q[0], k[0], v[0]                         # one packed run of 37 queries
+    full, full_lse = reference.attention_reference(q[None], k[None], v[None], layout="bshd")
+    parts = [reference.attention_reference(q[None], k[None, a:b], v[None, a:b], layout="bshd") for a, b in ((0, 25),
+                                                                                                           (25, 60))]
+    packed = [(o[0].astype(np.float32), l[0].astype(np.float32)) for o, l in parts]
+    out, lse = cuflash.merge_states([o[None] for o, _ in packed], [l[None] for _, l in packed], layout="bshd")
+    assert out[0].shape == q.shape and lse[0].shape == (q.shape[1], q.shape[0])
+    assert np.allclose(out[0], full[0], atol=1e-5) and np.allclose(lse[0], full_lse[0], atol=1e-5)
