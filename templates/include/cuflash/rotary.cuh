@@ -72,6 +72,7 @@ cuflash_rotary(const cuflash_rotary_t* __restrict__ x, cuflash_rotary_t* __restr
     const int d1 = interleaved ? 2 * j : j, d2 = interleaved ? 2 * j + 1 : j + half;
     const float x1 = cuflash_rotary_float<CUFLASH_ROTARY_X_BF16>(src[d1]);
     const float x2 = cuflash_rotary_float<CUFLASH_ROTARY_X_BF16>(src[d2]);
-    dst[d1] = cuflash_rotary_round<CUFLASH_ROTARY_X_BF16>(x1 * c - x2 * sn);
-    dst[d2] = cuflash_rotary_round<CUFLASH_ROTARY_X_BF16>(x1 * sn + x2 * c);
+    // each product and sum rounded on its own (no fused multiply-add): NumPy's float32 rotation, bit for bit
+    dst[d1] = cuflash_rotary_round<CUFLASH_ROTARY_X_BF16>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sn)));
+    dst[d2] = cuflash_rotary_round<CUFLASH_ROTARY_X_BF16>(__fadd_rn(__fmul_rn(x1, sn), __fmul_rn(x2, c)));
 }
