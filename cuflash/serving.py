@@ -239,6 +239,36 @@ def _window_mask(window_size, causal, offset):
     return _mods._window_size_mask(left, -1 if causal else right, offset)
 
 
+def _case_problems(case) -> list[str]:
+    """What is wrong with a serving case's dtype, head dim, heads and variants (empty if nothing)."""
+    from .core import dtypes
+    from .core.spec import HEAD_DIMS
+    from .core.validate import validate_variants
+
+    problems = []
+    if case.dtype not in ("fp16", "bf16") or dtypes.from_tag(case.dtype).tag != case.dtype:
+        problems.append(f"dtype={case.dtype!r} (fp16 or bf16)")
+    if case.head_dim not in HEAD_DIMS:
+        problems.append(f"head_dim={case.head_dim} (multiples of 8 from 8 to 256)")
+    if min(case.heads, case.heads_k) < 1 or case.heads % case.heads_k:
+        problems.append(f"heads={case.heads}, heads_k={case.heads_k}: at least 1 each, heads a multiple of heads_k")
+    try:
+        validate_variants(case.window_size, case.softcap, case.causal)
+    except (TypeError, ValueError) as exc:
+        problems.append(str(exc))
+    return problems
+
+
+def _variant_parts(case) -> list[str]:
+    """The name parts of a serving case's mask and variants."""
+    parts = ["causal"] if case.causal else []
+    if case.window_size != (-1, -1):
+        parts.append("window{},{}".format(*case.window_size))
+    if case.softcap:
+        parts.append(f"softcap{case.softcap:g}")
+    return parts
+
+
 @dataclass(frozen=True)
 class KVCacheAttentionProblem:
     """One :func:`cuflash.attention_with_kvcache` case for tests and fuzzing: the sizes, each
@@ -268,24 +298,15 @@ class KVCacheAttentionProblem:
     leftpads: tuple | None = None  # each sequence's first key (cache_leftpad; contiguous caches)
 
     def __post_init__(self):
-        from .core import dtypes
-        from .core.spec import HEAD_DIMS
-        from .core.validate import validate_variants
-
         object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
         if self.leftpads is not None:
             object.__setattr__(self, "leftpads", tuple(int(n) for n in self.leftpads))
         object.__setattr__(self, "window_size", tuple(self.window_size))
         if self.packed_counts is not None:
             object.__setattr__(self, "packed_counts", tuple(int(n) for n in self.packed_counts))
-        problems = []
-        if self.dtype not in ("fp16", "bf16") or dtypes.from_tag(self.dtype).tag != self.dtype:
-            problems.append(f"dtype={self.dtype!r} (fp16 or bf16)")
-        if self.head_dim not in HEAD_DIMS:
-            problems.append(f"head_dim={self.head_dim} (multiples of 8 from 8 to 256)")
-        if min(self.batch, self.heads, self.heads_k) < 1 or self.heads % self.heads_k:
-            problems.append(f"batch={self.batch}, heads={self.heads}, heads_k={self.heads_k}: at least 1 each, "
-                            f"heads a multiple of heads_k")
+        problems = _case_problems(self)
+        if self.batch < 1:
+            problems.append(f"batch={self.batch} must be at least 1")
         if len(self.lengths) != self.batch or any(not 0 <= n <= self.capacity - self.seqlen_new for n in self.lengths):
             problems.append(f"lengths={self.lengths}: one per sequence, from 0 to capacity={self.capacity} - "
                             f"seqlen_new={self.seqlen_new}")
@@ -297,10 +318,6 @@ class KVCacheAttentionProblem:
         if self.leftpads is not None and (self.page_size is not None or len(self.leftpads) != self.batch
                                           or any(not 0 <= p <= n for p, n in zip(self.leftpads, self.lengths))):
             problems.append(f"leftpads={self.leftpads}: one per sequence from 0 to its length, contiguous caches")
-        try:
-            validate_variants(self.window_size, self.softcap, self.causal)
-        except (TypeError, ValueError) as exc:
-            problems.append(str(exc))
         if problems:
             raise ValueError("invalid KV-cache problem: " + "; ".join(problems))
 
@@ -313,12 +330,7 @@ class KVCacheAttentionProblem:
         if self.seqlen_new:
             parts.append(f"new{self.seqlen_new}")
         parts.append(f"page{self.page_size}" if self.page_size else f"cap{self.capacity}")
-        if self.causal:
-            parts.append("causal")
-        if self.window_size != (-1, -1):
-            parts.append("window{},{}".format(*self.window_size))
-        if self.softcap:
-            parts.append(f"softcap{self.softcap:g}")
+        parts += _variant_parts(self)
         if self.num_splits is not None:
             parts.append(f"splits{self.num_splits}")
         if self.leftpads is not None:
@@ -406,26 +418,12 @@ class VarlenAttentionProblem:
     softcap: float = 0.0
 
     def __post_init__(self):
-        from .core import dtypes
-        from .core.spec import HEAD_DIMS
-        from .core.validate import validate_variants
-
         for name in ("lengths_q", "lengths_k", "window_size"):
             object.__setattr__(self, name, tuple(int(n) for n in getattr(self, name)))
-        problems = []
-        if self.dtype not in ("fp16", "bf16") or dtypes.from_tag(self.dtype).tag != self.dtype:
-            problems.append(f"dtype={self.dtype!r} (fp16 or bf16)")
-        if self.head_dim not in HEAD_DIMS:
-            problems.append(f"head_dim={self.head_dim} (multiples of 8 from 8 to 256)")
-        if min(self.heads, self.heads_k) < 1 or self.heads % self.heads_k:
-            problems.append(f"heads={self.heads}, heads_k={self.heads_k}: heads a multiple of heads_k")
+        problems = _case_problems(self)
         if len(self.lengths_q) != len(self.lengths_k) or min(self.lengths_q + self.lengths_k, default=0) < 0:
             problems.append(f"lengths_q={self.lengths_q} and lengths_k={self.lengths_k}: one non-negative count "
                             f"per sequence each")
-        try:
-            validate_variants(self.window_size, self.softcap, self.causal)
-        except (TypeError, ValueError) as exc:
-            problems.append(str(exc))
         if problems:
             raise ValueError("invalid varlen problem: " + "; ".join(problems))
 
@@ -433,13 +431,7 @@ class VarlenAttentionProblem:
     def name(self) -> str:
         """A short readable label, e.g. ``bf16 hd128 h8/2 q[0, 17] k[5, 40] causal``."""
         parts = [self.dtype, f"hd{self.head_dim}", f"h{self.heads}/{self.heads_k}", f"q{list(self.lengths_q)}",
-                 f"k{list(self.lengths_k)}"]
-        if self.causal:
-            parts.append("causal")
-        if self.window_size != (-1, -1):
-            parts.append("window{},{}".format(*self.window_size))
-        if self.softcap:
-            parts.append(f"softcap{self.softcap:g}")
+                 f"k{list(self.lengths_k)}", *_variant_parts(self)]
         return " ".join(parts)
 
     def make_inputs(self, xp=None, seed: int | None = None) -> dict:
