@@ -22,7 +22,7 @@ _PUBLIC = {
     "quantize_fp8": "cuflash.fp8", "dequantize_fp8": "cuflash.fp8", "random_rotation": "cuflash.fp8",
     "prepare_v": "cuflash.fp8", "PreparedV": "cuflash.fp8",
     "merge_states": "cuflash.serving", "attention_with_kvcache_reference": "cuflash.serving",
-    "attention_with_kvcache": "cuflash.kvcache", "attention_varlen": "cuflash.varlen",
+    "attention_with_kvcache": "cuflash.kvcache", "append_kv": "cuflash.kvcache", "attention_varlen": "cuflash.varlen",
     "attention_varlen_backward": "cuflash.varlen", "attention_varlen_with_grad": "cuflash.varlen", "DecodeSpec": "cuflash.core.decode_spec",
     "block_mask": "cuflash.sparsity", "BlockMask": "cuflash.sparsity",
 }

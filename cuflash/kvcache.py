@@ -138,6 +138,80 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
                       score_mod, mask_mod, packed, cache_leftpad)
 
 
+def append_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
+    """Write new keys and values into a KV cache by slot, as vLLM's ``reshape_and_cache``: token
+    t's rows go to slot ``slot_mapping[t]``, so packed tokens of many sequences land in one call
+    (before an :func:`attention_with_kvcache` with ``cu_seqlens_q``, whose lengths then count them).
+
+    Args:
+        k_cache, v_cache: paged [num_pages, page_size, heads_k, head_dim] (slot = page *
+            page_size + row) or contiguous [batch, max_seqlen, heads_k, head_dim] (slot = b *
+            max_seqlen + position); float16, bfloat16 or uint8 FP8 codes; rows 16-byte aligned
+            with a contiguous last dim (they are written in place).
+        k, v: [tokens, heads_k, head_dim] in the caches' dtype (FP8 caches: codes).
+        slot_mapping: int32 CuPy array [tokens], read on the device. A negative slot skips its
+            token (padding); so does a slot past the caches: nothing outside them is written.
+
+    Runs on the current CuPy stream without synchronizing (a CUDA graph can capture it).
+    """
+    import cupy
+
+    for name, x, ndim in (("k_cache", k_cache, 4), ("v_cache", v_cache, 4), ("k", k, 3), ("v", v, 3)):
+        _kv._array(cupy, name, x, ndim)
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.dtype} {k_cache.shape} and v_cache {v_cache.dtype} {v_cache.shape} "
+                         f"must match")
+    if k_cache.dtype.itemsize not in (1, 2) or k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
+        raise TypeError(f"k ({k.dtype}) and v ({v.dtype}) must have the caches' dtype ({k_cache.dtype}): float16, "
+                        f"bfloat16 or uint8 FP8 codes")
+    tokens = k.shape[0]
+    if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"k {k.shape} and v {v.shape} must be [tokens, heads_k, head_dim] = "
+                         f"[tokens, {k_cache.shape[2]}, {k_cache.shape[3]}]")
+    device = k_cache.data.device_id
+    _kv._int32_array(cupy, "slot_mapping", slot_mapping, "[tokens]", device)
+    if slot_mapping.shape != (tokens,):
+        raise ValueError(f"slot_mapping must be int32 [tokens={tokens}], got shape {slot_mapping.shape}")
+    row_bytes = k_cache.shape[3] * k_cache.dtype.itemsize
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.data.device_id != device:
+            raise ValueError(f"{name} is on device {x.data.device_id}, k_cache on device {device}")
+        if not _kv._rows_aligned(x) or row_bytes % 16:
+            raise ValueError(f"{name} (shape {x.shape}, strides {x.strides}) must have a contiguous last dim and "
+                             f"16-byte aligned rows of a multiple of 16 bytes")
+    for name, x in (("k", k), ("v", v)):
+        if x.data.device_id != device:
+            raise ValueError(f"{name} is on device {x.data.device_id}, k_cache on device {device}")
+    if tokens == 0 or k_cache.size == 0:
+        return
+    k, v = (x if _kv._contiguous(x) else cupy.ascontiguousarray(x) for x in (k, v))
+    slots = cupy.ascontiguousarray(slot_mapping)
+    chunks = row_bytes // 16
+    items = tokens * k_cache.shape[2] * chunks
+    from .forward import _on_device
+
+    with _on_device(device):
+        _append_kernel(cupy, device)(
+            (-(-items // 256),), (256,),
+            (k, v, k_cache, v_cache, slots, np.int32(k_cache.shape[2]), np.int32(chunks),
+             np.int64(k_cache.shape[0] * k_cache.shape[1]), np.int32(k_cache.shape[1]),
+             *(np.int64(st) for st in k_cache.strides[:3]), *(np.int64(st) for st in v_cache.strides[:3]),
+             np.int64(k.strides[0]), np.int64(k.strides[1]), np.int64(items)))
+
+
+_APPEND_KERNELS: dict = {}
+
+
+def _append_kernel(cupy, device: int):
+    kernel = _APPEND_KERNELS.get(device)
+    if kernel is None:
+        from .core.compile import arch_options, device_arch
+
+        module = cupy.RawModule(code='#include "cuflash/append.cuh"\n', options=arch_options(device_arch(device)))
+        kernel = _APPEND_KERNELS[device] = module.get_function("cuflash_append_kv")
+    return kernel
+
+
 def _packed_queries(cupy, q, cu_seqlens_q, max_seqlen_q, k_new, v_new, rotary_cos, rotary_sin):
     """(offsets, batch, max_seqlen_q) of a call with packed queries, checked."""
     if cu_seqlens_q is None:
@@ -307,4 +381,4 @@ def _plan_key(cupy, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table
     return key
 
 
-__all__ = ["attention_with_kvcache"]
+__all__ = ["attention_with_kvcache", "append_kv"]

@@ -28,7 +28,7 @@ from .forward import _attention
 from .torch_interop import (_DTYPES, _current_stream_ptr, _on_torch_stream, _readable, _rows, _to_cupy,  # noqa: F401
                             _to_torch)
 from .torch_mods import _attention_with_mods
-from .torch_kvcache import attention_with_kvcache
+from .torch_kvcache import append_kv, attention_with_kvcache
 from .torch_varlen import attention_varlen
 
 LAYOUTS = ("bhsd", "bshd")
@@ -534,5 +534,5 @@ def register_transformers(name: str = TRANSFORMERS_NAME) -> str:
     return name
 
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "register_transformers",
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "append_kv", "register_transformers",
            "transformers_attention", "transformers_mask", "TRANSFORMERS_NAME"]

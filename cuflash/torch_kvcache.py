@@ -47,6 +47,35 @@ _ARRAYS = ("k_new", "v_new", "page_table", "sinks", "rotary_cos", "rotary_sin", 
            "cache_leftpad")
 
 
+def append_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
+    """:func:`cuflash.append_kv` on CUDA torch tensors (slot_mapping torch.int32), in place, on
+    torch's current stream; under torch.compile the operator ``torch.ops.cuflash.append_kv``."""
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("slot_mapping", slot_mapping)):
+        if not isinstance(x, torch.Tensor) or x.device.type not in ("cuda", "meta"):
+            raise TypeError(f"{name} must be a CUDA torch tensor, got {type(x).__name__}"
+                            + (f" on {x.device}" if isinstance(x, torch.Tensor) else ""))
+    if torch.compiler.is_compiling() or k_cache.device.type == "meta":
+        _append_op(k_cache, v_cache, k, v, slot_mapping)
+    else:
+        _append_impl(k_cache, v_cache, k, v, slot_mapping)
+
+
+def _append_impl(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    from .kvcache import append_kv as _append
+
+    with _on_torch_stream(k_cache.device):
+        _append(*(_to_cupy(x) for x in (k_cache, v_cache, k, v, slot_mapping)))
+
+
+_append_op = torch.library.custom_op("cuflash::append_kv", mutates_args=("k_cache", "v_cache"))(_append_impl)
+
+
+@_append_op.register_fake
+def _append_fake(k_cache, v_cache, k, v, slot_mapping):
+    return None
+
+
 def _eager(q, k_cache, v_cache, cache_seqlens, k_descale, v_descale, arrays, options):
     """(out, lse) of the CuPy call on views of the tensors."""
     from .kvcache import attention_with_kvcache as _kvcache
@@ -133,4 +162,4 @@ def _op_fake(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, k_descale, k
     return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
-__all__ = ["attention_with_kvcache"]
+__all__ = ["attention_with_kvcache", "append_kv"]

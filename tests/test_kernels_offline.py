@@ -443,6 +443,24 @@ def test_fp8_v_operand_kernel_compiles():
         nvrtc.destroyProgram(prog)
 
 
+@pytest.mark.parametrize("arch", ["sm90a", "sm80"])
+def test_append_kernel_compiles(arch):
+    """The kernel of cuflash.append_kv (append.cuh), with the options it is compiled with."""
+    pytest.importorskip("cupy")
+    from cupy.cuda import nvrtc
+
+    from cuflash.core.compile import arch_options
+
+    options = [o.replace("-arch=", "--gpu-architecture=") for o in arch_options(arch)]
+    prog = nvrtc.createProgram('#include "cuflash/append.cuh"\n', "append.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, options)
+    except nvrtc.NVRTCError:
+        pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 @pytest.mark.parametrize("table", [0, 1, 2])
 @pytest.mark.parametrize("arch", ["sm90a", "sm80"])
 def test_rotary_kernel_compiles(arch, table):

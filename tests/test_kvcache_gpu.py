@@ -575,3 +575,44 @@ def test_drawn_kvcache_problems_match_the_reference(problem):
     assert_attention_close(out, ref, problem.dtype, baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
     assert np.array_equal(to_numpy(inputs["k_cache"]).view(np.uint16), k_after.view(np.uint16))
     assert np.array_equal(to_numpy(inputs["v_cache"]).view(np.uint16), v_after.view(np.uint16))
+
+
+@pytest.mark.parametrize("cache_dtype", ["bf16", "e4m3"])
+def test_append_kv_writes_tokens_by_slot_then_packed_queries_attend(cache_dtype):
+    """cuflash.append_kv: tokens of three sequences written by slot into a shuffled paged cache
+    (a negative slot and one past the cache skipped, nothing else touched), then attended as
+    packed queries whose lengths count them: the reference's result over the same cache."""
+    rng = np.random.default_rng(21)
+    counts, before = [3, 1, 5], np.array([30, 0, 100])
+    fp8 = "e4m3" if cache_dtype == "e4m3" else None
+    _, kc, vc, table, _ = _make(rng, batch=3, seqlen_q=1, heads=8, heads_k=2, head_dim=128, dtype="bf16",
+                                lengths=before, capacity=128, page_size=16, fp8_format=fp8)
+    fill = (lambda n: (4 * rng.standard_normal((n, 2, 128))).astype(_fp8_type()).view(np.uint8)) if fp8 else \
+        (lambda n: rng.standard_normal((n, 2, 128)).astype(_np_dtype("bf16")))
+    k_new, v_new = fill(sum(counts) + 2), fill(sum(counts) + 2)  # two tokens more: padding, and past the cache
+    slots = [table[b, p // 16] * 16 + p % 16 for b, n in enumerate(counts) for p in range(before[b], before[b] + n)]
+    slots = np.array(slots + [-1, kc.shape[0] * 16 + 5], np.int32)
+    dk, dv = _to_device(kc, vc)
+    cuflash.append_kv(dk, dv, cupy.asarray(k_new), cupy.asarray(v_new), cupy.asarray(slots))
+    want_k, want_v = kc.copy(), vc.copy()
+    for t, slot in enumerate(slots[:-2]):
+        want_k[slot // 16, slot % 16], want_v[slot // 16, slot % 16] = k_new[t], v_new[t]
+    bits = np.uint8 if fp8 else np.uint16
+    assert np.array_equal(to_numpy(dk).view(bits), want_k.view(bits))
+    assert np.array_equal(to_numpy(dv).view(bits), want_v.view(bits))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    q = rng.standard_normal((offsets[-1], 8, 128)).astype(_np_dtype("bf16"))
+    lens = (before + np.array(counts)).astype(np.int32)
+    out, lse = cuflash.attention_with_kvcache(cupy.asarray(q), dk, dv, cache_seqlens=cupy.asarray(lens),
+                                              page_table=cupy.asarray(table), cu_seqlens_q=cupy.asarray(offsets),
+                                              fp8_format=fp8, return_lse=True)
+    kwargs = dict(page_table=table, cu_seqlens_q=offsets, fp8_format=fp8)
+    ref, ref_lse, _, _ = attention_with_kvcache_reference(q, want_k, want_v, lens, **kwargs)
+    naive, naive_lse, _, _ = attention_with_kvcache_reference(q, want_k, want_v, lens, naive=True, **kwargs)
+    assert_attention_close(out, ref, "bf16", baseline=naive, lse=lse, ref_lse=ref_lse, baseline_lse=naive_lse)
+
+
+def _fp8_type():
+    import ml_dtypes
+
+    return ml_dtypes.float8_e4m3fn

@@ -543,3 +543,43 @@ def test_left_padded_calls_pass_the_pads_and_refuse_pages(monkeypatch):
     finally:
         kvcache._plans.clear()
         fake_device.uninstall(cupy)
+
+
+def test_append_kv_launches_one_grid_and_names_bad_arguments(monkeypatch):
+    """cuflash.append_kv on the CPU stand-ins: one launch over tokens x heads_k x 16-byte chunks
+    with the caches' byte strides and their slot count; wrong shapes, dtypes and slot arrays are
+    named before anything launches."""
+    cupy = pytest.importorskip("cupy")
+    import fake_device
+
+    import cuflash
+    from cuflash import kvcache
+
+    calls = []
+    fake_device.install(monkeypatch, cupy)
+    monkeypatch.setattr(kvcache, "_append_kernel", lambda cupy_, device: lambda *launch: calls.append(launch))
+    try:
+        k_cache, v_cache = (fake_device.fake_array(cupy, (20, 16, 2, 128), np.float16, base)
+                            for base in (0x2000_0000, 0x2100_0000))
+        k, v = (fake_device.fake_array(cupy, (5, 2, 128), np.float16, base) for base in (0x1000_0000, 0x1100_0000))
+        slots = fake_device.fake_array(cupy, (5,), np.int32, 0x3000_0000)
+        cuflash.append_kv(k_cache, v_cache, k, v, slots)
+        (grid, block, args), = calls
+        items = 5 * 2 * (128 * 2 // 16)
+        assert grid == (-(-items // 256),) and block == (256,)
+        assert [a.data.ptr for a in args[:5]] == [k.data.ptr, v.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
+                                                  slots.data.ptr]
+        assert [int(a) for a in args[5:]] == [2, 16, 320, 16, *k_cache.strides[:3], *v_cache.strides[:3], 2 * 128 * 2,
+                                              128 * 2, items]
+        bad = [(dict(k=k[:, :1]), ValueError, "tokens, heads_k, head_dim"),
+               (dict(v=fake_device.fake_array(cupy, (5, 2, 128), np.float32, 0x1200_0000)), TypeError, "caches' dtype"),
+               (dict(slot_mapping=slots[:4]), ValueError, r"slot_mapping must be int32 \[tokens=5\]"),
+               (dict(slot_mapping=slots.view(np.float32)), TypeError, "slot_mapping must be int32"),
+               (dict(v_cache=v_cache[:, :8]), ValueError, "must match")]
+        for change, error, match in bad:
+            call = {**dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slots), **change}
+            with pytest.raises(error, match=match):
+                cuflash.append_kv(call["k_cache"], call["v_cache"], call["k"], call["v"], call["slot_mapping"])
+        assert len(calls) == 1
+    finally:
+        fake_device.uninstall(cupy)

@@ -179,3 +179,16 @@ def test_kvcache_bridge_names_bad_arguments():
         ct.attention_with_kvcache(torch.zeros(2, 3, 8, 64), cache, cache, cache_seqlens=7)
     with pytest.raises(ValueError, match="not on meta tensors"):
         ct.attention_with_kvcache(q, cache, cache, cache_seqlens=7, score_mod=lambda s, b, h, i, j: s)
+
+
+def test_append_kv_operator_on_meta_tensors_and_under_torch_compile():
+    """cuflash.torch.append_kv traced: the operator that writes the caches in place, with no graph
+    break under torch.compile(fullgraph=True)."""
+    def args():
+        return (_meta(4, 16, 2, 64), _meta(4, 16, 2, 64), _meta(3, 2, 64), _meta(3, 2, 64), _meta(3, dtype=torch.int32))
+
+    assert ct.append_kv(*args()) is None
+    compiled = torch.compile(lambda *a: ct.append_kv(*a), fullgraph=True, backend="eager")
+    assert compiled(*args()) is None
+    with pytest.raises(TypeError, match="slot_mapping must be a CUDA torch tensor"):
+        ct.append_kv(*args()[:4], [0, 1, 2])
