@@ -549,6 +549,25 @@ def test_kvcache_under_torch_compile_appends_in_place_and_matches_eager():
     assert torch.equal(caches[0][1, 100:102], new[0][1])
 
 
+def test_append_kv_through_the_bridge_matches_cupy():
+    """cuflash.torch.append_kv writes the bits cuflash.append_kv writes, eagerly and compiled."""
+    import cuflash.torch as ct
+
+    torch.manual_seed(6)
+    caches = [torch.randn(8, 16, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    k, v = (torch.randn(5, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.tensor([3, 40, -1, 127, 128], device="cuda", dtype=torch.int32)  # padding, past the cache
+    copies = [_cupy(c.clone()) for c in caches]
+    cuflash.append_kv(*copies, _cupy(k), _cupy(v), _cupy(slots))
+    eager = [c.clone() for c in caches]
+    ct.append_kv(*eager, k, v, slots)
+    torch.compile(lambda *a: ct.append_kv(*a), fullgraph=True)(*caches, k, v, slots)
+    torch.cuda.synchronize()
+    for got in (eager, caches):
+        assert torch.equal(got[0], _torch(copies[0])) and torch.equal(got[1], _torch(copies[1]))
+    assert torch.equal(caches[0].view(-1, 2, 128)[127], k[3])
+
+
 def test_kvcache_packed_queries_through_the_bridge_match_cupy():
     """cu_seqlens_q through the bridge: the CuPy call's bits, NaN rows included."""
     import cuflash.torch as ct
