@@ -184,7 +184,7 @@ def append_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
             raise ValueError(f"{name} is on device {x.data.device_id}, k_cache on device {device}")
     if tokens == 0 or k_cache.size == 0:
         return
-    k, v = (x if _kv._contiguous(x) else cupy.ascontiguousarray(x) for x in (k, v))
+    k, v = (x if _kv._contiguous(x) else x.copy() for x in (k, v))  # C order, 16-byte aligned
     slots = cupy.ascontiguousarray(slot_mapping)
     chunks = row_bytes // 16
     items = tokens * k_cache.shape[2] * chunks
