@@ -425,60 +425,41 @@ def test_fp8_v_operand_orders_keys_like_the_probability_registers():
     assert (fp8.v_operand(v.transpose(0, 2, 1, 3), layout="bshd") == out).all()
 
 
-def test_fp8_v_operand_kernel_compiles():
-    """The device kernel behind fp8.v_operand, with the options it is compiled with at run time
-    (NVRTC, no GPU needed)."""
+def _header_compiles(header: str, arch: str, defines=()) -> None:
+    """Compile a kernel header of templates/include/cuflash as it is compiled at run time (NVRTC,
+    the same options, no GPU needed); a failure shows NVRTC's log."""
     pytest.importorskip("cupy")
     from cupy.cuda import nvrtc
 
     from cuflash.core.compile import arch_options
 
-    options = [o.replace("-arch=", "--gpu-architecture=") for o in arch_options("sm90a")]
-    prog = nvrtc.createProgram('#include "cuflash/fp8_v.cuh"\n', "fp8_v.cu", [], [])
+    options = [o.replace("-arch=", "--gpu-architecture=") for o in arch_options(arch)] + list(defines)
+    prog = nvrtc.createProgram(f'#include "cuflash/{header}"\n', header.replace(".cuh", ".cu"), [], [])
     try:
         nvrtc.compileProgram(prog, options)
     except nvrtc.NVRTCError:
         pytest.fail(nvrtc.getProgramLog(prog))
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def test_fp8_v_operand_kernel_compiles():
+    """The device kernel behind fp8.v_operand."""
+    _header_compiles("fp8_v.cuh", "sm90a")
 
 
 @pytest.mark.parametrize("arch", ["sm90a", "sm80"])
 def test_append_kernel_compiles(arch):
-    """The kernel of cuflash.append_kv (append.cuh), with the options it is compiled with."""
-    pytest.importorskip("cupy")
-    from cupy.cuda import nvrtc
-
-    from cuflash.core.compile import arch_options
-
-    options = [o.replace("-arch=", "--gpu-architecture=") for o in arch_options(arch)]
-    prog = nvrtc.createProgram('#include "cuflash/append.cuh"\n', "append.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, options)
-    except nvrtc.NVRTCError:
-        pytest.fail(nvrtc.getProgramLog(prog))
-    finally:
-        nvrtc.destroyProgram(prog)
+    """The kernel of cuflash.append_kv."""
+    _header_compiles("append.cuh", arch)
 
 
 @pytest.mark.parametrize("table", [0, 1, 2])
 @pytest.mark.parametrize("arch", ["sm90a", "sm80"])
 def test_rotary_kernel_compiles(arch, table):
-    """The KV-cache call's rotation kernel (rotary.cuh) for each table dtype, float16 and bfloat16."""
-    pytest.importorskip("cupy")
-    from cupy.cuda import nvrtc
-
-    from cuflash.core.compile import arch_options
-
+    """The KV-cache call's rotation kernel for each table dtype, float16 and bfloat16."""
     for bf16 in ((), ("-DCUFLASH_ROTARY_BF16",)):
-        options = [o.replace("-arch=", "--gpu-architecture=") for o in arch_options(arch)]
-        prog = nvrtc.createProgram('#include "cuflash/rotary.cuh"\n', "rotary.cu", [], [])
-        try:
-            nvrtc.compileProgram(prog, options + [f"-DCUFLASH_ROTARY_TABLE={table}", *bf16])
-        except nvrtc.NVRTCError:
-            pytest.fail(nvrtc.getProgramLog(prog))
-        finally:
-            nvrtc.destroyProgram(prog)
+        _header_compiles("rotary.cuh", arch, (f"-DCUFLASH_ROTARY_TABLE={table}", *bf16))
 
 
 def test_default_family_per_target():
