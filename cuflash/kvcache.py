@@ -40,7 +40,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         softcap: ``softcap * tanh(score / softcap)`` on the scaled scores (Gemma 2); 0 for none.
         num_splits: split each sequence's keys over this many blocks, merged by the last to finish;
             None chooses from the multiprocessor count, the batch, heads and the cache's capacity.
-        return_lse: also return the natural-log LSE, float32 [batch, heads, seqlen_q].
+        return_lse: also return the natural-log LSE, float32 [batch, heads, seqlen_q] (packed
+            queries: [heads, total_q]).
         fp8_format: ``"e4m3"`` or ``"e5m2"`` for a cache of FP8 codes (:func:`cuflash.quantize_fp8`),
             converted on chip; values are ``codes * descale``.
         k_descale, v_descale: FP8 descales: a positive number, or a float32 CuPy array of shape
@@ -76,7 +77,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
             first key. Not with ``page_table`` or ``cache_batch_idx``.
 
     Returns:
-        The output [batch, seqlen_q, heads, head_dim] in q's dtype (and the LSE). A row with no
+        The output shaped like q, in q's dtype (and the LSE). A row with no
         key gives 0 and -inf. A sequence whose length is negative or passes the cache's capacity
         (with the new keys), or whose keys sit on a page id outside the cache, gives NaN rows and
         gets no new keys; nothing outside the arrays is read or written. Runs on the current CuPy
