@@ -296,6 +296,8 @@ class KVCacheAttentionProblem:
     num_splits: int | None = None
     packed_counts: tuple | None = None
     leftpads: tuple | None = None  # each sequence's first key (cache_leftpad; contiguous caches)
+    fp8_format: str | None = None  # a cache of FP8 codes ("e4m3" / "e5m2"), values codes * descale
+    descale: float = 1.0           # k_descale and v_descale of an FP8 cache
 
     def __post_init__(self):
         object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
@@ -318,6 +320,10 @@ class KVCacheAttentionProblem:
         if self.leftpads is not None and (self.page_size is not None or len(self.leftpads) != self.batch
                                           or any(not 0 <= p <= n for p, n in zip(self.leftpads, self.lengths))):
             problems.append(f"leftpads={self.leftpads}: one per sequence from 0 to its length, contiguous caches")
+        if self.fp8_format is not None and (self.fp8_format not in ("e4m3", "e5m2") or self.head_dim % 16
+                                            or not self.descale > 0):
+            problems.append(f"fp8_format={self.fp8_format!r} (e4m3 or e5m2) takes head dims that are multiples of 16 "
+                            f"and a positive descale, got head_dim={self.head_dim}, descale={self.descale}")
         if problems:
             raise ValueError("invalid KV-cache problem: " + "; ".join(problems))
 
@@ -335,13 +341,16 @@ class KVCacheAttentionProblem:
             parts.append(f"splits{self.num_splits}")
         if self.leftpads is not None:
             parts.append(f"leftpads{list(self.leftpads)}")
+        if self.fp8_format is not None:
+            parts.append(f"{self.fp8_format}x{self.descale:g}")
         return " ".join(parts)
 
     def make_inputs(self, xp=None, seed: int | None = None) -> dict:
         """The call's arrays on ``xp`` (default NumPy): q, k_cache, v_cache, cache_seqlens (int32),
         page_table, k_new, v_new and cu_seqlens_q (None where unused), N(0, 1) values in the
-        problem's dtype, and cache_leftpad (None where unused). Cache rows past each length, before
-        its left pad, and the spare pages hold NaN: a kernel that reads them shows it."""
+        problem's dtype (an FP8 cache's keys: codes of values / descale), and cache_leftpad (None
+        where unused). Cache rows past each length, before its left pad, and the spare pages hold
+        NaN: a kernel that reads them shows it."""
         import numpy as np
 
         from .core import dtypes
@@ -354,14 +363,21 @@ class KVCacheAttentionProblem:
         counts = self.packed_counts
         q = draw(sum(counts), self.heads, self.head_dim) if counts is not None else \
             draw(self.batch, self.seqlen_q, self.heads, self.head_dim)
+        if self.fp8_format is not None:  # codes of N(0, 1) values / descale; 0x7F is NaN in both formats
+            from . import fp8
+
+            draw = lambda *shape: fp8.to_fp8_bits(  # noqa: E731
+                rng.standard_normal(shape, dtype=np.float32) / self.descale, self.fp8_format)
+            dtype = np.dtype(np.uint8)
+        empty = np.uint8(0x7F) if self.fp8_format is not None else np.nan
         table = None
         if self.page_size is None:
-            caches = [np.full((self.batch, self.capacity) + kv, np.nan, np.float32).astype(dtype) for _ in range(2)]
+            caches = [np.full((self.batch, self.capacity) + kv, empty).astype(dtype) for _ in range(2)]
         else:
             per_seq = self.capacity // self.page_size
             pages = self.batch * per_seq + 3
             table = rng.permutation(pages)[:self.batch * per_seq].reshape(self.batch, per_seq).astype(np.int32)
-            caches = [np.full((pages, self.page_size) + kv, np.nan, np.float32).astype(dtype) for _ in range(2)]
+            caches = [np.full((pages, self.page_size) + kv, empty).astype(dtype) for _ in range(2)]
         pads = self.leftpads or (0,) * self.batch
         for b, n in enumerate(self.lengths):
             keys = np.arange(pads[b], n)
@@ -382,14 +398,19 @@ class KVCacheAttentionProblem:
         if self.packed_counts is not None:
             kwargs["max_seqlen_q"] = max(self.packed_counts, default=0)
         return dict(kwargs, causal=self.causal, window_size=self.window_size, softcap=self.softcap,
-                    num_splits=self.num_splits)
+                    num_splits=self.num_splits, **self._fp8_kwargs())
+
+    def _fp8_kwargs(self) -> dict:
+        if self.fp8_format is None:
+            return {}
+        return dict(fp8_format=self.fp8_format, k_descale=self.descale, v_descale=self.descale)
 
     def _reference(self, inputs: dict, naive: bool):
         args = {name: inputs[name] for name in ("page_table", "k_new", "v_new", "cu_seqlens_q", "cache_leftpad")}
         return attention_with_kvcache_reference(inputs["q"], inputs["k_cache"], inputs["v_cache"],
                                                 inputs["cache_seqlens"], causal=self.causal,
                                                 window_size=self.window_size, softcap=self.softcap, naive=naive,
-                                                **args)
+                                                **args, **self._fp8_kwargs())
 
     def reference(self, inputs: dict):
         """float64 ``(out, lse, k_cache, v_cache)`` of :func:`attention_with_kvcache_reference`."""

@@ -338,7 +338,7 @@ def fp8_attention_problems(*, head_dims=FP8_HEAD_DIMS, formats=FP8_FORMATS, gran
 
 def kvcache_problems(*, head_dims=(64, 128), dtypes=("fp16", "bf16"), page_sizes=(None, 1, 16, 256),
                      packed=None, max_batch: int = 4, max_seqlen_q: int = 16, max_length: int = 1023,
-                     max_heads: int = 8, allow_gqa: bool = True, variants: bool = False):
+                     max_heads: int = 8, allow_gqa: bool = True, variants: bool = False, fp8_formats=(None,)):
     """A Hypothesis strategy of :class:`~cuflash.serving.KVCacheAttentionProblem`: decode steps,
     speculative verification and chunked prefill over contiguous or paged caches.
 
@@ -348,6 +348,7 @@ def kvcache_problems(*, head_dims=(64, 128), dtypes=("fp16", "bf16"), page_sizes
     problems append new keys; ``packed`` (None:
     drawn) packs the queries by ``cu_seqlens_q``, each sequence its own count, some with none and
     some with more queries than keys. ``variants`` also draws a sliding window and a softcap.
+    ``fp8_formats`` (None: a 16-bit cache) draws FP8 caches of codes too, with a descale.
     """
     from hypothesis import strategies as st
 
@@ -382,13 +383,15 @@ def kvcache_problems(*, head_dims=(64, 128), dtypes=("fp16", "bf16"), page_sizes
             window = (draw(bound), 0 if causal else draw(bound))
             cap = draw(st.sampled_from((0.0, 5.0, 30.0)))
         splits = draw(st.sampled_from((None, 1, 3)))
+        fp8_format = draw(st.sampled_from(tuple(fp8_formats))) if head_dim % 16 == 0 else None
         pads = None
         if page_size is None and draw(st.booleans()):  # left-padded contiguous caches
             pads = tuple(draw(st.integers(0, n)) for n in lengths)
         return KVCacheAttentionProblem(batch=batch, heads=heads, heads_k=heads_k, head_dim=head_dim, dtype=dtype,
                                        lengths=lengths, capacity=capacity, seqlen_q=seqlen_q, seqlen_new=seqlen_new,
                                        page_size=page_size, causal=causal, window_size=window, softcap=cap,
-                                       num_splits=splits, packed_counts=counts, leftpads=pads)
+                                       num_splits=splits, packed_counts=counts, leftpads=pads, fp8_format=fp8_format,
+                                       descale=draw(st.sampled_from((1.0, 0.25))) if fp8_format else 1.0)
 
     return problems()
 

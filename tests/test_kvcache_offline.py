@@ -386,12 +386,17 @@ def test_packed_queries_launch_one_unsplit_grid_over_the_longest_sequence(monkey
 
 
 @settings(max_examples=40)
-@given(problem=kvcache_problems(variants=True, max_length=300))
+@given(problem=kvcache_problems(variants=True, max_length=300, fp8_formats=(None, "e4m3", "e5m2")))
 def test_drawn_kvcache_problems_hide_nan_where_no_call_may_read(problem):
     """Every drawn problem is valid; its caches hold NaN past each length, before each left pad and
     in spare pages, and the reference (which reads only what a sequence owns) stays finite."""
+    from cuflash import fp8
+
     inputs = problem.make_inputs(seed=0)
     k_cache, table = inputs["k_cache"], inputs["page_table"]
+    if problem.fp8_format is not None:  # the codes' values
+        assert k_cache.dtype == np.uint8
+        k_cache = fp8.from_fp8_bits(k_cache, problem.fp8_format)
     pads = problem.leftpads or (0,) * problem.batch
     for b, n in enumerate(problem.lengths):
         keys = np.arange(pads[b], n)
@@ -416,6 +421,8 @@ def test_drawn_kvcache_problems_hide_nan_where_no_call_may_read(problem):
     (dict(window_size=(-2, 0)), "window"),
     (dict(leftpads=(1, 20)), "leftpads"),
     (dict(leftpads=(1, 2), page_size=16), "contiguous caches"),
+    (dict(fp8_format="e4m3", head_dim=72), "multiples of 16"),
+    (dict(fp8_format="e3m4"), "e4m3 or e5m2"),
 ])
 def test_invalid_kvcache_problems_are_named(kwargs, match):
     from cuflash.serving import KVCacheAttentionProblem
