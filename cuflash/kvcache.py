@@ -1,8 +1,6 @@
 """Attention over a KV cache: decode steps, speculative verification, chunked prefill."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from .core import compile as _compile
@@ -299,9 +297,7 @@ def _full_call(cupy, key, q, k_cache, v_cache, cache_seqlens, k_new, v_new, page
     problem, q, cache_seqlens, k_new, v_new = _kv.validate_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new, page_table=page_table,
         causal=causal, scale=scale, fp8_format=fp8_format, window_size=window_size, softcap=softcap,
-        packed=None if packed is None else packed[1:])
-    if leftpad is not None:
-        problem = dataclasses.replace(problem, leftpad=True)
+        packed=None if packed is None else packed[1:], leftpad=leftpad is not None)
     sinks32 = None if sinks is None else validate_sinks(sinks, problem.heads, problem.device_id)
     if q.size == 0 or problem.rows == 0:  # no query rows: nothing to attend, nothing launched
         if problem.seqlen_new and problem.batch:

@@ -135,11 +135,11 @@ def poisoned_outputs(cupy, q):
 
 
 def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_table, causal, scale, fp8_format,
-                     window_size=(-1, -1), softcap=0.0, packed=None):
+                     window_size=(-1, -1), softcap=0.0, packed=None, leftpad=False):
     """Check a call's host-visible inputs; returns (problem, q, cache_seqlens, k_new, v_new) with
     q and the new keys copied where their rows are not 16-byte copyable, and an int length
     broadcast to a device array. ``packed``: (batch, max_seqlen_q) of queries packed
-    [total_q, heads, head_dim] by offsets."""
+    [total_q, heads, head_dim] by offsets; ``leftpad``: the call passes cache_leftpad."""
     import cupy
 
     q = _array(cupy, "q", q, 4 if packed is None else 3)
@@ -248,7 +248,8 @@ def validate_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new, v_new, page_t
                              page_size if paged else capacity, num_pages, seqlen_new, causal, float(scale), device,
                              tuple(k_cache.strides[:3]), tuple(v_cache.strides[:3]),
                              validate_window(window_size, causal), validate_softcap(softcap),
-                             packed_q=packed is not None, total_q=q.shape[0] if packed is not None else 0)
+                             packed_q=packed is not None, total_q=q.shape[0] if packed is not None else 0,
+                             leftpad=bool(leftpad))
     if ceil_div(problem.rows, 64) > 65535:
         raise ValueError(f"seqlen_q x heads / heads_k = {problem.rows} query rows per kv head is too many")
     return problem, q, cache_seqlens, k_new, v_new
